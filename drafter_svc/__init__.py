@@ -1,0 +1,1 @@
+"""Drafter service: hosts the small model, proposes K draft tokens per call."""

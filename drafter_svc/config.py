@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    model_dir: str                   # HF causal LM directory (the drafter)
+    host: str = "0.0.0.0"
+    port: int = 50071                # 0 = pick a free port
+    device: str = "auto"
+    dtype: str = "float32"
+    max_draft_tokens: int = 16       # K limit per Propose
+    # Sampled drafts are drawn from the drafter's distribution truncated to its
+    # top-N tokens, so q travels sparsely (N ids + probs per position) and the
+    # verifier's rule stays exact for that q.
+    draft_top_n: int = 32
+    max_sessions: int = 1024
+    torch_threads: int = 0
+    grpc_workers: int = 8

@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+from specd.grpc_util import start_sync_server
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+from .config import DrafterConfig
+from .core import Drafter
+from .servicer import SERVICE_NAME, DrafterServicer
+
+
+def start(config: DrafterConfig, core: Drafter | None = None):
+    """Load the model (unless given a core), start serving; return (server, port)."""
+    core = core or Drafter(config)
+    return start_sync_server(pb_grpc.add_DrafterServiceServicer_to_server, DrafterServicer(core),
+                             SERVICE_NAME, config.host, config.port, config.grpc_workers)

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    target_dir: str                        # the verifier's model dir (tokenizer + context length)
+    drafter_dir: str | None = None         # None: no drafter, speculation off
+    host: str = "0.0.0.0"
+    port: int = 50051                      # public Generate port; 0 = any free port
+    verifier_addresses: list[str] = field(default_factory=list)
+    drafter_addresses: list[str] = field(default_factory=list)
+    default_max_new_tokens: int = 128      # when a request leaves it unset
+    max_new_tokens_limit: int = 4096       # requests above it: INVALID_ARGUMENT
+    default_num_speculative_tokens: int = 4  # K when a request leaves it unset
+    max_num_speculative_tokens: int = 16   # K above it: INVALID_ARGUMENT
+    rpc_timeout_s: float = 60.0            # per internal call

@@ -1,0 +1,65 @@
+"""The orchestrator core: validates a request, routes it to replicas, runs the loop."""
+from __future__ import annotations
+
+import uuid
+from typing import AsyncIterator
+
+from transformers import AutoConfig
+
+from specd.models import context_length, load_tokenizer
+
+from .clients import GrpcDrafter, GrpcVerifier
+from .config import OrchestratorConfig
+from .detok import OutputTracker
+from .loop import Chunk, run_generation
+from .request import build_spec
+
+
+def eos_ids(config) -> set[int]:
+    ids = getattr(config, "eos_token_id", None)
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
+
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig):
+        if not config.verifier_addresses:
+            raise ValueError("at least one verifier address is needed")
+        self.config = config
+        self.tokenizer = load_tokenizer(config.target_dir)
+        target_cfg = AutoConfig.from_pretrained(config.target_dir)
+        self.vocab_size = target_cfg.vocab_size
+        self.target_ctx = context_length(target_cfg)
+        self.eos_ids = eos_ids(target_cfg)
+        self.drafter_ctx = self.target_ctx
+        if config.drafter_dir and config.drafter_addresses:
+            drafter_cfg = AutoConfig.from_pretrained(config.drafter_dir)
+            if drafter_cfg.vocab_size != self.vocab_size:
+                raise ValueError(f"drafter vocabulary ({drafter_cfg.vocab_size}) differs from the "
+                                 f"target's ({self.vocab_size}); they must share a tokenizer")
+            self.drafter_ctx = context_length(drafter_cfg)
+        self.verifiers = [GrpcVerifier(a, config.rpc_timeout_s) for a in config.verifier_addresses]
+        self.drafters = [GrpcDrafter(a, config.rpc_timeout_s) for a in config.drafter_addresses]
+
+    async def generate(self, request) -> AsyncIterator[Chunk]:
+        spec = build_spec(request, self.config, self.tokenizer, self.vocab_size, self.target_ctx,
+                          has_drafter=bool(self.drafters))
+        tracker = OutputTracker(self.tokenizer, self.eos_ids, spec.max_new_tokens,
+                                self.target_ctx - len(spec.prompt_ids), spec.stop)
+        verifier = min(self.verifiers, key=lambda c: c.active)   # least loaded
+        drafter = min(self.drafters, key=lambda c: c.active) if spec.num_speculative_tokens else None
+        used = [c for c in (verifier, drafter) if c is not None]
+        for c in used:
+            c.active += 1
+        try:
+            async for chunk in run_generation(spec, uuid.uuid4().hex, verifier, drafter, tracker,
+                                              self.target_ctx, self.drafter_ctx):
+                yield chunk
+        finally:
+            for c in used:
+                c.active -= 1
+
+    async def aclose(self) -> None:
+        for c in self.verifiers + self.drafters:
+            await c.channel.close()

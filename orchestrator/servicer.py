@@ -1,0 +1,44 @@
+"""Thin grpc.aio shell over the orchestrator core."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from specd.grpc_util import status_for
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+from .core import Orchestrator
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
+
+
+def response_for(chunk) -> pb.GenerateResponse:
+    r = pb.GenerateResponse(token_ids=chunk.emit.token_ids, text=chunk.emit.text)
+    if chunk.emit.finish_reason:
+        s = chunk.stats
+        r.finish_reason = chunk.emit.finish_reason
+        r.stats.CopyFrom(pb.GenerationStats(
+            cycles=s.cycles, drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
+            mean_accepted_length=s.mean_accepted_length, prompt_tokens=s.prompt_tokens,
+            completion_tokens=s.completion_tokens, num_speculative_tokens=s.num_speculative_tokens))
+    return r
+
+
+class OrchestratorServicer(pb_grpc.OrchestratorServiceServicer):
+    def __init__(self, core: Orchestrator):
+        self.core = core
+
+    async def Generate(self, request, context):
+        try:
+            async for chunk in self.core.generate(request):
+                yield response_for(chunk)
+        except grpc.aio.AioRpcError as exc:   # an internal service refused: pass its reason on
+            await context.abort(exc.code(), f"{exc.details()}")
+        except Exception as exc:  # noqa: BLE001 - every error must become a status
+            code, msg = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("Generate failed")
+            await context.abort(code, msg)

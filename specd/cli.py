@@ -1,0 +1,162 @@
+"""`specd` command line: up, generate, down, demo."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from . import cluster
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_TARGET = REPO_ROOT / "models/demo/target"
+DEMO_DRAFTER = REPO_ROOT / "models/demo/drafter"
+DEMO_PROMPT = "def fibonacci(n):\n    "
+
+
+def cmd_up(args) -> int:
+    import ray
+
+    from orchestrator.deploy import DeploymentConfig, deploy
+
+    if cluster.read_state():
+        print("specd is already up (run `specd down` first); state: " + str(cluster.state_path()), file=sys.stderr)
+        return 1
+    for label, d in (("target", args.target), ("drafter", args.drafter)):
+        if d and not (Path(d) / "config.json").exists():
+            print(f"--{label} {d}: not a Hugging Face model directory (no config.json)", file=sys.stderr)
+            return 2
+    ray_address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    ray_pid = None
+    if not ray_address:
+        ray_address, ray_pid = cluster.start_local_ray()
+        print(f"started a local Ray cluster at {ray_address}", file=sys.stderr)
+    try:
+        ray.init(address=ray_address, namespace="specd", logging_level="WARNING", log_to_driver=False)
+        address = deploy(DeploymentConfig(
+            target_dir=str(Path(args.target).resolve()),
+            drafter_dir=str(Path(args.drafter).resolve()) if args.drafter else None,
+            port=args.port, num_verifiers=args.verifiers, num_drafters=args.drafters,
+            device=args.device, default_num_speculative_tokens=args.num_speculative_tokens))
+    except BaseException:
+        if ray_pid:
+            cluster.stop_local_ray(ray_pid)
+        raise
+    address = address.replace("0.0.0.0", "127.0.0.1")
+    cluster.write_state({"address": address, "ray_address": ray_address, "ray_pid": ray_pid})
+    print(address)
+    print(f"specd is up: Generate at {address} (ray {ray_address})", file=sys.stderr)
+    return 0
+
+
+def cmd_down(args) -> int:
+    state = cluster.read_state()
+    if not state:
+        print("specd is not up (no state file)", file=sys.stderr)
+        return 0
+    if state.get("ray_pid"):
+        # We own this cluster: stopping it takes every actor with it.
+        cluster.stop_local_ray(state["ray_pid"])
+    else:
+        import ray
+
+        from orchestrator.deploy import teardown
+        ray.init(address=state["ray_address"], namespace="specd", logging_level="WARNING", log_to_driver=False)
+        teardown()
+    cluster.clear_state()
+    print("specd is down", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    address = args.address or (cluster.read_state() or {}).get("address") or "127.0.0.1:50051"
+    req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             stop=args.stop or [])
+    if args.seed is not None:
+        req.seed = args.seed
+    if args.num_speculative_tokens is not None:
+        req.num_speculative_tokens = args.num_speculative_tokens
+    with grpc.insecure_channel(address) as channel:
+        try:
+            for r in pb_grpc.OrchestratorServiceStub(channel).Generate(req):
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+                if r.finish_reason:
+                    s = r.stats
+                    print(f"\n[finish={r.finish_reason} prompt_tokens={s.prompt_tokens} "
+                          f"completion_tokens={s.completion_tokens} K={s.num_speculative_tokens} "
+                          f"cycles={s.cycles} drafted={s.drafted_tokens} accepted={s.accepted_tokens} "
+                          f"mean_accepted_length={s.mean_accepted_length:.2f}]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def cmd_demo(args) -> int:
+    args.port = 0
+    if cmd_up(args) != 0:
+        return 1
+    try:
+        print(args.prompt, end="")
+        return cmd_generate(args)
+    finally:
+        cmd_down(args)
+
+
+def _add_deploy_flags(p) -> None:
+    p.add_argument("--target", default=str(DEMO_TARGET), help="target model dir (default: the demo pair)")
+    p.add_argument("--drafter", default=str(DEMO_DRAFTER), help="drafter model dir ('' = no drafter)")
+    p.add_argument("--verifiers", type=int, default=1, help="verifier replicas")
+    p.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--ray-address", help="attach to this Ray cluster (default: $RAY_ADDRESS, else start one)")
+
+
+def _add_generate_flags(p) -> None:
+    p.add_argument("--address", help="Generate address (default: the one `specd up` printed)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description="distributed speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start (or attach to) Ray and deploy; prints the Generate address")
+    _add_deploy_flags(up)
+    up.add_argument("--port", type=int, default=50051, help="public Generate port (0 = any free)")
+    up.add_argument("--num-speculative-tokens", type=int, default=4, help="default K per cycle")
+    up.set_defaults(func=cmd_up)
+    gen = sub.add_parser("generate", help="stream a completion")
+    gen.add_argument("prompt")
+    _add_generate_flags(gen)
+    gen.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
+    gen.set_defaults(func=cmd_generate)
+    down = sub.add_parser("down", help="stop what `specd up` started")
+    down.set_defaults(func=cmd_down)
+    demo = sub.add_parser("demo", help="up, one generation with the demo pair, down")
+    _add_deploy_flags(demo)
+    _add_generate_flags(demo)
+    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    demo.add_argument("--num-speculative-tokens", type=int, default=4)
+    demo.set_defaults(func=cmd_demo, max_new_tokens=64)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Errors the cores raise; the gRPC edge maps each to a status code (see grpc_util)."""
+
+
+class InvalidRequest(ValueError):
+    """The caller sent something wrong (maps to INVALID_ARGUMENT)."""
+
+
+class UnknownSession(InvalidRequest):
+    """A session id that this replica does not hold (INVALID_ARGUMENT: it is the
+    caller's input that is wrong, and the message names the id)."""
+
+
+class CapacityExceeded(RuntimeError):
+    """A memory or session budget is full (maps to RESOURCE_EXHAUSTED)."""

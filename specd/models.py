@@ -1,0 +1,82 @@
+"""Loading Hugging Face causal LMs from a directory, and a per-session KV cache.
+
+Every model goes through the same path as a user's checkpoint:
+AutoModelForCausalLM / AutoTokenizer .from_pretrained(DIR). No hub access.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> cuda when a GPU is visible, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_model(model_dir: str, device: str = "auto", dtype: str = "float32"):
+    """Load a causal LM for inference (eval mode, no grad bookkeeping)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
+    return model.to(resolve_device(device)).eval()
+
+
+def load_tokenizer(model_dir: str):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def context_length(config) -> int:
+    """Max positions a model can attend to (Llama/Qwen2: max_position_embeddings, GPT-2: n_positions)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    raise ValueError(f"cannot tell the context length of a {type(config).__name__}")
+
+
+def model_context_length(model_dir: str) -> int:
+    return context_length(AutoConfig.from_pretrained(model_dir))
+
+
+def vocab_size(model) -> int:
+    """Rows of the output layer: ids at or past this are outside the vocabulary."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+class SessionCache:
+    """One session's KV cache, rolled back in place.
+
+    `DynamicCache.crop(-n)` slices each layer's K/V to drop the last n positions:
+    a view, no copy of the cache (transformers >= 5 wants the NEGATIVE count).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
+        """Append token_ids to the cache; return their logits, (n, V) or (1, V)."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.model.device)
+        out = self.model(
+            input_ids=ids, cache=self.cache, use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        )
+        return out.logits[0].float()
+
+    def rollback(self, length: int) -> None:
+        """Drop cached positions at and after `length`."""
+        extra = self.length - length
+        if extra < 0:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
+        if extra:
+            self.cache.crop(-extra)

@@ -1,0 +1,36 @@
+"""Shared `python -m drafter_svc|verifier_svc` entry: flags -> config -> serve.
+
+Both model services take the same flags; each passes its config class and a
+`start(config) -> (server, port)` function.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+
+def model_service_main(name: str, config_cls, start, argv=None) -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m {name}")
+    parser.add_argument("--model", required=True, help="Hugging Face causal LM directory")
+    parser.add_argument("--port", type=int, default=config_cls.port, help="0 = any free port")
+    parser.add_argument("--host", default=config_cls.host)
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--max-draft-tokens", type=int, default=config_cls.max_draft_tokens)
+    parser.add_argument("--torch-threads", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    config = config_cls(model_dir=args.model, host=args.host, port=args.port, device=args.device,
+                        dtype=args.dtype, max_draft_tokens=args.max_draft_tokens,
+                        torch_threads=args.torch_threads)
+    server, port = start(config)
+    # Tests and scripts wait for this exact line to learn the bound port.
+    print(f"{name} listening on {config.host}:{port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    # Graceful: refuse new calls, give running ones a few seconds to finish.
+    server.stop(grace=5).wait()

@@ -1,0 +1,23 @@
+"""Proto <-> core dataclass conversions shared by the servicers and clients."""
+from __future__ import annotations
+
+from specdec.v1 import specdec_pb2 as pb
+
+from .sampling import SamplingParams
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+
+
+def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
+    # proto3 has no presence for plain floats: an unset top_p (0.0) means "off".
+    return SamplingParams(temperature=sp.temperature, top_p=sp.top_p or 1.0, top_k=sp.top_k, seed=sp.seed)
+
+
+def dists_from_proto(dists) -> list[tuple[list[int], list[float]]]:
+    return [(list(d.token_ids), list(d.probs)) for d in dists]
+
+
+def dists_to_proto(dists) -> list[pb.SparseDistribution]:
+    return [pb.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in dists]

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for proto package specdec (see specd/protogen.py)."""

@@ -1,0 +1,163 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class OpenDraftSessionRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_token_ids", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class OpenDraftSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session_id", "num_accepted", "committed_token_ids", "num_draft_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_accepted: int
+    committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("draft_token_ids", "draft_distributions")
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenVerifySessionRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_token_ids", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class OpenVerifySessionResponse(_message.Message):
+    __slots__ = ("first_token_id",)
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    def __init__(self, first_token_id: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "draft_token_ids", "draft_distributions")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("num_accepted", "token_ids")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_token_ids: PromptTokenIds
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    num_speculative_tokens: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+
+class PromptTokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerationStats(_message.Message):
+    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens")
+    CYCLES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cycles: int
+    drafted_tokens: int
+    accepted_tokens: int
+    mean_accepted_length: float
+    prompt_tokens: int
+    completion_tokens: int
+    num_speculative_tokens: int
+    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_ids", "text", "finish_reason", "stats")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...

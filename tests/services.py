@@ -1,0 +1,80 @@
+"""Helpers to run the services as real processes on real ports in tests."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ServiceProcess:
+    """`python -m MODULE ARGS --port 0`, waiting for its 'listening on H:P' line."""
+
+    def __init__(self, module: str, *args: str, timeout_s: float = 120.0):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args, "--port", "0"], cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"{module} exited early:\n" + "".join(self.lines))
+            self.lines.append(line)
+            m = re.search(r"listening on (\S+):(\d+)", line)
+            if m:
+                self.address = f"127.0.0.1:{m.group(2)}"
+                break
+        else:
+            self.stop()
+            raise TimeoutError(f"{module} did not start:\n" + "".join(self.lines))
+        # Drain output in the background so the pipe never fills up.
+        import threading
+        threading.Thread(target=lambda: [self.lines.append(l) for l in self.proc.stdout], daemon=True).start()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class Stack:
+    """Verifier + drafter + orchestrator processes for one model pair."""
+
+    def __init__(self, target: str, drafter: str | None):
+        self.target, self.drafter = target, drafter
+        self.verifier = ServiceProcess("verifier_svc", "--model", target)
+        self.drafter_proc = ServiceProcess("drafter_svc", "--model", drafter) if drafter else None
+        args = ["--target", target, "--verifier-address", self.verifier.address]
+        if drafter:
+            args += ["--drafter", drafter, "--drafter-address", self.drafter_proc.address]
+        self.orchestrator = ServiceProcess("orchestrator", *args)
+        self.channel = grpc.insecure_channel(self.orchestrator.address)
+        self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
+
+    def generate(self, **fields) -> tuple[list[int], pb.GenerateResponse]:
+        """Run one Generate; return (all token ids, the final response)."""
+        ids, last = [], None
+        for r in self.stub.Generate(pb.GenerateRequest(**fields), timeout=120):
+            ids += r.token_ids
+            last = r
+        return ids, last
+
+    def stop(self) -> None:
+        self.channel.close()
+        for p in (self.orchestrator, self.drafter_proc, self.verifier):
+            if p:
+                p.stop()

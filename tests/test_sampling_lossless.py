@@ -1,0 +1,87 @@
+"""Must-show 2 through the real services: tokens from speculative sampling follow
+the target's exact distribution, at temperature 1 and at temperature < 1 with
+top-p < 1, including positions after a rejection.
+
+Each request generates 4 tokens with K=2: token 1 comes from the prefill, tokens
+2-3 from the first verify (token 3 is the second draft position: the second
+draft kept, the correction after a rejection of the first, or the bonus). Only
+the first 3 tokens are compared. The empirical joint
+of the 3 tokens is compared with the exact joint computed from the target's
+logits (enumerating the support). The threshold is the 99.9th percentile of the
+total-variation distance between N samples of the exact joint and the joint
+itself (simulated with a fixed seed), and the test also checks that this
+threshold is tight enough to reject the drafter's own distribution - i.e. a
+rule that accepted drafts too readily would fail.
+"""
+import itertools
+
+import pytest
+import torch
+
+from specd.models import load_model
+from specd.sampling import SamplingParams, logits_to_probs
+
+N = 2000
+
+
+@torch.inference_mode()
+def exact_joint(model_dir, prompt, params: SamplingParams, length=3, eps=1e-7) -> dict[tuple, float]:
+    model = load_model(model_dir, "cpu")
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        prefixes = list(joint)
+        logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        probs = logits_to_probs(logits, params)
+        for prefix, row in zip(prefixes, probs):
+            for t in torch.nonzero(row > eps).flatten().tolist():
+                nxt[prefix + (t,)] = joint[prefix] * float(row[t])
+        joint = nxt
+    return joint
+
+
+def tv(joint: dict, counts: dict, n: int) -> float:
+    keys = set(joint) | set(counts)
+    return 0.5 * sum(abs(joint.get(k, 0.0) - counts.get(k, 0) / n) for k in keys)
+
+
+def null_threshold(joint: dict, n: int, q=0.999, trials=1000) -> float:
+    keys = list(joint)
+    p = torch.tensor([joint[k] for k in keys], dtype=torch.float64)
+    p = p / p.sum()
+    g = torch.Generator().manual_seed(0)
+    stats = []
+    for _ in range(trials):
+        c = torch.bincount(torch.multinomial(p, n, replacement=True, generator=g), minlength=len(keys))
+        stats.append(0.5 * float((c / n - p).abs().sum()))
+    return float(torch.tensor(stats).quantile(q))
+
+
+@pytest.mark.parametrize("prompt,temperature,top_p,top_k", [
+    ([40, 41, 42, 43, 44], 1.0, 1.0, 6),
+    ([100, 7, 9], 0.7, 0.8, 0),
+])
+def test_speculative_sampling_matches_target(prompt, temperature, top_p, top_k, pairs, stacks):
+    target_dir, drafter_dir = pairs["llama"]
+    params = SamplingParams(temperature, top_p, top_k)
+    joint = exact_joint(target_dir, prompt, params)
+    threshold = null_threshold(joint, N)
+    # Power: the drafter's own joint must be clearly outside the threshold.
+    drafter_joint = exact_joint(drafter_dir, prompt, params)
+    assert tv(joint, {k: v * N for k, v in drafter_joint.items()}, N) > 2 * threshold
+
+    counts, rejections, acceptances = {}, 0, 0
+    for seed in range(N):
+        ids, last = stacks["llama"].generate(
+            prompt_token_ids={"ids": prompt}, max_new_tokens=4, num_speculative_tokens=2,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        key = tuple(ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+        rejections += last.stats.accepted_tokens < last.stats.drafted_tokens
+        acceptances += last.stats.accepted_tokens > 0
+    stat = tv(joint, counts, N)
+    print(f"T={temperature} top_p={top_p} top_k={top_k}: TV={stat:.4f} threshold={threshold:.4f} "
+          f"support={len(joint)} requests with a rejection={rejections} with an acceptance={acceptances}")
+    # Both paths must really run: kept drafts, and tokens after a rejection.
+    assert rejections > N // 10 and acceptances > N // 10
+    assert stat < threshold

@@ -1,0 +1,105 @@
+"""Tiny random-initialised HF models with a real tokenizer, saved to a directory
+and loaded back like a user's checkpoint. No hub access needed.
+
+Two families (Llama, Qwen2) share one byte-level BPE tokenizer; each family has a
+"target" and a differently seeded, smaller "drafter", so draft and target
+distributions really differ.
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+    PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+)
+
+VOCAB = 384
+EOS = "<|endoftext|>"
+
+
+def corpus_lines(limit: int = 4000) -> list[str]:
+    """A little Python source from the stdlib: present on every machine."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    lines: list[str] = []
+    for name in ("functools.py", "textwrap.py", "json/decoder.py", "string.py"):
+        lines += (stdlib / name).read_text().splitlines()
+    return lines[:limit]
+
+
+def build_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(corpus_lines(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _config(family: str, size: str, vocab: int, eos_id: int):
+    hidden, layers = (64, 2) if size == "target" else (32, 1)
+    common = dict(vocab_size=vocab, eos_token_id=eos_id, bos_token_id=eos_id)
+    if family == "llama":
+        return LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256, **common), LlamaForCausalLM
+    if family == "qwen2":
+        return Qwen2Config(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256, **common), Qwen2ForCausalLM
+    if family == "gpt2":
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=256, **common), GPT2LMHeadModel
+    raise ValueError(family)
+
+
+def build_model(out_dir: str | os.PathLike, family: str, size: str, seed: int,
+                tokenizer: PreTrainedTokenizerFast, logit_scale: float = 1.0) -> str:
+    """Save a random-init model + tokenizer to out_dir; return the path.
+
+    logit_scale multiplies the output layer so tiny random models have peaked,
+    differing distributions (more realistic than near-uniform logits).
+    """
+    torch.manual_seed(seed)
+    config, cls = _config(family, size, len(tokenizer), tokenizer.eos_token_id)
+    config.tie_word_embeddings = False
+    model = cls(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(logit_scale)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def build_pair(root: str | os.PathLike, family: str, target_scale: float = 15.0,
+               drafter_scale: float = 30.0) -> tuple[str, str]:
+    """(target_dir, drafter_dir) for one family under root."""
+    root = Path(root)
+    tok = build_tokenizer(root / "tokenizer")
+    target = build_model(root / f"{family}-target", family, "target", 1, tok, target_scale)
+    drafter = build_model(root / f"{family}-drafter", family, "drafter", 2, tok, drafter_scale)
+    return target, drafter
+
+
+def build_perturbed_drafter(target_dir: str, out_dir: str | os.PathLike, noise: float, seed: int = 7) -> str:
+    """A drafter that is the target plus relative Gaussian noise on every weight:
+    same architecture, correlated but really different distributions, so that
+    tests see a mix of accepted and rejected drafts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * noise * p.std().clamp_min(1e-3))
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(out_dir)
+    return str(out_dir)

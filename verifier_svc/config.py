@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    model_dir: str                   # HF causal LM directory (the target)
+    host: str = "0.0.0.0"            # where the gRPC server listens
+    port: int = 50061                # 0 = pick a free port
+    device: str = "auto"             # auto | cpu | cuda | cuda:N
+    dtype: str = "float32"           # float32 | float16 | bfloat16
+    max_draft_tokens: int = 16       # K limit per verify call
+    max_sessions: int = 256          # open sessions at once; past it: RESOURCE_EXHAUSTED
+    max_kv_tokens: int = 1_000_000   # sum of cached tokens over sessions
+    torch_threads: int = 0           # 0 = torch default
+    grpc_workers: int = 8

@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+from specd.grpc_util import start_sync_server
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+from .config import VerifierConfig
+from .core import Verifier
+from .servicer import SERVICE_NAME, VerifierServicer
+
+
+def start(config: VerifierConfig, core: Verifier | None = None):
+    """Load the model (unless given a core), start serving; return (server, port)."""
+    core = core or Verifier(config)
+    return start_sync_server(pb_grpc.add_VerifierServiceServicer_to_server, VerifierServicer(core),
+                             SERVICE_NAME, config.host, config.port, config.grpc_workers)

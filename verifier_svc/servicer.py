@@ -1,0 +1,33 @@
+"""Thin gRPC shell: proto <-> core calls, errors -> status (specd.grpc_util)."""
+from __future__ import annotations
+
+from specd.grpc_util import grpc_errors
+from specd.wire import dists_from_proto, sampling_from_proto
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+from .core import Verifier
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
+
+
+class VerifierServicer(pb_grpc.VerifierServiceServicer):
+    def __init__(self, core: Verifier):
+        self.core = core
+
+    @grpc_errors
+    def OpenSession(self, request, context):
+        first = self.core.open_session(request.session_id, list(request.prompt_token_ids),
+                                       sampling_from_proto(request.sampling))
+        return pb.OpenVerifySessionResponse(first_token_id=first)
+
+    @grpc_errors
+    def Verify(self, request, context):
+        result = self.core.verify(request.session_id, list(request.draft_token_ids),
+                                  dists_from_proto(request.draft_distributions) or None)
+        return pb.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.tokens)
+
+    @grpc_errors
+    def CloseSession(self, request, context):
+        self.core.close_session(request.session_id)
+        return pb.CloseSessionResponse()
