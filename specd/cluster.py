@@ -76,9 +76,9 @@ def start_local_ray(timeout_s: float = 90.0, log_dir: str | None = None) -> tupl
     raise TimeoutError(f"Ray head did not come up on {address} within {timeout_s}s")
 
 
-def stop_local_ray(pid: int, timeout_s: float = 30.0) -> None:
-    """SIGTERM the `ray start --block` group (it stops the processes it started),
-    then SIGKILL whatever is left."""
+def stop_local_ray(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGTERM the `ray start --block` process group, then SIGKILL what is left
+    (`ray start --block` itself and its monitor do not always exit on SIGTERM)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
