@@ -1,0 +1,55 @@
+"""Streaming text and end conditions (orchestrator/detok.py, orchestrator/loop.py)."""
+import pytest
+
+from orchestrator.detok import OutputTracker
+from orchestrator.loop import draft_budget
+from tests.tiny_models import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def stream(tracker, ids, step=1):
+    out, reason = [], None
+    for i in range(0, len(ids), step):
+        e = tracker.add(ids[i:i + step])
+        out.append(e.text)
+        if e.finish_reason:
+            reason = e.finish_reason
+            break
+    return "".join(out), reason
+
+
+def test_text_concatenates_to_full_decode(tok):
+    ids = tok("def f(x):\n    return x * 2  # é ü\n")["input_ids"]
+    for step in (1, 2, 5):
+        text, reason = stream(OutputTracker(tok, set(), 100, 1000), ids, step)
+        assert text == tok.decode(ids) and reason is None
+
+
+def test_stop_string_cuts_text_and_ends(tok):
+    ids = tok("a = 1\nb = 2\nc = 3\n")["input_ids"]
+    text, reason = stream(OutputTracker(tok, set(), 100, 1000, stop=("b =",)), ids, 1)
+    assert text == "a = 1\n" and reason == "stop"
+
+
+def test_eos_and_length(tok):
+    ids = tok("x = 1")["input_ids"]
+    t = OutputTracker(tok, {ids[1]}, 100, 1000)
+    e = t.add(ids)
+    assert e.finish_reason == "stop" and e.token_ids == ids[:2]
+    t = OutputTracker(tok, set(), 3, 1000)
+    e = t.add(ids + ids)
+    assert e.finish_reason == "length" and len(e.token_ids) == 3
+    t = OutputTracker(tok, set(), 100, 2)   # context room smaller than max_new_tokens
+    assert t.add(ids + ids).token_ids == (ids + ids)[:2]
+
+
+def test_draft_budget():
+    assert draft_budget(5, remaining=100, committed=10, target_ctx=256, drafter_ctx=256) == 5
+    assert draft_budget(5, remaining=3, committed=10, target_ctx=256, drafter_ctx=256) == 2
+    assert draft_budget(5, remaining=100, committed=253, target_ctx=256, drafter_ctx=512) == 2
+    assert draft_budget(5, remaining=100, committed=100, target_ctx=256, drafter_ctx=100) == 1
+    assert draft_budget(5, remaining=1, committed=10, target_ctx=256, drafter_ctx=256) == 0
