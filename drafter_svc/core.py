@@ -8,6 +8,7 @@ cache are forwarded together with each new draft token (autoregressive, K steps)
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ class Proposal:
     token_ids: list[int]
     # Sampled drafts only: per token, the (ids, probs) it was drawn from.
     distributions: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    compute_ms: float = 0.0
 
 
 @dataclass
@@ -83,6 +85,7 @@ class Drafter:
         if len(s.tokens) + len(committed) + k - 1 > self.context_length:
             raise InvalidRequest(f"{k} draft tokens would pass the drafter's context length {self.context_length}")
         with self._lock:
+            start = time.perf_counter()
             # The cache holds tokens + last_draft[:-1]; what stays valid is the
             # kept part of that draft.
             s.cache.rollback(min(s.cache.length, len(s.tokens) + num_accepted))
@@ -102,6 +105,7 @@ class Drafter:
             # The last draft token was never forwarded: the cache now holds
             # tokens + drafts[:-1], which the next Propose cuts to what was kept.
             s.last_draft = proposal.token_ids
+            proposal.compute_ms = (time.perf_counter() - start) * 1e3
             return proposal
 
     def close_session(self, session_id: str) -> None:

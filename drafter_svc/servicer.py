@@ -28,6 +28,7 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
         return pb.ProposeResponse(
             draft_token_ids=proposal.token_ids,
             draft_distributions=dists_to_proto(proposal.distributions),
+            compute_ms=proposal.compute_ms,
         )
 
     @grpc_errors

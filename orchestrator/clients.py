@@ -36,7 +36,7 @@ class GrpcVerifier(_Client):
         r = await self.stub.Verify(pb.VerifyRequest(
             session_id=session_id, draft_token_ids=draft_ids, draft_distributions=dists_to_proto(dists)),
             timeout=self.timeout)
-        return r.num_accepted, list(r.token_ids)
+        return r.num_accepted, list(r.token_ids), r.compute_ms
 
 
 class GrpcDrafter(_Client):
@@ -51,4 +51,4 @@ class GrpcDrafter(_Client):
         r = await self.stub.Propose(pb.ProposeRequest(
             session_id=session_id, num_accepted=num_accepted, committed_token_ids=committed,
             num_draft_tokens=k), timeout=self.timeout)
-        return list(r.draft_token_ids), dists_from_proto(r.draft_distributions)
+        return list(r.draft_token_ids), dists_from_proto(r.draft_distributions), r.compute_ms

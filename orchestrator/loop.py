@@ -12,7 +12,8 @@ methods in a unit test); this module never imports grpc.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from .detok import Emit, OutputTracker
@@ -21,7 +22,7 @@ from .request import GenerationSpec
 
 class VerifierClient(Protocol):
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> int: ...
-    async def verify(self, session_id: str, draft_ids: list[int], dists) -> tuple[int, list[int]]: ...
+    async def verify(self, session_id: str, draft_ids: list[int], dists) -> tuple[int, list[int], float]: ...
     async def close(self, session_id: str) -> None: ...
 
 
@@ -40,6 +41,21 @@ class Stats:
     num_speculative_tokens: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    draft_compute_ms: float = 0.0
+    verify_compute_ms: float = 0.0
+    cycles_wall_ms: float = 0.0
+    cycle_overhead_ms: list[float] = field(default_factory=list)   # wall - compute, per cycle
+
+    def observe_cycle(self, drafted: int, accepted: int, committed: int,
+                      wall_ms: float, draft_ms: float, verify_ms: float) -> None:
+        self.cycles += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.committed_in_cycles += committed
+        self.draft_compute_ms += draft_ms
+        self.verify_compute_ms += verify_ms
+        self.cycles_wall_ms += wall_ms
+        self.cycle_overhead_ms.append(wall_ms - draft_ms - verify_ms)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -85,18 +101,17 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
         while emit.finish_reason is None:
             k = draft_budget(spec.num_speculative_tokens, tracker.remaining, committed, target_ctx,
                              drafter_ctx) if use_drafter else 0
-            draft, dists = [], []
+            start = time.perf_counter()
+            draft, dists, draft_ms = [], [], 0.0
             if k > 0:
-                draft, dists = await drafter.propose(session_id, kept_of_last_draft, unsent, k)
+                draft, dists, draft_ms = await drafter.propose(session_id, kept_of_last_draft, unsent, k)
                 unsent = []
-            num_accepted, new_tokens = await verifier.verify(session_id, draft, dists)
+            num_accepted, new_tokens, verify_ms = await verifier.verify(session_id, draft, dists)
+            wall_ms = (time.perf_counter() - start) * 1e3
             if k > 0:
                 kept_of_last_draft = num_accepted
             unsent += new_tokens
-            stats.cycles += 1
-            stats.drafted_tokens += len(draft)
-            stats.accepted_tokens += num_accepted
-            stats.committed_in_cycles += len(new_tokens)
+            stats.observe_cycle(len(draft), num_accepted, len(new_tokens), wall_ms, draft_ms, verify_ms)
             committed += len(new_tokens)
             emit = tracker.add(new_tokens)
             stats.completion_tokens = len(tracker.ids)

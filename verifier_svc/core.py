@@ -9,17 +9,25 @@ and the bonus position. Afterwards the cache is cropped back to the kept prefix
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from specd.acceptance import Acceptance, accept_deterministic, accept_greedy, accept_sampled, dense_q
+from specd.acceptance import accept_deterministic, accept_greedy, accept_sampled, dense_q
 from specd.errors import CapacityExceeded, InvalidRequest, UnknownSession
 from specd.models import SessionCache, context_length, load_model, vocab_size
 from specd.sampling import SamplingParams, logits_to_probs, sample
 from specd.validation import check_token_ids
 
 from .config import VerifierConfig
+
+
+@dataclass
+class VerifyResult:
+    num_accepted: int
+    tokens: list[int]          # kept drafts + correction or bonus
+    compute_ms: float          # forward + acceptance + rollback
 
 
 @dataclass
@@ -75,7 +83,7 @@ class Verifier:
             return first
 
     def verify(self, session_id: str, draft_ids: list[int],
-               draft_dists: list[tuple[list[int], list[float]]] | None = None) -> Acceptance:
+               draft_dists: list[tuple[list[int], list[float]]] | None = None) -> VerifyResult:
         """ONE forward over [pending] + draft; keep a lossless prefix; roll back."""
         s = self._get(session_id)
         k = len(draft_ids)
@@ -89,6 +97,7 @@ class Verifier:
             raise InvalidRequest(f"got {len(draft_dists)} draft distributions for {k} draft tokens")
         q = self._dense_q(draft_dists) if draft_dists else None
         with self._lock:
+            start = time.perf_counter()
             base = s.cache.length                       # == len(tokens) - 1
             logits = s.cache.forward([s.tokens[-1]] + list(draft_ids))  # (K+1, V)
             if s.params.greedy:
@@ -100,7 +109,7 @@ class Verifier:
             # Keep pending + accepted drafts in the cache; the new last token is pending.
             s.cache.rollback(base + 1 + result.num_accepted)
             s.tokens += result.tokens
-            return result
+            return VerifyResult(result.num_accepted, result.tokens, (time.perf_counter() - start) * 1e3)
 
     def close_session(self, session_id: str) -> None:
         with self._lock:

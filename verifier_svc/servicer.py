@@ -25,7 +25,8 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
     def Verify(self, request, context):
         result = self.core.verify(request.session_id, list(request.draft_token_ids),
                                   dists_from_proto(request.draft_distributions) or None)
-        return pb.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.tokens)
+        return pb.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.tokens,
+                                 compute_ms=result.compute_ms)
 
     @grpc_errors
     def CloseSession(self, request, context):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"u\n\x17OpenDraftSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"\x1a\n\x18OpenDraftSessionResponse\"q\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x1b\n\x13\x63ommitted_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\"g\n\x0fProposeResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"v\n\x18OpenVerifySessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"3\n\x19OpenVerifySessionResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\"y\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\"9\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xc0\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x36\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.PromptTokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12#\n\x16num_speculative_tokens\x18\t \x01(\x05H\x04\x88\x01\x01\x42\x07\n\x05inputB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc2\x01\n\x0fGenerationStats\x12\x0e\n\x06\x63ycles\x18\x01 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\"v\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats2\x81\x02\n\x0e\x44rafterService\x12X\n\x0bOpenSession\x12#.specdec.v1.OpenDraftSessionRequest\x1a$.specdec.v1.OpenDraftSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse2\x81\x02\n\x0fVerifierService\x12Z\n\x0bOpenSession\x12$.specdec.v1.OpenVerifySessionRequest\x1a%.specdec.v1.OpenVerifySessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse2^\n\x13OrchestratorService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"u\n\x17OpenDraftSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"\x1a\n\x18OpenDraftSessionResponse\"q\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x1b\n\x13\x63ommitted_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\"{\n\x0fProposeResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"v\n\x18OpenVerifySessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"3\n\x19OpenVerifySessionResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\"y\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\"M\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\"\xc0\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x36\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.PromptTokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12#\n\x16num_speculative_tokens\x18\t \x01(\x05H\x04\x88\x01\x01\x42\x07\n\x05inputB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xaa\x02\n\x0fGenerationStats\x12\x0e\n\x06\x63ycles\x18\x01 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\x12\x18\n\x10\x64raft_compute_ms\x18\x08 \x01(\x01\x12\x19\n\x11verify_compute_ms\x18\t \x01(\x01\x12\x16\n\x0e\x63ycles_wall_ms\x18\n \x01(\x01\x12\x19\n\x11\x63ycle_overhead_ms\x18\x0b \x03(\x02\"v\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats2\x81\x02\n\x0e\x44rafterService\x12X\n\x0bOpenSession\x12#.specdec.v1.OpenDraftSessionRequest\x1a$.specdec.v1.OpenDraftSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse2\x81\x02\n\x0fVerifierService\x12Z\n\x0bOpenSession\x12$.specdec.v1.OpenVerifySessionRequest\x1a%.specdec.v1.OpenVerifySessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse2^\n\x13OrchestratorService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEREQUEST']._serialized_start=326
   _globals['_PROPOSEREQUEST']._serialized_end=439
   _globals['_PROPOSERESPONSE']._serialized_start=441
-  _globals['_PROPOSERESPONSE']._serialized_end=544
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=546
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=587
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=589
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=611
-  _globals['_OPENVERIFYSESSIONREQUEST']._serialized_start=613
-  _globals['_OPENVERIFYSESSIONREQUEST']._serialized_end=731
-  _globals['_OPENVERIFYSESSIONRESPONSE']._serialized_start=733
-  _globals['_OPENVERIFYSESSIONRESPONSE']._serialized_end=784
-  _globals['_VERIFYREQUEST']._serialized_start=786
-  _globals['_VERIFYREQUEST']._serialized_end=907
-  _globals['_VERIFYRESPONSE']._serialized_start=909
-  _globals['_VERIFYRESPONSE']._serialized_end=966
-  _globals['_GENERATEREQUEST']._serialized_start=969
-  _globals['_GENERATEREQUEST']._serialized_end=1289
-  _globals['_PROMPTTOKENIDS']._serialized_start=1291
-  _globals['_PROMPTTOKENIDS']._serialized_end=1320
-  _globals['_GENERATIONSTATS']._serialized_start=1323
-  _globals['_GENERATIONSTATS']._serialized_end=1517
-  _globals['_GENERATERESPONSE']._serialized_start=1519
-  _globals['_GENERATERESPONSE']._serialized_end=1637
-  _globals['_DRAFTERSERVICE']._serialized_start=1640
-  _globals['_DRAFTERSERVICE']._serialized_end=1897
-  _globals['_VERIFIERSERVICE']._serialized_start=1900
-  _globals['_VERIFIERSERVICE']._serialized_end=2157
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=2159
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=2253
+  _globals['_PROPOSERESPONSE']._serialized_end=564
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=566
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=607
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=609
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=631
+  _globals['_OPENVERIFYSESSIONREQUEST']._serialized_start=633
+  _globals['_OPENVERIFYSESSIONREQUEST']._serialized_end=751
+  _globals['_OPENVERIFYSESSIONRESPONSE']._serialized_start=753
+  _globals['_OPENVERIFYSESSIONRESPONSE']._serialized_end=804
+  _globals['_VERIFYREQUEST']._serialized_start=806
+  _globals['_VERIFYREQUEST']._serialized_end=927
+  _globals['_VERIFYRESPONSE']._serialized_start=929
+  _globals['_VERIFYRESPONSE']._serialized_end=1006
+  _globals['_GENERATEREQUEST']._serialized_start=1009
+  _globals['_GENERATEREQUEST']._serialized_end=1329
+  _globals['_PROMPTTOKENIDS']._serialized_start=1331
+  _globals['_PROMPTTOKENIDS']._serialized_end=1360
+  _globals['_GENERATIONSTATS']._serialized_start=1363
+  _globals['_GENERATIONSTATS']._serialized_end=1661
+  _globals['_GENERATERESPONSE']._serialized_start=1663
+  _globals['_GENERATERESPONSE']._serialized_end=1781
+  _globals['_DRAFTERSERVICE']._serialized_start=1784
+  _globals['_DRAFTERSERVICE']._serialized_end=2041
+  _globals['_VERIFIERSERVICE']._serialized_start=2044
+  _globals['_VERIFIERSERVICE']._serialized_end=2301
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=2303
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=2397
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
-"""Helpers to run the services as real processes on real ports in tests."""
+"""The three services as local processes on real ports (no Ray): used by the
+real-process tests and by the benchmarks."""
 from __future__ import annotations
 
 import os
@@ -6,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -39,7 +41,6 @@ class ServiceProcess:
             self.stop()
             raise TimeoutError(f"{module} did not start:\n" + "".join(self.lines))
         # Drain output in the background so the pipe never fills up.
-        import threading
         threading.Thread(target=lambda: [self.lines.append(l) for l in self.proc.stdout], daemon=True).start()
 
     def stop(self) -> None:
@@ -54,10 +55,10 @@ class ServiceProcess:
 class Stack:
     """Verifier + drafter + orchestrator processes for one model pair."""
 
-    def __init__(self, target: str, drafter: str | None):
+    def __init__(self, target: str, drafter: str | None, service_args: tuple[str, ...] = ()):
         self.target, self.drafter = target, drafter
-        self.verifier = ServiceProcess("verifier_svc", "--model", target)
-        self.drafter_proc = ServiceProcess("drafter_svc", "--model", drafter) if drafter else None
+        self.verifier = ServiceProcess("verifier_svc", "--model", target, *service_args)
+        self.drafter_proc = ServiceProcess("drafter_svc", "--model", drafter, *service_args) if drafter else None
         args = ["--target", target, "--verifier-address", self.verifier.address]
         if drafter:
             args += ["--drafter", drafter, "--drafter-address", self.drafter_proc.address]
