@@ -25,5 +25,5 @@ if ! python -c "import torch" 2>/dev/null; then
       pip_q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-pip_q -e ".[test]"
+pip_q -e ".[test,bench]"
 python -c "import torch; print('setup: torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"

@@ -18,6 +18,11 @@ import torch
 from .errors import InvalidRequest
 
 
+# Below this, logits / temperature can overflow float32 to inf and softmax gives
+# NaN; such a request means "greedy", and must say so with temperature = 0.
+MIN_TEMPERATURE = 1e-3
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -33,6 +38,8 @@ class SamplingParams:
         t = self.temperature
         if math.isnan(t) or math.isinf(t) or t < 0:
             raise InvalidRequest(f"temperature must be a finite number >= 0, got {t}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise InvalidRequest(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {t}")
         if math.isnan(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

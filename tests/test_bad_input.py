@@ -20,6 +20,7 @@ BAD_GENERATE = [
     ("max_new_tokens over limit", dict(prompt_token_ids=PROMPT, max_new_tokens=10**6), "max_new_tokens"),
     ("temperature < 0", dict(prompt_token_ids=PROMPT, temperature=-0.5), "temperature"),
     ("temperature NaN", dict(prompt_token_ids=PROMPT, temperature=math.nan), "temperature"),
+    ("temperature tiny", dict(prompt_token_ids=PROMPT, temperature=1e-30), "temperature must be 0"),
     ("top_p 0", dict(prompt_token_ids=PROMPT, top_p=0.0), "top_p"),
     ("top_p > 1", dict(prompt_token_ids=PROMPT, top_p=1.5), "top_p"),
     ("top_k < 0", dict(prompt_token_ids=PROMPT, top_k=-1), "top_k"),
