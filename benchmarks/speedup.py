@@ -1,0 +1,249 @@
+"""Batch-1 speedup benchmark: specd vs target-only decoding through the same
+services, vs Hugging Face assisted generation, vs theory.
+
+    python -m benchmarks.speedup                 # demo pair, cost-scaled target
+    python -m benchmarks.speedup --quick         # fewer prompts / tokens (smoke run)
+
+Everything is measured in ONE run on the same machine, so only ratios are
+reported as results. The target is the trained demo target padded to >= 100 M
+parameters by function-preserving layers (training/pad_target.py): its logits,
+hence acceptance, are those of the trained pair, its cost that of a mid-size
+model. Prompts are held-out stdlib files (training/corpus.py split).
+Writes benchmarks/results/speedup.json and speedup.png and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specd.local_stack import Stack
+from specd.models import load_model, load_tokenizer
+
+from .costs import expected_tokens_per_cycle, predicted_speedup
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks/results"
+CACHE = ROOT / "benchmarks/.cache"
+
+
+@dataclass
+class Row:
+    system: str              # "specd" | "hf-assisted" | "hf-target-only"
+    mode: str                # "greedy" | "T=0.8"
+    k: int | None            # K for specd (0 = speculation off); None for HF
+    tokens: int = 0
+    seconds: float = 0.0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    overheads_ms: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
+
+
+def cost_scaled_target(target: Path, min_params: int) -> Path:
+    """Build (once, cached) the padded target; prove its logits unchanged."""
+    from training.pad_target import n_params, pad_model
+
+    out = CACHE / f"{target.name}-padded-{min_params // 1_000_000}M"
+    if (out / "config.json").exists():
+        return out
+    src = load_model(str(target), "cpu")
+    padded = pad_model(src, min_params)
+    x = torch.randint(0, src.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (src(input_ids=x).logits - padded(input_ids=x).logits).abs().max().item()
+    assert diff < 1e-4, f"padding changed the logits by {diff}"
+    padded.save_pretrained(out)
+    load_tokenizer(str(target)).save_pretrained(out)
+    print(f"cost-scaled target: {n_params(src):,} -> {n_params(padded):,} params, max |dlogit| {diff:.1e}")
+    return out
+
+
+def run_specd(stack: Stack, prompts, k: int, mode: str, max_new: int) -> Row:
+    row = Row("specd", mode, k)
+    temp = 0.0 if mode == "greedy" else 0.8
+    for i, p in enumerate(prompts):
+        start = time.perf_counter()
+        ids, last = stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=max_new,
+                                   num_speculative_tokens=k, temperature=temp, seed=i)
+        row.seconds += time.perf_counter() - start
+        s = last.stats
+        row.tokens += len(ids)
+        row.cycles += s.cycles
+        row.drafted += s.drafted_tokens
+        row.accepted += s.accepted_tokens
+        row.draft_ms += s.draft_compute_ms
+        row.verify_ms += s.verify_compute_ms
+        row.overheads_ms += list(s.cycle_overhead_ms)
+        row.outputs.append(ids)
+    return row
+
+
+def run_hf(target, drafter, prompts, mode: str, max_new: int) -> Row:
+    row = Row("hf-assisted" if drafter is not None else "hf-target-only", mode, None)
+    kwargs = dict(do_sample=False) if mode == "greedy" else dict(do_sample=True, temperature=0.8, top_p=1.0, top_k=0)
+    for i, p in enumerate(prompts):
+        torch.manual_seed(i)
+        ids = torch.tensor([p])
+        start = time.perf_counter()
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new, min_new_tokens=max_new,
+                              pad_token_id=0, **kwargs)
+        row.seconds += time.perf_counter() - start
+        row.tokens += out.shape[1] - len(p)
+        row.outputs.append(out[0, len(p):].tolist())
+    return row
+
+
+def pct(values, q) -> float:
+    return float(torch.tensor(values).quantile(q)) if values else 0.0
+
+
+def summarise(rows: list[Row]) -> list[dict]:
+    """One dict per row with the derived figures (speedups, theory, overhead)."""
+    out = []
+    for r in rows:
+        base = next(b for b in rows if b.system == "specd" and b.mode == r.mode and b.k == 0)
+        d = dict(system=r.system, mode=r.mode, k=r.k, tokens=r.tokens, seconds=round(r.seconds, 3),
+                 tokens_per_s=round(r.tokens_per_s, 2),
+                 speedup_vs_target_only=round(r.tokens_per_s / base.tokens_per_s, 3))
+        if r.system == "specd":
+            t1 = base.verify_ms / base.cycles
+            d.update(alpha=round(r.alpha, 4), mean_accepted_length=round(r.mean_accepted_length, 3),
+                     overhead_ms_p50=round(pct(r.overheads_ms, 0.5), 3),
+                     overhead_ms_p90=round(pct(r.overheads_ms, 0.9), 3),
+                     verify_ms_per_cycle=round(r.verify_ms / r.cycles, 2),
+                     draft_ms_per_cycle=round(r.draft_ms / r.cycles, 2))
+            if r.k:
+                pred = predicted_speedup(r.alpha, r.k, r.verify_ms / r.cycles, t1, r.draft_ms / r.cycles)
+                d.update(expected_tokens_per_cycle=round(expected_tokens_per_cycle(r.alpha, r.k), 3),
+                         predicted_speedup=round(pred, 3),
+                         efficiency=round(d["speedup_vs_target_only"] / pred, 3))
+            if r.mode == "greedy" and r.k:
+                d["greedy_outputs_equal_target_only"] = r.outputs == base.outputs
+        out.append(d)
+    for d in out:   # specd vs HF assisted on the same pair, same mode
+        hf = next((x for x in out if x["system"] == "hf-assisted" and x["mode"] == d["mode"]), None)
+        if hf and d["system"] == "specd" and d["k"]:
+            d["vs_hf_assisted"] = round(d["tokens_per_s"] / hf["tokens_per_s"], 3)
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    cols = ["system", "mode", "k", "tokens_per_s", "speedup_vs_target_only", "vs_hf_assisted", "alpha",
+            "mean_accepted_length", "expected_tokens_per_cycle", "predicted_speedup", "efficiency",
+            "overhead_ms_p50", "overhead_ms_p90", "greedy_outputs_equal_target_only"]
+    short = ["system", "mode", "K", "tok/s", "speedup", "vs HF", "alpha", "acc.len", "E[len]", "pred.",
+             "effic.", "ovh p50 ms", "ovh p90 ms", "= target-only"]
+    lines = ["| " + " | ".join(short) + " |", "|" + "---|" * len(cols)]
+    for d in summary:
+        lines.append("| " + " | ".join("" if d.get(c) is None else str(d.get(c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, mode in enumerate(sorted({d["mode"] for d in summary})):
+        rows = [d for d in summary if d["mode"] == mode and d["system"] == "specd"]
+        ks = [d["k"] for d in rows]
+        ax.plot(ks, [d["tokens_per_s"] for d in rows], "o-", label=f"specd measured ({mode})", color=f"C{i}")
+        base = rows[0]["tokens_per_s"]
+        ax.plot([d["k"] for d in rows if d.get("predicted_speedup")],
+                [base * d["predicted_speedup"] for d in rows if d.get("predicted_speedup")],
+                "x--", color=f"C{i}", label=f"theory ({mode})")
+        hf = next((d for d in summary if d["system"] == "hf-assisted" and d["mode"] == mode), None)
+        if hf:
+            ax.axhline(hf["tokens_per_s"], color=f"C{i}", ls=":", label=f"HF assisted ({mode})")
+    ax.set_xlabel("K (draft tokens per cycle; 0 = speculation off)")
+    ax.set_ylabel("tokens/s (batch 1)")
+    ax.set_title("specd speedup, cost-scaled demo target")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    from training.evaluate_pair import make_prompts
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
+    ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/drafter")
+    ap.add_argument("--min-params", type=int, default=100_000_000, help="cost-scaled target size")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--ks", default="2,3,4,5,6", help="K values for specd")
+    ap.add_argument("--modes", default="greedy,T=0.8")
+    ap.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, K in {3,5}")
+    ap.add_argument("--out", type=Path, default=RESULTS / "speedup.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_new_tokens, args.ks = 3, 32, "3,5"
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    target = cost_scaled_target(args.target, args.min_params)
+    tok = load_tokenizer(str(args.target))
+    prompts = [p.tolist() for p in make_prompts(tok, args.prompts, args.prompt_tokens, args.max_new_tokens)]
+    ks = [0] + [int(k) for k in args.ks.split(",")]
+    modes = args.modes.split(",")
+
+    rows: list[Row] = []
+    stack = Stack(str(target), str(args.drafter))
+    try:
+        run_specd(stack, prompts[:1], 2, "greedy", 8)          # warm-up: first-call costs
+        for mode in modes:
+            for k in ks:
+                rows.append(run_specd(stack, prompts, k, mode, args.max_new_tokens))
+                print(f"specd {mode} K={k}: {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
+    finally:
+        stack.stop()
+
+    # Hugging Face assisted generation with the same pair, in one process.
+    hf_target, hf_drafter = load_model(str(target), "cpu"), load_model(str(args.drafter), "cpu")
+    run_hf(hf_target, hf_drafter, prompts[:1], "greedy", 8)
+    for mode in modes:
+        rows.append(run_hf(hf_target, hf_drafter, prompts, mode, args.max_new_tokens))
+        print(f"hf-assisted {mode}: {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
+    rows.append(run_hf(hf_target, None, prompts, "greedy", args.max_new_tokens))
+
+    summary = summarise(rows)
+    meta = dict(machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+                        f"{platform.processor() or 'cpu'}; torch {torch.__version__}",
+                target=str(target), drafter=str(args.drafter), prompts=len(prompts),
+                prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=summary), indent=2))
+    plot(summary, args.out.with_suffix(".png"))
+    print(table(summary))
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
