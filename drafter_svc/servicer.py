@@ -1,7 +1,7 @@
 """Thin gRPC shell: proto <-> core calls, errors -> status (specd.grpc_util)."""
 from __future__ import annotations
 
-from specd.grpc_util import grpc_errors
+from specd.grpc_util import grpc_errors, stream_call
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specd.wire import dists_to_proto, sampling_from_proto
@@ -21,8 +21,7 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                                sampling_from_proto(request.sampling))
         return pb.OpenDraftSessionResponse()
 
-    @grpc_errors
-    def Propose(self, request, context):
+    def _propose(self, request) -> pb.ProposeResponse:
         proposal = self.core.propose(request.session_id, request.num_accepted,
                                      list(request.committed_token_ids), request.num_draft_tokens)
         return pb.ProposeResponse(
@@ -30,6 +29,14 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
             draft_distributions=dists_to_proto(proposal.distributions),
             compute_ms=proposal.compute_ms,
         )
+
+    @grpc_errors
+    def Propose(self, request, context):
+        return self._propose(request)
+
+    def ProposeStream(self, request_iterator, context):
+        for request in request_iterator:
+            yield stream_call(self._propose, request, pb.ProposeResponse)
 
     @grpc_errors
     def CloseSession(self, request, context):

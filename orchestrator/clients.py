@@ -1,5 +1,14 @@
-"""grpc.aio clients for the drafter and verifier services (the loop's ports)."""
+"""grpc.aio clients for the drafter and verifier services (the loop's ports).
+
+Open and close are unary calls; the per-cycle Propose and Verify go over one
+long-lived bidirectional stream per replica, shared by all sessions and matched
+by request_id (`StreamMux`): a message on an open stream costs about half a
+unary round trip, and the cycle makes two of them.
+"""
 from __future__ import annotations
+
+import asyncio
+import itertools
 
 import grpc
 
@@ -7,6 +16,76 @@ from specd.grpc_util import CHANNEL_OPTIONS
 from specd.wire import dists_from_proto, dists_to_proto, sampling_to_proto
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+
+class ServiceError(Exception):
+    """A replica refused or failed a call; carries the grpc status to pass on."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class StreamMux:
+    """Many in-flight requests over one bidi stream, answered in any order.
+
+    The stream opens on first use and reopens after it breaks; a break fails
+    every request in flight with the stream's status."""
+
+    def __init__(self, open_stream):
+        self._open_stream = open_stream
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._queue: asyncio.Queue | None = None
+
+    async def call(self, request, timeout: float):
+        if self._queue is None:
+            self._start()
+        request.request_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request.request_id] = future
+        self._queue.put_nowait(request)
+        try:
+            response = await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending.pop(request.request_id, None)
+        if response.HasField("error"):
+            raise ServiceError(_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN), response.error.message)
+        return response
+
+    def _start(self) -> None:
+        queue = self._queue = asyncio.Queue()
+
+        async def requests():
+            while (item := await queue.get()) is not None:
+                yield item
+
+        self._reader = asyncio.ensure_future(self._read(self._open_stream(requests()), queue))
+
+    async def _read(self, stream, queue) -> None:
+        error: Exception = ServiceError(grpc.StatusCode.UNAVAILABLE, "stream to the replica ended")
+        try:
+            async for response in stream:
+                future = self._pending.get(response.request_id)
+                if future is not None and not future.done():
+                    future.set_result(response)
+        except grpc.aio.AioRpcError as exc:
+            error = ServiceError(exc.code(), exc.details() or str(exc.code()))
+        except asyncio.CancelledError:
+            raise
+        if self._queue is queue:
+            self._queue = None           # next call opens a fresh stream
+        for future in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(error)
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._queue.put_nowait(None)
+            self._queue = None
 
 
 class _Client:
@@ -19,36 +98,51 @@ class _Client:
         self.stub = self.stub_cls(self.channel)
         self.active = 0   # sessions this orchestrator has open here (for routing)
 
+    async def _unary(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise ServiceError(exc.code(), exc.details() or str(exc.code())) from None
+
     async def close(self, session_id: str) -> None:
-        await self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=self.timeout)
+        await self._unary(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+
+    async def aclose(self) -> None:
+        await self.channel.close()
 
 
 class GrpcVerifier(_Client):
     stub_cls = pb_grpc.VerifierServiceStub
 
+    def __init__(self, address: str, timeout_s: float):
+        super().__init__(address, timeout_s)
+        self.mux = StreamMux(self.stub.VerifyStream)
+
     async def open(self, session_id, prompt_ids, sampling) -> int:
-        r = await self.stub.OpenSession(pb.OpenVerifySessionRequest(
-            session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
-            timeout=self.timeout)
+        r = await self._unary(self.stub.OpenSession, pb.OpenVerifySessionRequest(
+            session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)))
         return r.first_token_id
 
     async def verify(self, session_id, draft_ids, dists):
-        r = await self.stub.Verify(pb.VerifyRequest(
+        r = await self.mux.call(pb.VerifyRequest(
             session_id=session_id, draft_token_ids=draft_ids, draft_distributions=dists_to_proto(dists)),
-            timeout=self.timeout)
+            self.timeout)
         return r.num_accepted, list(r.token_ids), r.compute_ms
 
 
 class GrpcDrafter(_Client):
     stub_cls = pb_grpc.DrafterServiceStub
 
+    def __init__(self, address: str, timeout_s: float):
+        super().__init__(address, timeout_s)
+        self.mux = StreamMux(self.stub.ProposeStream)
+
     async def open(self, session_id, prompt_ids, sampling) -> None:
-        await self.stub.OpenSession(pb.OpenDraftSessionRequest(
-            session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
-            timeout=self.timeout)
+        await self._unary(self.stub.OpenSession, pb.OpenDraftSessionRequest(
+            session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)))
 
     async def propose(self, session_id, num_accepted, committed, k):
-        r = await self.stub.Propose(pb.ProposeRequest(
+        r = await self.mux.call(pb.ProposeRequest(
             session_id=session_id, num_accepted=num_accepted, committed_token_ids=committed,
-            num_draft_tokens=k), timeout=self.timeout)
+            num_draft_tokens=k), self.timeout)
         return list(r.draft_token_ids), dists_from_proto(r.draft_distributions), r.compute_ms

@@ -62,4 +62,4 @@ class Orchestrator:
 
     async def aclose(self) -> None:
         for c in self.verifiers + self.drafters:
-            await c.channel.close()
+            await c.aclose()

@@ -1,8 +1,10 @@
 """Incremental detokenization with stop strings and end conditions (pure).
 
-Text for the stream is the difference between successive decodes of all
-generated ids. Text is held back while it ends in an incomplete UTF-8 sequence
-(byte-level BPE splits characters) or could be the start of a stop string.
+Text is decoded incrementally over a short window of ids (the prefix/read
+offset scheme of TGI and vLLM): decoding all generated ids every token would be
+O(n) per token. A byte-level BPE token can end inside a UTF-8 character, so text
+whose window decode ends in U+FFFD waits for the next token. Text that could be
+the start of a stop string is held back until it is known not to be one.
 """
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ class OutputTracker:
         self.stop = stop
         self.eos_ids = eos_ids
         self.ids: list[int] = []
-        self.sent_text = 0          # characters of the decoded text already emitted
+        self.text = ""            # decoded text so far
+        self.sent = 0             # characters of self.text already emitted
+        self._prefix = 0          # ids[_prefix:_read] is the decode window's context
+        self._read = 0
 
     @property
     def remaining(self) -> int:
@@ -32,45 +37,53 @@ class OutputTracker:
 
     def add(self, token_ids: list[int]) -> Emit:
         """Commit tokens in order until an end condition; return what to send."""
-        out = Emit()
+        out, cut = Emit(), None
         for t in token_ids:
             self.ids.append(t)
             out.token_ids.append(t)
             if t in self.eos_ids:
                 out.finish_reason = "stop"
                 break
-            if self.stop:
-                cut = self._stop_at(self._text())
-                if cut is not None:
-                    out.text = self._text()[self.sent_text:cut]
-                    self.sent_text = cut
-                    out.finish_reason = "stop"
-                    return out
+            checked = len(self.text)
+            self._decode(final=False)
+            cut = self._stop_at(checked)
+            if cut is not None:
+                self.text = self.text[:cut]
+                out.finish_reason = "stop"
+                break
             if len(self.ids) >= self.max_new_tokens:
                 out.finish_reason = "length"
                 break
-        text = self._text()
-        end = len(text) if out.finish_reason else self._safe_end(text)
-        out.text, self.sent_text = text[self.sent_text:end], max(self.sent_text, end)
+        if out.finish_reason:
+            if cut is None:       # flush what the window still holds
+                self._decode(final=True)
+            end = len(self.text)
+        else:
+            end = self._safe_end()
+        out.text, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def _decode(self, final: bool) -> None:
+        dec = self.tokenizer.decode
+        before = dec(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        after = dec(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
 
-    def _stop_at(self, text: str) -> int | None:
-        # Only search the unsent tail (+ room for a stop string that straddles it).
-        start = max(0, self.sent_text - max(map(len, self.stop)))
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+    def _stop_at(self, checked: int) -> int | None:
+        if not self.stop:
+            return None
+        # New text only, plus room for a stop string straddling the old end.
+        start = max(0, checked - max(map(len, self.stop)) + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
-    def _safe_end(self, text: str) -> int:
-        end = len(text)
-        while end > self.sent_text and text[end - 1] == "\ufffd":
-            end -= 1
+    def _safe_end(self) -> int:
+        end = len(self.text)
         for s in self.stop:   # hold back a suffix that may grow into a stop string
-            for n in range(min(len(s) - 1, end - self.sent_text), 0, -1):
-                if text[end - n:end] == s[:n]:
+            for n in range(min(len(s) - 1, end - self.sent), 0, -1):
+                if self.text[end - n:end] == s[:n]:
                     end -= n
                     break
-        return max(end, self.sent_text)
-
+        return max(end, self.sent)

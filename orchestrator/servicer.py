@@ -9,6 +9,7 @@ from specd.grpc_util import status_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
+from .clients import ServiceError
 from .core import Orchestrator
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServiceServicer):
         try:
             async for chunk in self.core.generate(request):
                 yield response_for(chunk)
-        except grpc.aio.AioRpcError as exc:   # an internal service refused: pass its reason on
-            await context.abort(exc.code(), f"{exc.details()}")
+        except ServiceError as exc:   # an internal service refused: pass its reason on
+            await context.abort(exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 - every error must become a status
             code, msg = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:

@@ -46,6 +46,22 @@ def grpc_errors(method):
     return wrapper
 
 
+def stream_call(handler, request, response_cls):
+    """One message of a multiplexed stream: run handler(request) and echo the
+    request_id; an error goes into the response's `error` field instead of
+    ending the stream that other sessions share."""
+    try:
+        response = handler(request)
+    except Exception as exc:  # noqa: BLE001 - every error must become a status
+        code, msg = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", handler.__name__)
+        response = response_cls()
+        response.error.code, response.error.message = code.value[0], msg
+    response.request_id = request.request_id
+    return response
+
+
 def add_health_and_reflection(server, service_names: list[str]) -> health.HealthServicer:
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

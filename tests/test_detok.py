@@ -29,10 +29,26 @@ def test_text_concatenates_to_full_decode(tok):
         assert text == tok.decode(ids) and reason is None
 
 
-def test_stop_string_cuts_text_and_ends(tok):
+@pytest.mark.parametrize("step", [1, 3, 100])
+def test_stop_string_cuts_text_and_ends(tok, step):
     ids = tok("a = 1\nb = 2\nc = 3\n")["input_ids"]
-    text, reason = stream(OutputTracker(tok, set(), 100, 1000, stop=("b =",)), ids, 1)
+    text, reason = stream(OutputTracker(tok, set(), 100, 1000, stop=("zz", "b =")), ids, step)
     assert text == "a = 1\n" and reason == "stop"
+
+
+def test_multibyte_characters_wait_for_their_last_byte(tok):
+    ids = tok("s = '\u00e9\u4e2d\U0001F600'\n")["input_ids"]   # é, 中, 😀 split across byte tokens
+    t = OutputTracker(tok, set(), 100, 1000)
+    pieces = [t.add([i]).text for i in ids]
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_eos_first_with_stop_strings(tok):
+    eos = tok.eos_token_id
+    t = OutputTracker(tok, {eos}, 100, 1000, stop=("x",))
+    e = t.add([eos, 8])
+    assert e.finish_reason == "stop" and e.token_ids == [eos] and e.text == ""
 
 
 def test_eos_and_length(tok):

@@ -1,7 +1,7 @@
 """Thin gRPC shell: proto <-> core calls, errors -> status (specd.grpc_util)."""
 from __future__ import annotations
 
-from specd.grpc_util import grpc_errors
+from specd.grpc_util import grpc_errors, stream_call
 from specd.wire import dists_from_proto, sampling_from_proto
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -21,12 +21,19 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
                                        sampling_from_proto(request.sampling))
         return pb.OpenVerifySessionResponse(first_token_id=first)
 
-    @grpc_errors
-    def Verify(self, request, context):
+    def _verify(self, request) -> pb.VerifyResponse:
         result = self.core.verify(request.session_id, list(request.draft_token_ids),
                                   dists_from_proto(request.draft_distributions) or None)
         return pb.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.tokens,
                                  compute_ms=result.compute_ms)
+
+    @grpc_errors
+    def Verify(self, request, context):
+        return self._verify(request)
+
+    def VerifyStream(self, request_iterator, context):
+        for request in request_iterator:
+            yield stream_call(self._verify, request, pb.VerifyResponse)
 
     @grpc_errors
     def CloseSession(self, request, context):

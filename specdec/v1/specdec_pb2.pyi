@@ -26,6 +26,14 @@ class SparseDistribution(_message.Message):
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class CallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class OpenDraftSessionRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -41,26 +49,32 @@ class OpenDraftSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "num_accepted", "committed_token_ids", "num_draft_tokens")
+    __slots__ = ("session_id", "num_accepted", "committed_token_ids", "num_draft_tokens", "request_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_accepted: int
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    request_id: int
+    def __init__(self, session_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_distributions", "compute_ms")
+    __slots__ = ("draft_token_ids", "draft_distributions", "compute_ms", "request_id", "error")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     compute_ms: float
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    request_id: int
+    error: CallError
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -89,24 +103,30 @@ class OpenVerifySessionResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "draft_token_ids", "draft_distributions")
+    __slots__ = ("session_id", "draft_token_ids", "draft_distributions", "request_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
-    def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+    request_id: int
+    def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "token_ids", "compute_ms")
+    __slots__ = ("num_accepted", "token_ids", "compute_ms", "request_id", "error")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     compute_ms: float
-    def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    request_id: int
+    error: CallError
+    def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens")

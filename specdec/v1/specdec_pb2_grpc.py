@@ -44,6 +44,11 @@ class DrafterServiceStub:
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_specdec__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specdec.v1.DrafterService/ProposeStream',
+                request_serializer=specdec_dot_v1_dot_specdec__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_specdec__pb2.ProposeResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specdec.v1.DrafterService/CloseSession',
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.CloseSessionRequest.SerializeToString,
@@ -66,6 +71,15 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """The per-cycle hot path: one long-lived stream per orchestrator, many
+        sessions multiplexed by request_id (a message on an open stream costs about
+        half a unary call).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -82,6 +96,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=specdec_dot_v1_dot_specdec__pb2.ProposeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_specdec__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=specdec_dot_v1_dot_specdec__pb2.ProposeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_specdec__pb2.ProposeResponse.SerializeToString,
             ),
@@ -156,6 +175,33 @@ class DrafterService:
             _registered_method=True)
 
     @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.DrafterService/ProposeStream',
+            specdec_dot_v1_dot_specdec__pb2.ProposeRequest.SerializeToString,
+            specdec_dot_v1_dot_specdec__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def CloseSession(request,
             target,
             options=(),
@@ -202,6 +248,11 @@ class VerifierServiceStub:
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specdec.v1.VerifierService/VerifyStream',
+                request_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specdec.v1.VerifierService/CloseSession',
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.CloseSessionRequest.SerializeToString,
@@ -224,6 +275,12 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -240,6 +297,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyResponse.SerializeToString,
             ),
@@ -301,6 +363,33 @@ class VerifierService:
             request,
             target,
             '/specdec.v1.VerifierService/Verify',
+            specdec_dot_v1_dot_specdec__pb2.VerifyRequest.SerializeToString,
+            specdec_dot_v1_dot_specdec__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.VerifierService/VerifyStream',
             specdec_dot_v1_dot_specdec__pb2.VerifyRequest.SerializeToString,
             specdec_dot_v1_dot_specdec__pb2.VerifyResponse.FromString,
             options,
