@@ -53,3 +53,20 @@ def test_greedy_equals_target_only(family, pairs, stacks):
             accepted += last.stats.accepted_tokens
     # The check is only meaningful if drafts were really kept (and rejected).
     assert accepted > 0
+
+
+def test_concurrent_streams_share_the_replicas_exactly(pairs, stacks):
+    """8 Generate streams at once (different prompts and K) multiplex over the same
+    Propose/Verify streams; each still equals its target-only output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target_dir, _ = pairs["qwen2"]
+    model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
+    ps = prompts(tok, 8)
+    wants = [reference(model, p) for p in ps]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: stacks["qwen2"].generate(
+            prompt_token_ids={"ids": ps[i]}, max_new_tokens=MAX_NEW, num_speculative_tokens=1 + i % 5),
+            range(8)))
+    for i, ((got, _), (want, gaps)) in enumerate(zip(results, wants)):
+        assert_same_or_near_tie(got, want, gaps, f"concurrent stream {i}")
