@@ -16,5 +16,6 @@ class DrafterConfig:
     # verifier's rule stays exact for that q.
     draft_top_n: int = 32
     max_sessions: int = 1024
+    engine: str = "auto"             # auto (lean forward where supported) | lean | hf
     torch_threads: int = 0
     grpc_workers: int = 8

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.errors import InvalidRequest, UnknownSession, CapacityExceeded
-from specd.models import SessionCache, context_length, load_model, vocab_size
+from specd.models import Runner, context_length, load_model, vocab_size
 from specd.sampling import SamplingParams, logits_to_probs, truncate_top
 from specd.validation import check_token_ids
 
@@ -31,7 +31,7 @@ class Proposal:
 
 @dataclass
 class _Session:
-    cache: SessionCache
+    cache: object                # a Runner session: forward / rollback / length
     params: SamplingParams
     generator: torch.Generator
     tokens: list[int]
@@ -44,6 +44,7 @@ class Drafter:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.model = model if model is not None else load_model(config.model_dir, config.device, config.dtype)
+        self.runner = Runner(self.model, config.engine)
         self.vocab_size = vocab_size(self.model)
         self.context_length = context_length(self.model.config)
         self._sessions: dict[str, _Session] = {}
@@ -66,7 +67,7 @@ class Drafter:
             # A distinct stream from the verifier's: draft randomness must be
             # independent of the acceptance randomness.
             gen = torch.Generator().manual_seed((params.seed * 2654435761 + 1) % 2**63)
-            s = _Session(SessionCache(self.model), params, gen, list(prompt_ids))
+            s = _Session(self.runner.new_session(), params, gen, list(prompt_ids))
             # Prefill all but the last prompt token now (overlaps the verifier's
             # prefill); the last one is forwarded with the first proposal.
             if len(prompt_ids) > 1:

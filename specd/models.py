@@ -48,8 +48,27 @@ def vocab_size(model) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
+class Runner:
+    """A loaded model and the way its sessions run: the lean forward
+    (specd.lean) where the architecture is supported, else Hugging Face's."""
+
+    def __init__(self, model, engine: str = "auto"):
+        from . import lean
+
+        if engine not in ("auto", "lean", "hf"):
+            raise ValueError(f"engine must be auto | lean | hf, got {engine!r}")
+        if engine == "lean" and not lean.supports(model.config):
+            raise ValueError(f"the lean engine does not support {model.config.model_type} with this config")
+        self.model = model
+        self.lean = lean.LeanModel(model) if engine != "hf" and lean.supports(model.config) else None
+        self.engine = "lean" if self.lean else "hf"
+
+    def new_session(self):
+        return self.lean.new_session() if self.lean else SessionCache(self.model)
+
+
 class SessionCache:
-    """One session's KV cache, rolled back in place.
+    """One session's KV cache (Hugging Face DynamicCache), rolled back in place.
 
     `DynamicCache.crop(-n)` slices each layer's K/V to drop the last n positions:
     a view, no copy of the cache (transformers >= 5 wants the NEGATIVE count).
@@ -64,13 +83,19 @@ class SessionCache:
         return self.cache.get_seq_length()
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
-        """Append token_ids to the cache; return their logits, (n, V) or (1, V)."""
+    def forward(self, token_ids: list[int], last_only: bool = False,
+                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append token_ids to the cache; return their logits, (n, V) or (1, V).
+
+        positions (n,) and an additive float mask (n, past+n) are for token trees;
+        by default positions follow the cache and attention is causal."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.model.device)
-        out = self.model(
-            input_ids=ids, cache=self.cache, use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-        )
+        extra = {}
+        if mask is not None:
+            extra["attention_mask"] = mask.to(self.model.dtype)[None, None]   # (1, 1, n, past+n)
+            extra["position_ids"] = positions[None]
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True,
+                         logits_to_keep=1 if last_only else 0, **extra)
         return out.logits[0].float()
 
     def rollback(self, length: int) -> None:
@@ -80,3 +105,13 @@ class SessionCache:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
         if extra:
             self.cache.crop(-extra)
+
+    @torch.inference_mode()
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Keep rows start+keep[j] at start+j (keep ascending), drop the rest:
+        copies only the kept rows, in place."""
+        idx = torch.tensor(keep, device=self.model.device) + start
+        for layer in self.cache.layers:
+            layer.keys[..., start:start + len(keep), :] = layer.keys[..., idx, :]
+            layer.values[..., start:start + len(keep), :] = layer.values[..., idx, :]
+        self.rollback(start + len(keep))

@@ -13,5 +13,6 @@ class VerifierConfig:
     max_draft_tokens: int = 16       # K limit per verify call
     max_sessions: int = 256          # open sessions at once; past it: RESOURCE_EXHAUSTED
     max_kv_tokens: int = 1_000_000   # sum of cached tokens over sessions
+    engine: str = "auto"             # auto (lean forward where supported) | lean | hf
     torch_threads: int = 0           # 0 = torch default
     grpc_workers: int = 8

@@ -16,7 +16,7 @@ import torch
 
 from specd.acceptance import accept_deterministic, accept_greedy, accept_sampled, dense_q
 from specd.errors import CapacityExceeded, InvalidRequest, UnknownSession
-from specd.models import SessionCache, context_length, load_model, vocab_size
+from specd.models import Runner, context_length, load_model, vocab_size
 from specd.sampling import SamplingParams, logits_to_probs, sample
 from specd.validation import check_token_ids
 
@@ -32,7 +32,7 @@ class VerifyResult:
 
 @dataclass
 class _Session:
-    cache: SessionCache
+    cache: object                # a Runner session: forward / rollback / length
     params: SamplingParams
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
@@ -44,6 +44,7 @@ class Verifier:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.model = model if model is not None else load_model(config.model_dir, config.device, config.dtype)
+        self.runner = Runner(self.model, config.engine)
         self.vocab_size = vocab_size(self.model)
         self.context_length = context_length(self.model.config)
         self._sessions: dict[str, _Session] = {}
@@ -75,7 +76,7 @@ class Verifier:
                 raise CapacityExceeded(
                     f"verifier KV budget full: {self.kv_tokens} of {self.config.max_kv_tokens} tokens in use")
             gen = torch.Generator().manual_seed(params.seed)
-            s = _Session(SessionCache(self.model), params, gen, list(prompt_ids))
+            s = _Session(self.runner.new_session(), params, gen, list(prompt_ids))
             logits = s.cache.forward(prompt_ids, last_only=True)[0]
             first = sample(logits_to_probs(logits, params), gen) if not params.greedy else int(logits.argmax())
             s.tokens.append(first)

@@ -1,0 +1,167 @@
+"""A lean forward for Llama-family decoders (Llama, Qwen2 without sliding window)
+with a preallocated KV cache.
+
+Why: a small model's step is almost all framework overhead (DESIGN.md: a 2.6 M
+model costs ~3.4 ms per HF forward on 2 CPU cores, nearly all Python), and the
+HF DynamicCache grows by torch.cat every step. Here the weights are plain
+tensors, the cache is one preallocated (layers, 2, kv_heads, max_len, head_dim)
+tensor with a length per session, rollback is `length = n` (free), and tree
+compaction copies only the kept rows. Models this does not support exactly
+(other RoPE types, biases other than Qwen2's q/k/v bias, sliding windows) fall
+back to the Hugging Face forward (specd.models.SessionCache); the test suite
+checks logits against Hugging Face's forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = {"llama", "qwen2"}
+
+
+def supports(config) -> bool:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return (config.model_type in SUPPORTED
+            and rope.get("rope_type", "default") == "default"
+            and getattr(config, "hidden_act", "silu") == "silu"
+            and not getattr(config, "mlp_bias", False)
+            and (config.model_type == "qwen2" or not getattr(config, "attention_bias", False))
+            and not getattr(config, "use_sliding_window", False))
+
+
+class LeanModel:
+    """Weights pulled out of a loaded HF model; forward on a LeanSession."""
+
+    def __init__(self, hf_model):
+        cfg = hf_model.config
+        self.config = cfg
+        self.device = hf_model.device
+        self.dtype = next(hf_model.parameters()).dtype
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.max_positions = cfg.max_position_embeddings
+        base = cfg.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype)
+        m = hf_model.model
+        self.embed = m.embed_tokens.weight
+        self.norm = m.norm.weight
+        self.lm_head = hf_model.lm_head.weight
+        self.layers = []
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            # One fused QKV matmul: fewer kernel launches is what matters at this size.
+            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            qkv_b = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                     if a.q_proj.bias is not None else None)
+            self.layers.append(dict(
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                qkv_w=qkv_w, qkv_b=qkv_b, o=a.o_proj.weight,
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down=mlp.down_proj.weight))
+        self.vocab_size = self.lm_head.shape[0]
+
+    def new_session(self, max_len: int | None = None) -> "LeanSession":
+        return LeanSession(self, max_len or self.max_positions)
+
+    @property
+    def hf_config(self):
+        return self.config
+
+    def _rms(self, x, w):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+
+    def _rope(self, x, pos):                      # x: (H, n, d), pos: (n,)
+        cos, sin = self.cos[pos], self.sin[pos]   # (n, d)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, s: "LeanSession", token_ids: list[int], positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Append tokens at cache rows [length, length+n); return logits (n or 1, V).
+
+        positions: (n,) RoPE positions (default: the cache rows); mask: (n, length+n)
+        additive float mask over the cache rows (default: causal)."""
+        n, start = len(token_ids), s.length
+        end = start + n
+        s.reserve(end)
+        ids = torch.tensor(token_ids, device=self.device)
+        pos = positions if positions is not None else torch.arange(start, end, device=self.device)
+        x = self.embed[ids]                                                   # (n, C)
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        causal = mask is None and n > 1
+        attn_mask = None if mask is None else mask.to(self.dtype)[None]       # (1, n, end)
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            qkv = F.linear(h, L["qkv_w"], L["qkv_b"])                         # (n, (nh+2nkv)*hd)
+            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q = self._rope(q.view(n, nh, hd).transpose(0, 1), pos)            # (nh, n, hd)
+            k = self._rope(k.view(n, nkv, hd).transpose(0, 1), pos)
+            s.kv[i, 0, :, start:end] = k
+            s.kv[i, 1, :, start:end] = v.view(n, nkv, hd).transpose(0, 1)
+            keys, values = s.kv[i, 0, :, :end], s.kv[i, 1, :, :end]           # (nkv, end, hd)
+            if causal and start > 0:
+                # Causal over new rows, full attention to the past.
+                attn_mask = torch.full((n, end), float("-inf"), dtype=self.dtype, device=self.device)
+                attn_mask[:, :start] = 0
+                attn_mask[:, start:] = torch.triu(attn_mask[:, start:], diagonal=1)
+                attn_mask = attn_mask[None]
+                causal = False
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, is_causal=causal,
+                                               enable_gqa=nh != nkv)             # (nh, n, hd)
+            x = x + F.linear(y.transpose(0, 1).reshape(n, nh * hd), L["o"])
+            h = self._rms(x, L["ln2"])
+            gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L["down"])
+        s.length = end
+        x = self._rms(x[-1:] if last_only else x, self.norm)
+        return F.linear(x, self.lm_head).float()
+
+
+class LeanSession:
+    """One session's KV rows; rollback is moving the length, compaction copies only kept rows."""
+
+    INITIAL_ROWS = 128
+
+    def __init__(self, model: LeanModel, max_len: int):
+        self.lean = model
+        self.max_len = max_len
+        self.kv = self._alloc(min(self.INITIAL_ROWS, max_len))
+        self.length = 0
+
+    @torch.inference_mode()
+    def _alloc(self, rows: int) -> torch.Tensor:
+        m = self.lean
+        return torch.zeros(len(m.layers), 2, m.n_kv, rows, m.head_dim, dtype=m.dtype, device=m.device)
+
+    @torch.inference_mode()
+    def reserve(self, rows: int) -> None:
+        """Grow capacity (doubling, so copies are amortised) to hold `rows` rows:
+        memory follows what a session really uses, not the model's context."""
+        if rows > self.max_len:
+            raise ValueError(f"{rows} rows exceed the model's context of {self.max_len}")
+        if rows > self.kv.shape[3]:
+            new = self._alloc(min(self.max_len, max(rows, 2 * self.kv.shape[3])))
+            new[:, :, :, :self.length] = self.kv[:, :, :, :self.length]
+            self.kv = new
+
+    def forward(self, token_ids: list[int], last_only: bool = False, positions=None, mask=None) -> torch.Tensor:
+        return self.lean.forward(self, token_ids, positions, mask, last_only)
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
+        self.length = length
+
+    @torch.inference_mode()
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Keep rows start+keep[j] at start+j (keep ascending), drop the rest."""
+        idx = torch.tensor(keep, device=self.kv.device) + start
+        self.kv[:, :, :, start:start + len(keep)] = self.kv[:, :, :, idx]
+        self.length = start + len(keep)
