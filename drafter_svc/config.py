@@ -10,7 +10,8 @@ class DrafterConfig:
     port: int = 50071                # 0 = pick a free port
     device: str = "auto"
     dtype: str = "float32"
-    max_draft_tokens: int = 16       # K limit per Propose
+    max_draft_tokens: int = 16       # K (chain length / tree depth) limit per Propose
+    max_tree_nodes: int = 64         # node limit of a draft tree
     # Sampled drafts are drawn from the drafter's distribution truncated to its
     # top-N tokens, so q travels sparsely (N ids + probs per position) and the
     # verifier's rule stays exact for that q.

@@ -1,9 +1,11 @@
-"""The drafter core: per-session state and KV cache, K-token proposals, rollback.
+"""The drafter core: per-session state and KV cache, draft trees (chains are
+trees), rollback/compaction to what the verifier kept.
 
-Session invariant: `tokens` are the committed ids the drafter knows of; the cache
-holds a prefix of tokens + the drafts it forwarded last time. On each Propose the
-cache is first cut back to what the verifier kept, then the tokens not yet in the
-cache are forwarded together with each new draft token (autoregressive, K steps).
+Session invariant between calls: `tokens` are the committed ids the drafter
+knows of; the cache holds a prefix of them followed by the tree nodes it
+forwarded last time (`last.forwarded`). On each Propose the cache keeps only the
+accepted path's rows (in place), the committed tokens not yet cached are
+forwarded, and a new tree grows below the last committed token.
 """
 from __future__ import annotations
 
@@ -13,29 +15,31 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.errors import InvalidRequest, UnknownSession, CapacityExceeded
+from specd.errors import CapacityExceeded, InvalidRequest, UnknownSession
 from specd.models import Runner, context_length, load_model, vocab_size
-from specd.sampling import SamplingParams, logits_to_probs, truncate_top
+from specd.sampling import SamplingParams
 from specd.validation import check_token_ids
 
 from .config import DrafterConfig
+from specd.draft_shape import DraftShape
+
+from .tree_builder import DraftTree, build_tree
 
 
 @dataclass
 class Proposal:
-    token_ids: list[int]
-    # Sampled drafts only: per token, the (ids, probs) it was drawn from.
-    distributions: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    tree: DraftTree
     compute_ms: float = 0.0
 
 
 @dataclass
 class _Session:
-    cache: object                # a Runner session: forward / rollback / length
+    cache: object                # a Runner session: forward / rollback / compact / length
     params: SamplingParams
     generator: torch.Generator
     tokens: list[int]
-    last_draft: list[int] = field(default_factory=list)
+    last: DraftTree = field(default_factory=DraftTree)
+    base: int = 0                # cache rows before the last tree's nodes
 
 
 class Drafter:
@@ -68,51 +72,55 @@ class Drafter:
             # independent of the acceptance randomness.
             gen = torch.Generator().manual_seed((params.seed * 2654435761 + 1) % 2**63)
             s = _Session(self.runner.new_session(), params, gen, list(prompt_ids))
-            # Prefill all but the last prompt token now (overlaps the verifier's
-            # prefill); the last one is forwarded with the first proposal.
+            # Prefill now (overlaps the verifier's prefill); the last prompt token
+            # is forwarded with the first proposal, which needs its logits.
             if len(prompt_ids) > 1:
                 s.cache.forward(prompt_ids[:-1], last_only=True)
+            s.base = s.cache.length
             self._sessions[session_id] = s
 
-    def propose(self, session_id: str, num_accepted: int, committed: list[int], k: int) -> Proposal:
+    def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
+                shape: DraftShape) -> Proposal:
         s = self._get(session_id)
-        if not (1 <= k <= self.config.max_draft_tokens):
-            raise InvalidRequest(f"num_draft_tokens must be in [1, {self.config.max_draft_tokens}], got {k}")
-        if not (0 <= num_accepted <= len(s.last_draft)):
-            raise InvalidRequest(f"num_accepted={num_accepted} but the last draft had {len(s.last_draft)} tokens")
-        if committed[:num_accepted] != s.last_draft[:num_accepted]:
-            raise InvalidRequest("committed_token_ids do not start with the accepted draft tokens")
+        shape.validate(self.config.max_tree_nodes, self.config.max_draft_tokens)
+        self._check_outcome(s, accepted_path, committed)
         check_token_ids(committed, self.vocab_size, None, "committed_token_ids", allow_empty=True)
-        if len(s.tokens) + len(committed) + k - 1 > self.context_length:
-            raise InvalidRequest(f"{k} draft tokens would pass the drafter's context length {self.context_length}")
+        if len(s.tokens) + len(committed) + shape.depth - 1 > self.context_length:
+            raise InvalidRequest(f"a tree of depth {shape.depth} would pass the drafter's context "
+                                 f"length {self.context_length}")
         with self._lock:
             start = time.perf_counter()
-            # The cache holds tokens + last_draft[:-1]; what stays valid is the
-            # kept part of that draft.
-            s.cache.rollback(min(s.cache.length, len(s.tokens) + num_accepted))
+            # Keep the rows of the accepted path's forwarded nodes (ancestors are
+            # forwarded first, so the offsets ascend), drop the rest of the tree.
+            on_path = set(accepted_path)
+            keep = [i for i, n in enumerate(s.last.forwarded) if n in on_path]
+            if s.cache.length > s.base:
+                s.cache.compact(s.base, keep) if keep else s.cache.rollback(s.base)
             s.tokens += committed
-            pending = s.tokens[s.cache.length:]
-            proposal = Proposal([])
-            for _ in range(k):
-                logits = s.cache.forward(pending, last_only=True)[0]
-                if s.params.greedy:
-                    tok = int(logits.argmax())
-                else:
-                    ids, probs = truncate_top(logits_to_probs(logits, s.params), self.config.draft_top_n)
-                    tok = int(ids[torch.multinomial(probs, 1, generator=s.generator)])
-                    proposal.distributions.append((ids.tolist(), probs.tolist()))
-                proposal.token_ids.append(tok)
-                pending = [tok]
-            # The last draft token was never forwarded: the cache now holds
-            # tokens + drafts[:-1], which the next Propose cuts to what was kept.
-            s.last_draft = proposal.token_ids
-            proposal.compute_ms = (time.perf_counter() - start) * 1e3
-            return proposal
+            root_logits = s.cache.forward(s.tokens[s.cache.length:], last_only=True)[0]
+            s.base = s.cache.length                 # == len(s.tokens): root is cached
+            tree = build_tree(s.cache, root_logits, shape, s.params, self.config.draft_top_n, s.generator)
+            s.last = tree
+            return Proposal(tree, (time.perf_counter() - start) * 1e3)
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
             if self._sessions.pop(session_id, None) is None:
                 raise UnknownSession(f"unknown session id {session_id!r}")
+
+    @staticmethod
+    def _check_outcome(s: _Session, path: list[int], committed: list[int]) -> None:
+        """The path must run root-down through the last tree and start `committed`."""
+        t = s.last
+        parent = -1
+        for n in path:
+            if not (0 <= n < len(t.tokens)) or t.parents[n] != parent:
+                raise InvalidRequest(f"accepted_path {path} is not a root-down path of the last draft tree")
+            parent = n
+        if committed[:len(path)] != [t.tokens[n] for n in path]:
+            raise InvalidRequest("committed_token_ids do not start with the accepted path's tokens")
+        if not committed and s.last.tokens:
+            raise InvalidRequest("committed_token_ids is empty but a draft is outstanding")
 
     def _get(self, session_id: str) -> _Session:
         s = self._sessions.get(session_id)

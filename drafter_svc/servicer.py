@@ -4,7 +4,8 @@ from __future__ import annotations
 from specd.grpc_util import grpc_errors, stream_call
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from specd.wire import dists_to_proto, sampling_from_proto
+from specd.draft_shape import DraftShape
+from specd.wire import dists_to_proto, sampling_from_proto, shape_from_proto
 
 from .core import Drafter
 
@@ -22,12 +23,14 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
         return pb.OpenDraftSessionResponse()
 
     def _propose(self, request) -> pb.ProposeResponse:
-        proposal = self.core.propose(request.session_id, request.num_accepted,
-                                     list(request.committed_token_ids), request.num_draft_tokens)
+        shape = (shape_from_proto(request.shape) if request.HasField("shape")
+                 else DraftShape.chain(request.num_draft_tokens))
+        proposal = self.core.propose(request.session_id, list(request.accepted_path),
+                                     list(request.committed_token_ids), shape)
+        tree = proposal.tree
         return pb.ProposeResponse(
-            draft_token_ids=proposal.token_ids,
-            draft_distributions=dists_to_proto(proposal.distributions),
-            compute_ms=proposal.compute_ms,
+            draft_token_ids=tree.tokens, draft_parents=tree.parents,
+            draft_distributions=dists_to_proto(tree.row_dists), compute_ms=proposal.compute_ms,
         )
 
     @grpc_errors

@@ -13,9 +13,11 @@ import itertools
 import grpc
 
 from specd.grpc_util import CHANNEL_OPTIONS
-from specd.wire import dists_from_proto, dists_to_proto, sampling_to_proto
+from specd.wire import dists_from_proto, dists_to_proto, sampling_to_proto, shape_to_proto
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+from .loop import Draft, Verdict
 
 
 class ServiceError(Exception):
@@ -123,11 +125,11 @@ class GrpcVerifier(_Client):
             session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)))
         return r.first_token_id
 
-    async def verify(self, session_id, draft_ids, dists):
+    async def verify(self, session_id, draft: Draft) -> Verdict:
         r = await self.mux.call(pb.VerifyRequest(
-            session_id=session_id, draft_token_ids=draft_ids, draft_distributions=dists_to_proto(dists)),
-            self.timeout)
-        return r.num_accepted, list(r.token_ids), r.compute_ms
+            session_id=session_id, draft_token_ids=draft.tokens, draft_parents=draft.parents,
+            draft_distributions=dists_to_proto(draft.row_dists)), self.timeout)
+        return Verdict(list(r.accepted_path), list(r.token_ids), r.compute_ms)
 
 
 class GrpcDrafter(_Client):
@@ -141,8 +143,9 @@ class GrpcDrafter(_Client):
         await self._unary(self.stub.OpenSession, pb.OpenDraftSessionRequest(
             session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)))
 
-    async def propose(self, session_id, num_accepted, committed, k):
+    async def propose(self, session_id, accepted_path, committed, shape) -> Draft:
         r = await self.mux.call(pb.ProposeRequest(
-            session_id=session_id, num_accepted=num_accepted, committed_token_ids=committed,
-            num_draft_tokens=k), self.timeout)
-        return list(r.draft_token_ids), dists_from_proto(r.draft_distributions), r.compute_ms
+            session_id=session_id, accepted_path=accepted_path, committed_token_ids=committed,
+            shape=shape_to_proto(shape)), self.timeout)
+        return Draft(list(r.draft_token_ids), list(r.draft_parents), dists_from_proto(r.draft_distributions),
+                     r.compute_ms)

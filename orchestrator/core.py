@@ -48,7 +48,7 @@ class Orchestrator:
         tracker = OutputTracker(self.tokenizer, self.eos_ids, spec.max_new_tokens,
                                 self.target_ctx - len(spec.prompt_ids), spec.stop)
         verifier = min(self.verifiers, key=lambda c: c.active)   # least loaded
-        drafter = min(self.drafters, key=lambda c: c.active) if spec.num_speculative_tokens else None
+        drafter = min(self.drafters, key=lambda c: c.active) if spec.shape else None
         used = [c for c in (verifier, drafter) if c is not None]
         for c in used:
             c.active += 1

@@ -9,6 +9,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
+from specd.draft_shape import DraftShape
 from specd.errors import InvalidRequest
 from specd.sampling import SamplingParams
 from specd.validation import check_token_ids
@@ -21,7 +22,7 @@ class GenerationSpec:
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams
-    num_speculative_tokens: int   # K; 0 = plain decoding
+    shape: DraftShape | None      # the draft each cycle; None = plain decoding
     stop: tuple[str, ...] = ()
 
 
@@ -48,13 +49,31 @@ def build_spec(req, config: OrchestratorConfig, tokenizer, vocab_size: int, cont
     seed = req.seed if req.HasField("seed") else secrets.randbits(63)
     sampling = SamplingParams(req.temperature, top_p, req.top_k, seed).validate()
 
-    k = req.num_speculative_tokens if req.HasField("num_speculative_tokens") else (
-        config.default_num_speculative_tokens if has_drafter else 0)
-    if not (0 <= k <= config.max_num_speculative_tokens):
-        raise InvalidRequest(
-            f"num_speculative_tokens must be in [0, {config.max_num_speculative_tokens}], got {k}")
-    if k > 0 and not has_drafter:
-        raise InvalidRequest("num_speculative_tokens > 0 but this deployment has no drafter")
     if any(not s for s in req.stop):
         raise InvalidRequest("stop strings must not be empty")
-    return GenerationSpec(prompt_ids, max_new, sampling, k, tuple(req.stop))
+    return GenerationSpec(prompt_ids, max_new, sampling, draft_shape(req, config, has_drafter), tuple(req.stop))
+
+
+def draft_shape(req, config: OrchestratorConfig, has_drafter: bool) -> DraftShape | None:
+    """The request's draft: its tree, else a chain of its K, else the service
+    default; None = speculation off. Bounded by the service's limits."""
+    if req.HasField("num_speculative_tokens"):
+        k = req.num_speculative_tokens
+        if not (0 <= k <= config.max_num_speculative_tokens):
+            raise InvalidRequest(
+                f"num_speculative_tokens must be in [0, {config.max_num_speculative_tokens}], got {k}")
+        if k == 0:
+            return None
+    if req.HasField("tree"):
+        t = req.tree
+        shape = DraftShape(branching=tuple(t.branching), node_budget=t.node_budget, max_depth=t.max_depth,
+                           top_k=t.top_k or config.default_tree_top_k)
+    elif req.HasField("num_speculative_tokens"):
+        shape = DraftShape.chain(req.num_speculative_tokens)
+    else:
+        shape = config.default_shape() if has_drafter else None
+    if shape is None:
+        return None
+    if not has_drafter:
+        raise InvalidRequest("speculation was asked for but this deployment has no drafter")
+    return shape.validate(config.max_tree_nodes, config.max_num_speculative_tokens)

@@ -162,6 +162,7 @@ class LeanSession:
     @torch.inference_mode()
     def compact(self, start: int, keep: list[int]) -> None:
         """Keep rows start+keep[j] at start+j (keep ascending), drop the rest."""
-        idx = torch.tensor(keep, device=self.kv.device) + start
-        self.kv[:, :, :, start:start + len(keep)] = self.kv[:, :, :, idx]
-        self.length = start + len(keep)
+        if keep != list(range(len(keep))):     # a kept prefix is already in place
+            idx = torch.tensor(keep, device=self.kv.device) + start
+            self.kv[:, :, :, start:start + len(keep)] = self.kv[:, :, :, idx]
+        self.rollback(start + len(keep))

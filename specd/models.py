@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from .tree import compact_cache
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -106,12 +108,7 @@ class SessionCache:
         if extra:
             self.cache.crop(-extra)
 
-    @torch.inference_mode()
     def compact(self, start: int, keep: list[int]) -> None:
         """Keep rows start+keep[j] at start+j (keep ascending), drop the rest:
-        copies only the kept rows, in place."""
-        idx = torch.tensor(keep, device=self.model.device) + start
-        for layer in self.cache.layers:
-            layer.keys[..., start:start + len(keep), :] = layer.keys[..., idx, :]
-            layer.values[..., start:start + len(keep), :] = layer.values[..., idx, :]
-        self.rollback(start + len(keep))
+        copies only the kept rows, in place (specd.tree.compact_cache)."""
+        compact_cache(self.cache, start, keep)

@@ -21,3 +21,14 @@ def dists_from_proto(dists) -> list[tuple[list[int], list[float]]]:
 
 def dists_to_proto(dists) -> list[pb.SparseDistribution]:
     return [pb.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in dists]
+
+
+def shape_to_proto(shape) -> pb.DraftShape:
+    return pb.DraftShape(branching=list(shape.branching), node_budget=shape.node_budget,
+                         max_depth=shape.max_depth, top_k=shape.top_k)
+
+
+def shape_from_proto(msg: pb.DraftShape, default_top_k: int = 4):
+    from .draft_shape import DraftShape
+    return DraftShape(branching=tuple(msg.branching), node_budget=msg.node_budget,
+                      max_depth=msg.max_depth, top_k=msg.top_k or default_top_k)

@@ -29,6 +29,10 @@ BAD_GENERATE = [
     ("K < 0", dict(prompt_token_ids=PROMPT, num_speculative_tokens=-1), "num_speculative_tokens"),
     ("K over limit", dict(prompt_token_ids=PROMPT, num_speculative_tokens=99), "num_speculative_tokens"),
     ("empty stop string", dict(prompt_token_ids=PROMPT, stop=[""]), "stop"),
+    ("tree branching 0", dict(prompt_token_ids=PROMPT, tree={"branching": [2, 0]}), "branching"),
+    ("tree too big", dict(prompt_token_ids=PROMPT, tree={"branching": [8, 8, 8]}), "over the limit of 64"),
+    ("tree too deep", dict(prompt_token_ids=PROMPT, tree={"node_budget": 10, "max_depth": 40}), "max_depth"),
+    ("empty tree", dict(prompt_token_ids=PROMPT, tree={}), "branching"),
 ]
 
 
@@ -75,13 +79,23 @@ def test_internal_services_reject_bad_calls(stacks):
         code, msg = _code(d.Propose, pb.ProposeRequest(session_id="s1", num_draft_tokens=0))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_draft_tokens" in msg
         code, msg = _code(d.Propose, pb.ProposeRequest(session_id="s1", num_draft_tokens=99))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_draft_tokens" in msg
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "over the limit of 16" in msg
         code, msg = _code(v.Verify, pb.VerifyRequest(session_id="s1", draft_token_ids=[1, 999]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in msg
         code, msg = _code(v.Verify, pb.VerifyRequest(
             session_id="s1", draft_token_ids=[1],
-            draft_distributions=[pb.SparseDistribution(token_ids=[1, 2], probs=[0.9])]))
+            draft_distributions=[pb.SparseDistribution(token_ids=[1, 2], probs=[0.9]), pb.SparseDistribution()]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "draft distribution 0" in msg
+        code, msg = _code(v.Verify, pb.VerifyRequest(
+            session_id="s1", draft_token_ids=[1],
+            draft_distributions=[pb.SparseDistribution(token_ids=[2], probs=[1.0]), pb.SparseDistribution()]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "probability 0 to drafted token" in msg
+        # Malformed trees.
+        for tokens, parents, needle in [([1, 2], [-1], "parents"), ([1, 2], [1, -1], "parent"),
+                                        ([1, 1], [-1, -1], "both children"), ([1, 2], [-1, 5], "parent")]:
+            code, msg = _code(v.Verify, pb.VerifyRequest(session_id="s1", draft_token_ids=tokens,
+                                                         draft_parents=parents))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in msg, msg
         code, msg = _code(v.OpenSession, pb.OpenVerifySessionRequest(session_id="s1", prompt_token_ids=[1]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "already open" in msg
         # The session survived every bad call: a valid verify still works.

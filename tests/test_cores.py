@@ -1,54 +1,79 @@
-"""The service cores in-process (no grpc): cache bookkeeping across cycles."""
+"""The service cores in-process (no grpc): cache bookkeeping across cycles, for
+chains and trees (static and dynamic)."""
 import pytest
 import torch
 
 from drafter_svc.config import DrafterConfig
 from drafter_svc.core import Drafter
+from specd.draft_shape import DraftShape
 from specd.errors import CapacityExceeded
 from specd.sampling import SamplingParams
+from specd.tree import TokenTree, path_to
 from verifier_svc.config import VerifierConfig
 from verifier_svc.core import Verifier
 
 GREEDY = SamplingParams()
 
 
-@pytest.fixture(scope="module")
-def cores(pairs):
+@pytest.fixture(scope="module", params=["lean", "hf"])
+def cores(request, pairs):
     target, drafter = pairs["llama"]
-    return Verifier(VerifierConfig(target, device="cpu")), Drafter(DrafterConfig(drafter, device="cpu"))
+    return (Verifier(VerifierConfig(target, device="cpu", engine=request.param)),
+            Drafter(DrafterConfig(drafter, device="cpu", engine=request.param)))
 
 
 @torch.inference_mode()
-def greedy_chain(model, ids, k):
-    out = []
-    for _ in range(k):
-        nxt = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
-        out.append(nxt)
-    return out
+def next_logits(model, ids):
+    return model(torch.tensor([ids])).logits[0, -1]
 
 
-def test_caches_track_committed_tokens_across_cycles(cores):
+def check_tree_against_scratch(drafter_model, tokens, tree, shape):
+    """Every node's children are what the drafter's model, run from scratch on the
+    committed tokens + the node's path, ranks first (top-k, in order)."""
+    t = TokenTree(tuple(tree.tokens), tuple(tree.parents))
+    kids = {}
+    for i, p in enumerate(tree.parents):
+        kids.setdefault(p, []).append(tree.tokens[i])
+    for node, got in kids.items():
+        prefix = tokens + ([tree.tokens[n] for n in path_to(t, node)] if node >= 0 else [])
+        ranked = torch.topk(next_logits(drafter_model, prefix), len(got)).indices.tolist()
+        if shape.dynamic:   # pruning keeps a subset of the top_k candidates, in rank order
+            ranked = torch.topk(next_logits(drafter_model, prefix), shape.top_k).indices.tolist()
+            assert got == [x for x in ranked if x in got], (node, got, ranked)
+        else:
+            assert got == ranked, (node, got, ranked)
+
+
+@pytest.mark.parametrize("shape", [DraftShape.chain(3), DraftShape(branching=(3, 2, 1)),
+                                   DraftShape(node_budget=10, max_depth=4, top_k=3)],
+                         ids=["chain3", "static321", "dynamic10"])
+def test_caches_track_committed_tokens_across_cycles(cores, shape):
     verifier, drafter = cores
     prompt = [40, 41, 42, 43]
     first = verifier.open_session("a", prompt, GREEDY)
     drafter.open_session("a", prompt, GREEDY)
-    tokens, unsent, kept = prompt + [first], [first], 0
-    kept_counts = []
-    for cycle in range(12):
-        k = 1 + cycle % 4
-        proposal = drafter.propose("a", kept, unsent, k)
-        # The drafter's cache, rolled back and extended many times, still drafts
-        # exactly what its model drafts from scratch on the committed tokens.
-        assert proposal.token_ids == greedy_chain(drafter.model, tokens, k)
-        result = verifier.verify("a", proposal.token_ids)
-        tokens += result.tokens
-        unsent, kept = result.tokens, result.num_accepted
-        kept_counts.append(kept)
-        # Verifier invariant: the cache holds every committed token but the pending one.
-        assert verifier._sessions["a"].cache.length == len(tokens) - 1
-    assert 0 < sum(kept_counts) < sum(1 + c % 4 for c in range(12))   # some kept, some not
-    verifier.close_session("a")
-    drafter.close_session("a")
+    tokens, unsent, path = prompt + [first], [first], []
+    kept = []
+    try:
+        for cycle in range(6):
+            tree = drafter.propose("a", path, unsent, shape).tree
+            assert len(tree.tokens) <= shape.max_nodes
+            # The drafter's cache, compacted and extended many times, still drafts
+            # exactly what its model drafts from scratch on the committed tokens.
+            check_tree_against_scratch(drafter.model, tokens, tree, shape)
+            result = verifier.verify("a", tree.tokens, tree.parents)
+            # Greedy: every emitted token is the target's argmax after its prefix.
+            for j, tok in enumerate(result.tokens):
+                assert tok == int(next_logits(verifier.model, tokens + result.tokens[:j]).argmax())
+            tokens += result.tokens
+            unsent, path = result.tokens, result.path
+            kept.append(len(path))
+            # Verifier invariant: the cache holds every committed token but the pending one.
+            assert verifier._sessions["a"].cache.length == len(tokens) - 1
+        assert sum(kept) > 0
+    finally:
+        verifier.close_session("a")
+        drafter.close_session("a")
     assert verifier.num_sessions == 0 and verifier.kv_tokens == 0 and drafter.num_sessions == 0
 
 

@@ -10,7 +10,8 @@ class VerifierConfig:
     port: int = 50061                # 0 = pick a free port
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: str = "float32"           # float32 | float16 | bfloat16
-    max_draft_tokens: int = 16       # K limit per verify call
+    max_draft_tokens: int = 16       # draft depth limit per verify call (K for a chain)
+    max_tree_nodes: int = 64         # draft tree size limit per verify call
     max_sessions: int = 256          # open sessions at once; past it: RESOURCE_EXHAUSTED
     max_kv_tokens: int = 1_000_000   # sum of cached tokens over sessions
     engine: str = "auto"             # auto (lean forward where supported) | lean | hf

@@ -1,10 +1,12 @@
-"""The verifier core: prefill, one-forward verify with a lossless rule, rollback.
+"""The verifier core: prefill, one-forward verify of a draft tree with a lossless
+rule, KV compaction to the accepted path.
 
 Session invariant: `tokens` are the committed ids (prompt + generated); the KV
-cache holds all of them but the last, which is "pending": every verify forwards
-[pending, d1..dK] in ONE pass, so the K+1 logits rows score each draft position
-and the bonus position. Afterwards the cache is cropped back to the kept prefix
-(no copy). No grpc here: the servicer translates.
+cache holds all of them but the last, which is "pending" (the tree's root).
+Every verify forwards [root, node0 .. node{N-1}] in ONE pass (a tree attention
+mask; a chain is the tree whose mask is causal), so row 0 scores the root's
+children and row i+1 node i's children. Afterwards the cache keeps the root and
+the accepted path's rows, moved in place (specd/tree.py). No grpc here.
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.acceptance import accept_deterministic, accept_greedy, accept_sampled, dense_q
+from specd.acceptance import dense_q
 from specd.errors import CapacityExceeded, InvalidRequest, UnknownSession
 from specd.models import Runner, context_length, load_model, vocab_size
 from specd.sampling import SamplingParams, logits_to_probs, sample
+from specd.tree import (TokenTree, accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled,
+                        children, compaction_indices, depth, tree_attention, validate_tree)
 from specd.validation import check_token_ids
 
 from .config import VerifierConfig
@@ -25,17 +29,25 @@ from .config import VerifierConfig
 
 @dataclass
 class VerifyResult:
-    num_accepted: int
-    tokens: list[int]          # kept drafts + correction or bonus
-    compute_ms: float          # forward + acceptance + rollback
+    path: list[int]            # accepted node indices, root-down
+    tokens: list[int]          # path tokens + correction or bonus
+    compute_ms: float          # forward + acceptance + compaction
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
 
 
 @dataclass
 class _Session:
-    cache: object                # a Runner session: forward / rollback / length
+    cache: object                # a Runner session: forward / rollback / compact / length
     params: SamplingParams
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
+
+
+def is_chain(tree: TokenTree) -> bool:
+    return all(p == i - 1 for i, p in enumerate(tree.parents))
 
 
 class Verifier:
@@ -83,34 +95,42 @@ class Verifier:
             self._sessions[session_id] = s
             return first
 
-    def verify(self, session_id: str, draft_ids: list[int],
-               draft_dists: list[tuple[list[int], list[float]]] | None = None) -> VerifyResult:
-        """ONE forward over [pending] + draft; keep a lossless prefix; roll back."""
+    def verify(self, session_id: str, draft_ids: list[int], parents: list[int] | None = None,
+               row_dists: list[tuple[list[int], list[float]]] | None = None) -> VerifyResult:
+        """ONE forward over [root] + tree; keep a lossless path; compact the cache.
+
+        parents: None/empty = a chain. row_dists: per row (N+1; 0 = root), the
+        truncated q that row's children were sampled from (empty rows for
+        childless nodes); None = children chosen without sampling."""
         s = self._get(session_id)
-        k = len(draft_ids)
-        if k > self.config.max_draft_tokens:
-            raise InvalidRequest(f"{k} draft tokens is over this verifier's limit of {self.config.max_draft_tokens}")
-        check_token_ids(draft_ids, self.vocab_size, None, "draft_token_ids", allow_empty=True)
-        if len(s.tokens) + k > self.context_length:
-            raise InvalidRequest(
-                f"{k} draft tokens after {len(s.tokens)} committed would pass the context length {self.context_length}")
-        if draft_dists and len(draft_dists) != k:
-            raise InvalidRequest(f"got {len(draft_dists)} draft distributions for {k} draft tokens")
-        q = self._dense_q(draft_dists) if draft_dists else None
+        n = len(draft_ids)
+        parents = list(parents) if parents else list(range(-1, n - 1))
+        tree = validate_tree(draft_ids, parents, self.vocab_size, self.config.max_tree_nodes)
+        deepest = max(depth(tree), default=0)
+        if deepest > self.config.max_draft_tokens:
+            raise InvalidRequest(f"draft depth {deepest} is over this verifier's limit of {self.config.max_draft_tokens}")
+        if len(s.tokens) + deepest > self.context_length:
+            raise InvalidRequest(f"a draft of depth {deepest} after {len(s.tokens)} committed tokens "
+                                 f"would pass the context length {self.context_length}")
+        q = self._dense_q(tree, row_dists) if row_dists else None
         with self._lock:
             start = time.perf_counter()
             base = s.cache.length                       # == len(tokens) - 1
-            logits = s.cache.forward([s.tokens[-1]] + list(draft_ids))  # (K+1, V)
+            positions = mask = None
+            if not is_chain(tree):                      # a chain's mask is the causal one
+                mask4, pos2 = tree_attention(tree, base)
+                mask, positions = mask4[0, 0], pos2[0]
+            logits = s.cache.forward([s.tokens[-1]] + list(tree.tokens), positions=positions, mask=mask)
             if s.params.greedy:
-                result = accept_greedy(logits, list(draft_ids))
+                result = accept_tree_greedy(logits, tree)
             else:
                 p = logits_to_probs(logits, s.params)
-                result = (accept_sampled(p, list(draft_ids), q, s.generator) if q is not None
-                          else accept_deterministic(p, list(draft_ids), s.generator))
-            # Keep pending + accepted drafts in the cache; the new last token is pending.
-            s.cache.rollback(base + 1 + result.num_accepted)
+                result = (accept_tree_sampled(p, tree, q, s.generator) if q is not None
+                          else accept_tree_deterministic(p, tree, s.generator))
+            # Keep the root and the accepted path; the new last token is pending.
+            s.cache.compact(base, compaction_indices(result.path))
             s.tokens += result.tokens
-            return VerifyResult(result.num_accepted, result.tokens, (time.perf_counter() - start) * 1e3)
+            return VerifyResult(result.path, result.tokens, (time.perf_counter() - start) * 1e3)
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
@@ -123,11 +143,23 @@ class Verifier:
             raise UnknownSession(f"unknown session id {session_id!r}")
         return s
 
-    def _dense_q(self, dists: list[tuple[list[int], list[float]]]) -> torch.Tensor:
-        for i, (ids, probs) in enumerate(dists):
-            if len(ids) != len(probs) or not ids:
-                raise InvalidRequest(f"draft distribution {i}: {len(ids)} ids but {len(probs)} probs")
-            check_token_ids(ids, self.vocab_size, None, f"draft_distributions[{i}].token_ids")
+    def _dense_q(self, tree: TokenTree, rows: list[tuple[list[int], list[float]]]) -> torch.Tensor:
+        """Check the sparse per-row q and densify it to (N+1, V)."""
+        if len(rows) != len(tree.tokens) + 1:
+            raise InvalidRequest(f"got {len(rows)} draft distributions for a tree of {len(tree.tokens)} "
+                                 f"nodes (one per row: the root and each node)")
+        kids = children(tree)
+        for r, (ids, probs) in enumerate(rows):
+            if len(ids) != len(probs):
+                raise InvalidRequest(f"draft distribution {r}: {len(ids)} ids but {len(probs)} probs")
+            if not kids[r]:
+                continue                              # childless rows carry nothing
+            check_token_ids(ids, self.vocab_size, None, f"draft_distributions[{r}].token_ids")
             if any(not (0.0 <= p <= 1.0) for p in probs) or abs(sum(probs) - 1.0) > 1e-3:
-                raise InvalidRequest(f"draft distribution {i} is not a probability distribution (sum {sum(probs):.4f})")
-        return dense_q([d[0] for d in dists], [d[1] for d in dists], self.vocab_size)
+                raise InvalidRequest(f"draft distribution {r} is not a probability distribution "
+                                     f"(sum {sum(probs):.4f})")
+            support = set(ids)
+            missing = [tree.tokens[c] for c in kids[r] if tree.tokens[c] not in support]
+            if missing:
+                raise InvalidRequest(f"draft distribution {r} gives probability 0 to drafted token(s) {missing}")
+        return dense_q([ids for ids, _ in rows], [p for _, p in rows], self.vocab_size)

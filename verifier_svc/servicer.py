@@ -23,9 +23,10 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
 
     def _verify(self, request) -> pb.VerifyResponse:
         result = self.core.verify(request.session_id, list(request.draft_token_ids),
+                                  list(request.draft_parents),
                                   dists_from_proto(request.draft_distributions) or None)
         return pb.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.tokens,
-                                 compute_ms=result.compute_ms)
+                                 accepted_path=result.path, compute_ms=result.compute_ms)
 
     @grpc_errors
     def Verify(self, request, context):

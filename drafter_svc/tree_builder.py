@@ -1,0 +1,144 @@
+"""Growing a draft token tree on the drafter's model (pure of grpc).
+
+Shapes are data (`DraftShape`): a chain of K is the static tree (1,)*K, a static
+tree is a branching factor per depth (Medusa / SpecInfer style), and a dynamic
+tree grows the nodes of highest cumulative draft probability until a node budget
+is spent (EAGLE-2, Li et al. 2024). One forward per depth: the nodes of a level
+go through the model together, each seeing the committed tokens, its own
+ancestors among the tree nodes already in the cache, and itself.
+
+Children are chosen by top-k (greedy requests and dynamic trees: the verifier
+uses the greedy / deterministic-children rule) or, for sampled requests on
+static trees, drawn WITHOUT replacement from the drafter's truncated q, which
+travels with the tree (the verifier uses the sampled-children rule).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.draft_shape import DraftShape
+from specd.sampling import SamplingParams, logits_to_probs, truncate_top
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    # Per row (0 = root, i+1 = node i): the truncated q that row's children were
+    # drawn from, only when children were sampled; else empty.
+    row_dists: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # Node indices in the order their KV rows follow the committed tokens in the cache.
+    forwarded: list[int] = field(default_factory=list)
+
+
+def _sample_without_replacement(ids: torch.Tensor, probs: torch.Tensor, n: int, gen) -> list[int]:
+    probs, out = probs.clone(), []
+    for _ in range(min(n, int((probs > 0).sum()))):
+        j = int(torch.multinomial(probs, 1, generator=gen))
+        out.append(int(ids[j]))
+        probs[j] = 0.0
+    return out
+
+
+class _Grower:
+    """Holds the tree while it grows; `forward_level` runs one depth."""
+
+    def __init__(self, session, past_len: int):
+        self.s, self.past = session, past_len
+        self.tree = DraftTree()
+        self.depth: list[int] = []
+        self.ancestors: list[list[int]] = []      # per node: ancestor node indices
+
+    def add(self, token: int, parent: int) -> int:
+        self.tree.tokens.append(token)
+        self.tree.parents.append(parent)
+        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        self.ancestors.append([] if parent < 0 else self.ancestors[parent] + [parent])
+        return len(self.tree.tokens) - 1
+
+    def forward_level(self, nodes: list[int]) -> torch.Tensor:
+        """Forward these nodes in one pass; return their logits (len(nodes), V)."""
+        fwd = self.tree.forwarded
+        cached = self.past + len(fwd)
+        row_of = {n: i for i, n in enumerate(fwd)}
+        mask = torch.full((len(nodes), cached + len(nodes)), float("-inf"))
+        mask[:, :self.past] = 0.0                                    # committed tokens
+        for r, n in enumerate(nodes):
+            for a in self.ancestors[n]:
+                mask[r, self.past + row_of[a]] = 0.0                 # its ancestors
+            mask[r, cached + r] = 0.0                                # itself
+        # The root (last committed token) sits at past-1; a node at depth d at past-1+d.
+        positions = torch.tensor([self.past - 1 + self.depth[n] for n in nodes])
+        logits = self.s.forward([self.tree.tokens[n] for n in nodes], positions=positions, mask=mask)
+        fwd += nodes
+        return logits
+
+
+def build_tree(session, root_logits: torch.Tensor, shape: DraftShape, params: SamplingParams,
+               top_n: int, gen: torch.Generator) -> DraftTree:
+    """Grow a tree below the root. The session's cache must hold exactly the
+    committed tokens (the root is the last of them); tree nodes are appended."""
+    g = _Grower(session, session.length)
+    if shape.dynamic:
+        _grow_dynamic(g, root_logits, shape)
+    else:
+        _grow_static(g, root_logits, shape.branching, params, top_n, gen)
+    return g.tree
+
+
+def _grow_static(g: _Grower, root_logits, branching, params, top_n, gen) -> None:
+    sampled = not params.greedy
+    frontier = [(-1, root_logits)]
+    dists: dict[int, tuple[list[int], list[float]]] = {}
+    for depth, b in enumerate(branching):
+        level = []
+        for node, logits in frontier:
+            if sampled:
+                ids, probs = truncate_top(logits_to_probs(logits, params), top_n)
+                dists[node + 1] = (ids.tolist(), probs.tolist())
+                chosen = _sample_without_replacement(ids, probs, b, gen)
+            else:
+                chosen = torch.topk(logits, b).indices.tolist()
+            level += [g.add(t, node) for t in chosen]
+        if depth == len(branching) - 1 or not level:
+            break
+        frontier = list(zip(level, g.forward_level(level)))
+    if sampled:
+        g.tree.row_dists = [dists.get(r, ([], [])) for r in range(len(g.tree.tokens) + 1)]
+
+
+def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:
+    """EAGLE-2 style: expand the top_k best nodes of each depth, then keep the
+    node_budget nodes of highest cumulative log-probability. A child never
+    scores above its parent, so the kept set is closed under ancestors."""
+    score: list[float] = []
+
+    def expand(parent: int, logits: torch.Tensor) -> list[int]:
+        logp = torch.log_softmax(logits.float(), -1)
+        top = torch.topk(logp, shape.top_k)
+        base = score[parent] if parent >= 0 else 0.0
+        made = []
+        for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+            made.append(g.add(t, parent))
+            score.append(base + lp)
+        return made
+
+    level = expand(-1, root_logits)
+    for _ in range(shape.max_depth - 1):
+        best = sorted(level, key=lambda n: -score[n])[:shape.top_k]
+        logits = g.forward_level(best)
+        level = [c for n, row in zip(best, logits) for c in expand(n, row)]
+    keep = sorted(range(len(score)), key=lambda n: (-score[n], g.depth[n]))[:shape.node_budget]
+    keep.sort(key=lambda n: (g.depth[n], n))            # parents before children
+    new = {old: i for i, old in enumerate(keep)}
+    t = g.tree
+    g.tree = DraftTree(
+        tokens=[t.tokens[n] for n in keep],
+        parents=[new[t.parents[n]] if t.parents[n] >= 0 else -1 for n in keep],
+        # Forwarded rows stay in the cache in their order; pruned ones map to -1
+        # and are dropped by the next compaction.
+        forwarded=[new.get(n, -1) for n in t.forwarded],
+    )
+    assert all(p < i for i, p in enumerate(g.tree.parents)), "kept set must be closed under ancestors"
