@@ -88,3 +88,29 @@ def test_verifier_refuses_sessions_past_its_budget(pairs):
         v.open_session("d", [1, 2], GREEDY)
     # Running sessions are unharmed.
     assert len(v.verify("a", [5, 6]).tokens) >= 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compacted_cache_equals_fresh_prefill(cores, temperature):
+    """Issue 4, must-show 3: after many cycles of tree verification (greedy and
+    sampled, static and dynamic trees), the verifier's next-token logits equal
+    a fresh prefill of the committed sequence."""
+    verifier, drafter = cores
+    params = SamplingParams(temperature=temperature, seed=3)
+    prompt = [40, 41, 42, 43]
+    first = verifier.open_session("c", prompt, params)
+    drafter.open_session("c", prompt, params)
+    unsent, path = [first], []
+    shapes = [DraftShape(branching=(3, 2, 1)), DraftShape(node_budget=9, max_depth=4, top_k=3), DraftShape.chain(4)]
+    try:
+        for cycle in range(15):
+            tree = drafter.propose("c", path, unsent, shapes[cycle % 3]).tree
+            result = verifier.verify("c", tree.tokens, tree.parents, tree.row_dists or None)
+            unsent, path = result.tokens, result.path
+        s = verifier._sessions["c"]
+        got = s.cache.forward([s.tokens[-1]])[-1]
+        want = verifier.model(torch.tensor([s.tokens])).logits[0, -1].float()
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    finally:
+        verifier.close_session("c")
+        drafter.close_session("c")

@@ -70,3 +70,21 @@ def test_concurrent_streams_share_the_replicas_exactly(pairs, stacks):
             range(8)))
     for i, ((got, _), (want, gaps)) in enumerate(zip(results, wants)):
         assert_same_or_near_tie(got, want, gaps, f"concurrent stream {i}")
+
+
+TREES = [{"branching": [3, 2, 1]}, {"branching": [2, 2, 2, 1]},
+         {"node_budget": 8, "max_depth": 4, "top_k": 3}, {"node_budget": 16, "max_depth": 6, "top_k": 4}]
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["static321", "static2221", "dynamic8", "dynamic16"])
+def test_greedy_trees_equal_target_only(tree, pairs, stacks):
+    """Issue 4, must-show 1: tree drafts (static and dynamic), 20 prompts each."""
+    target_dir, _ = pairs["llama"]
+    model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
+    accepted = 0
+    for n, p in enumerate(prompts(tok)):
+        want, gaps = reference(model, p)
+        got, last = stacks["llama"].generate(prompt_token_ids={"ids": p}, max_new_tokens=MAX_NEW, tree=tree)
+        assert_same_or_near_tie(got, want, gaps, f"tree {tree} prompt {n}")
+        accepted += last.stats.accepted_tokens
+    assert accepted > 0

@@ -2,10 +2,11 @@
 the target's exact distribution, at temperature 1 and at temperature < 1 with
 top-p < 1, including positions after a rejection.
 
-Each request generates 4 tokens with K=2: token 1 comes from the prefill, tokens
-2-3 from the first verify (token 3 is the second draft position: the second
-draft kept, the correction after a rejection of the first, or the bonus). Only
-the first 3 tokens are compared. The empirical joint
+Each request generates 4 tokens with a draft of depth >= 2: token 1 comes from
+the prefill, tokens 2-3 from the first verify (token 3 is at depth 2: a kept
+second-level node, the correction after a rejection at depth 1, or the bonus).
+Only the first 3 tokens are compared. Chains, static trees (sampled children)
+and dynamic trees (deterministic children) each get their own case. The empirical joint
 of the 3 tokens is compared with the exact joint computed from the target's
 logits (enumerating the support). The threshold is the 99.9th percentile of the
 total-variation distance between N samples of the exact joint and the joint
@@ -57,11 +58,24 @@ def null_threshold(joint: dict, n: int, q=0.999, trials=1000) -> float:
     return float(torch.tensor(stats).quantile(q))
 
 
-@pytest.mark.parametrize("prompt,temperature,top_p,top_k", [
-    ([40, 41, 42, 43, 44], 1.0, 1.0, 6),
-    ([100, 7, 9], 0.7, 0.8, 0),
-])
-def test_speculative_sampling_matches_target(prompt, temperature, top_p, top_k, pairs, stacks):
+CASES = [
+    # (prompt, temperature, top_p, top_k, draft): chains use the sampled-children
+    # rule with one child per node; static trees sample children without
+    # replacement (sampled-children rule); dynamic trees pick children by top-k
+    # (deterministic-children rule).
+    ([40, 41, 42, 43, 44], 1.0, 1.0, 6, dict(num_speculative_tokens=2)),
+    ([100, 7, 9], 0.7, 0.8, 0, dict(num_speculative_tokens=2)),
+    ([40, 41, 42, 43, 44], 1.0, 1.0, 6, dict(tree={"branching": [3, 2]})),
+    ([100, 7, 9], 0.7, 0.8, 0, dict(tree={"branching": [2, 2]})),
+    ([40, 41, 42, 43, 44], 1.0, 1.0, 6, dict(tree={"node_budget": 6, "max_depth": 3, "top_k": 3})),
+    ([100, 7, 9], 0.7, 0.8, 0, dict(tree={"node_budget": 5, "max_depth": 2, "top_k": 3})),
+]
+
+
+@pytest.mark.parametrize("prompt,temperature,top_p,top_k,draft", CASES,
+                         ids=["chain-T1", "chain-T0.7p0.8", "static32-T1", "static22-T0.7p0.8",
+                              "dynamic6-T1", "dynamic5-T0.7p0.8"])
+def test_speculative_sampling_matches_target(prompt, temperature, top_p, top_k, draft, pairs, stacks):
     target_dir, drafter_dir = pairs["llama"]
     params = SamplingParams(temperature, top_p, top_k)
     joint = exact_joint(target_dir, prompt, params)
@@ -73,8 +87,8 @@ def test_speculative_sampling_matches_target(prompt, temperature, top_p, top_k, 
     counts, rejections, acceptances = {}, 0, 0
     for seed in range(N):
         ids, last = stacks["llama"].generate(
-            prompt_token_ids={"ids": prompt}, max_new_tokens=4, num_speculative_tokens=2,
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+            prompt_token_ids={"ids": prompt}, max_new_tokens=4,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **draft)
         key = tuple(ids[:3])
         counts[key] = counts.get(key, 0) + 1
         rejections += last.stats.accepted_tokens < last.stats.drafted_tokens
