@@ -33,6 +33,9 @@ class DeploymentConfig:
     device: str = "auto"
     dtype: str = "float32"
     default_num_speculative_tokens: int = 4
+    default_tree_branching: tuple[int, ...] = ()   # service default tree (see OrchestratorConfig)
+    default_tree_node_budget: int = 0
+    default_tree_max_depth: int = 6
     verifier_resource: str = "verifier"   # Ray custom resource of the verifier pool
     drafter_resource: str = "drafter"     # Ray custom resource of the drafter pool
     ready_timeout_s: float = 300.0
@@ -96,7 +99,9 @@ def deploy(cfg: DeploymentConfig) -> str:
     orch_fields = dataclasses.asdict(OrchestratorConfig(
         target_dir=cfg.target_dir, drafter_dir=cfg.drafter_dir, port=cfg.port,
         verifier_addresses=v_addrs, drafter_addresses=d_addrs,
-        default_num_speculative_tokens=cfg.default_num_speculative_tokens))
+        default_num_speculative_tokens=cfg.default_num_speculative_tokens,
+        default_tree_branching=cfg.default_tree_branching, default_tree_node_budget=cfg.default_tree_node_budget,
+        default_tree_max_depth=cfg.default_tree_max_depth))
     orch = OrchestratorActor.options(name=ORCHESTRATOR_NAME, namespace=NAMESPACE,
                                      lifetime="detached").remote(orch_fields)
     return ray.get(orch.address.remote(), timeout=cfg.ready_timeout_s)

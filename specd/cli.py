@@ -37,7 +37,9 @@ def cmd_up(args) -> int:
             target_dir=str(Path(args.target).resolve()),
             drafter_dir=str(Path(args.drafter).resolve()) if args.drafter else None,
             port=args.port, num_verifiers=args.verifiers, num_drafters=args.drafters,
-            device=args.device, default_num_speculative_tokens=args.num_speculative_tokens))
+            device=args.device, default_num_speculative_tokens=args.num_speculative_tokens,
+            default_tree_branching=tuple(args.tree or ()), default_tree_node_budget=args.tree_budget or 0,
+            default_tree_max_depth=args.tree_depth))
     except BaseException:
         if ray_pid:
             cluster.stop_local_ray(ray_pid)
@@ -82,6 +84,9 @@ def cmd_generate(args) -> int:
         req.seed = args.seed
     if args.num_speculative_tokens is not None:
         req.num_speculative_tokens = args.num_speculative_tokens
+    if args.tree or args.tree_budget:
+        req.tree.CopyFrom(pb.DraftShape(branching=args.tree or [], node_budget=args.tree_budget or 0,
+                                        max_depth=args.tree_depth))
     with grpc.insecure_channel(address) as channel:
         try:
             for r in pb_grpc.OrchestratorServiceStub(channel).Generate(req):
@@ -129,6 +134,19 @@ def _add_generate_flags(p) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 
+def _branching(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tree wants comma-separated branching factors like 3,2,1; got {text!r}")
+
+
+def _add_tree_flags(p) -> None:
+    p.add_argument("--tree", type=_branching, help="static draft tree: children per depth, e.g. 3,2,2,1")
+    p.add_argument("--tree-budget", type=int, help="dynamic draft tree (EAGLE-2 style) of this many nodes")
+    p.add_argument("--tree-depth", type=int, default=6, help="depth limit of the dynamic tree")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description="distributed speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,11 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_deploy_flags(up)
     up.add_argument("--port", type=int, default=50051, help="public Generate port (0 = any free)")
     up.add_argument("--num-speculative-tokens", type=int, default=4, help="default K per cycle")
+    _add_tree_flags(up)
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="stream a completion")
     gen.add_argument("prompt")
     _add_generate_flags(gen)
     gen.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
+    _add_tree_flags(gen)
     gen.set_defaults(func=cmd_generate)
     down = sub.add_parser("down", help="stop what `specd up` started")
     down.set_defaults(func=cmd_down)
@@ -149,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_flags(demo)
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--num-speculative-tokens", type=int, default=4)
+    _add_tree_flags(demo)
     demo.set_defaults(func=cmd_demo, max_new_tokens=64)
     return parser
 

@@ -60,6 +60,9 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
         gen = run(["generate", "def add(a, b):", "--max-new-tokens", "12"], env, timeout=120)
         assert gen.returncode == 0, gen.stderr
         assert "finish=length" in gen.stderr and "completion_tokens=12" in gen.stderr
+        tree = run(["generate", "def add(a, b):", "--max-new-tokens", "12", "--tree", "2,2,1"], env, timeout=120)
+        assert tree.returncode == 0 and gen.stdout == tree.stdout, tree.stderr   # greedy: same text
+        assert "K=3" in tree.stderr
         bad = run(["generate", "x", "--temperature", "-1"], env, timeout=120)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
     finally:
