@@ -12,12 +12,12 @@ def expected_tokens_per_cycle(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def predicted_speedup(alpha: float, k: int, t_verify_k: float, t_verify_1: float,
+def predicted_speedup(tokens_per_cycle: float, t_verify_k: float, t_verify_1: float,
                       t_draft_cycle: float) -> float:
     """Tokens per cycle / (cost of a cycle in target single-token forwards).
 
-    t_verify_k: target compute for one verify of K+1 tokens; t_verify_1: for one
-    token (plain decoding); t_draft_cycle: drafter compute for K tokens. Network
-    and orchestration are deliberately left out: efficiency = measured /
-    predicted then shows what they cost."""
-    return expected_tokens_per_cycle(alpha, k) / ((t_verify_k + t_draft_cycle) / t_verify_1)
+    t_verify_k: target compute for one verify of the draft (K+1 tokens);
+    t_verify_1: for one token (plain decoding); t_draft_cycle: drafter compute
+    per cycle. Network and orchestration are deliberately left out: efficiency
+    = measured / predicted then shows what they cost."""
+    return tokens_per_cycle / ((t_verify_k + t_draft_cycle) / t_verify_1)

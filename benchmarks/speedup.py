@@ -29,15 +29,52 @@ from specd.models import load_model, load_tokenizer
 from .costs import expected_tokens_per_cycle, predicted_speedup
 
 ROOT = Path(__file__).resolve().parents[1]
+# Chains, and trees with the same number of draft nodes as some chain (6, 10),
+# so that trees and chains compare at equal verified tokens per cycle.
+DEFAULT_DRAFTS = ["off", "2", "3", "4", "6", "10", "tree-2,1,1", "tree-3,1", "tree-2,1,1,1,1",
+                  "dyn-6x4", "dyn-10x6"]
 RESULTS = ROOT / "benchmarks/results"
 CACHE = ROOT / "benchmarks/.cache"
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One speculation setting of the benchmark: a chain of K or a tree."""
+    label: str               # "off", "chain-4", "tree-3,1,1", "dyn-6"
+    fields: tuple = ()       # GenerateRequest fields, as (name, value) pairs
+
+    @staticmethod
+    def parse(text: str) -> "Draft":
+        if text in ("0", "off"):
+            return Draft("off", (("num_speculative_tokens", 0),))
+        if text.startswith("tree-"):
+            return Draft(text, (("tree", {"branching": [int(x) for x in text[5:].split(",")]}),))
+        if text.startswith("dyn-"):
+            n, _, depth = text[4:].partition("x")
+            return Draft(text, (("tree", {"node_budget": int(n), "max_depth": int(depth or 6)}),))
+        return Draft(f"chain-{int(text)}", (("num_speculative_tokens", int(text)),))
+
+    @property
+    def nodes(self) -> int:
+        """Draft tokens verified per cycle (the most, for a dynamic tree)."""
+        f = dict(self.fields)
+        if "tree" in f:
+            t = f["tree"]
+            if "node_budget" in t:
+                return t["node_budget"]
+            total, level = 0, 1
+            for b in t["branching"]:
+                level *= b
+                total += level
+            return total
+        return f["num_speculative_tokens"]
 
 
 @dataclass
 class Row:
     system: str              # "specd" | "hf-assisted" | "hf-target-only"
     mode: str                # "greedy" | "T=0.8"
-    k: int | None            # K for specd (0 = speculation off); None for HF
+    draft: Draft | None      # specd's setting; None for HF
     tokens: int = 0
     seconds: float = 0.0
     cycles: int = 0
@@ -80,13 +117,13 @@ def cost_scaled_target(target: Path, min_params: int) -> Path:
     return out
 
 
-def run_specd(stack: Stack, prompts, k: int, mode: str, max_new: int) -> Row:
-    row = Row("specd", mode, k)
+def run_specd(stack: Stack, prompts, draft: Draft, mode: str, max_new: int) -> Row:
+    row = Row("specd", mode, draft)
     temp = 0.0 if mode == "greedy" else 0.8
     for i, p in enumerate(prompts):
         start = time.perf_counter()
         ids, last = stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=max_new,
-                                   num_speculative_tokens=k, temperature=temp, seed=i)
+                                   temperature=temp, seed=i, **dict(draft.fields))
         row.seconds += time.perf_counter() - start
         s = last.stats
         row.tokens += len(ids)
@@ -123,8 +160,9 @@ def summarise(rows: list[Row]) -> list[dict]:
     """One dict per row with the derived figures (speedups, theory, overhead)."""
     out = []
     for r in rows:
-        base = next(b for b in rows if b.system == "specd" and b.mode == r.mode and b.k == 0)
-        d = dict(system=r.system, mode=r.mode, k=r.k, tokens=r.tokens, seconds=round(r.seconds, 3),
+        base = next(b for b in rows if b.system == "specd" and b.mode == r.mode and b.draft.label == "off")
+        d = dict(system=r.system, mode=r.mode, draft=r.draft.label if r.draft else "",
+                 nodes=r.draft.nodes if r.draft else None, tokens=r.tokens, seconds=round(r.seconds, 3),
                  tokens_per_s=round(r.tokens_per_s, 2),
                  speedup_vs_target_only=round(r.tokens_per_s / base.tokens_per_s, 3))
         if r.system == "specd":
@@ -134,26 +172,30 @@ def summarise(rows: list[Row]) -> list[dict]:
                      overhead_ms_p90=round(pct(r.overheads_ms, 0.9), 3),
                      verify_ms_per_cycle=round(r.verify_ms / r.cycles, 2),
                      draft_ms_per_cycle=round(r.draft_ms / r.cycles, 2))
-            if r.k:
-                pred = predicted_speedup(r.alpha, r.k, r.verify_ms / r.cycles, t1, r.draft_ms / r.cycles)
-                d.update(expected_tokens_per_cycle=round(expected_tokens_per_cycle(r.alpha, r.k), 3),
-                         predicted_speedup=round(pred, 3),
+            if r.draft.label != "off":
+                chain = r.draft.label.startswith("chain-")
+                # Chains: the i.i.d. formula from the measured per-token acceptance.
+                # Trees have no such closed form: their measured tokens per cycle is used.
+                expected = (expected_tokens_per_cycle(r.alpha, r.draft.nodes) if chain
+                            else r.mean_accepted_length)
+                pred = predicted_speedup(expected, r.verify_ms / r.cycles, t1, r.draft_ms / r.cycles)
+                d.update(expected_tokens_per_cycle=round(expected, 3), predicted_speedup=round(pred, 3),
                          efficiency=round(d["speedup_vs_target_only"] / pred, 3))
-            if r.mode == "greedy" and r.k:
-                d["greedy_outputs_equal_target_only"] = r.outputs == base.outputs
+                if r.mode == "greedy":
+                    d["greedy_outputs_equal_target_only"] = r.outputs == base.outputs
         out.append(d)
     for d in out:   # specd vs HF assisted on the same pair, same mode
         hf = next((x for x in out if x["system"] == "hf-assisted" and x["mode"] == d["mode"]), None)
-        if hf and d["system"] == "specd" and d["k"]:
+        if hf and d["system"] == "specd" and d["draft"] != "off":
             d["vs_hf_assisted"] = round(d["tokens_per_s"] / hf["tokens_per_s"], 3)
     return out
 
 
 def table(summary: list[dict]) -> str:
-    cols = ["system", "mode", "k", "tokens_per_s", "speedup_vs_target_only", "vs_hf_assisted", "alpha",
+    cols = ["system", "mode", "draft", "nodes", "tokens_per_s", "speedup_vs_target_only", "vs_hf_assisted", "alpha",
             "mean_accepted_length", "expected_tokens_per_cycle", "predicted_speedup", "efficiency",
             "overhead_ms_p50", "overhead_ms_p90", "greedy_outputs_equal_target_only"]
-    short = ["system", "mode", "K", "tok/s", "speedup", "vs HF", "alpha", "acc.len", "E[len]", "pred.",
+    short = ["system", "mode", "draft", "nodes", "tok/s", "speedup", "vs HF", "alpha", "acc.len", "E[len]", "pred.",
              "effic.", "ovh p50 ms", "ovh p90 ms", "= target-only"]
     lines = ["| " + " | ".join(short) + " |", "|" + "---|" * len(cols)]
     for d in summary:
@@ -161,24 +203,45 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tree_vs_chain(summary: list[dict]) -> list[dict]:
+    """Per number of verified draft tokens: the best chain's and the best tree's
+    mean accepted length (greedy)."""
+    out = []
+    rows = [d for d in summary if d["system"] == "specd" and d["mode"] == "greedy" and d["draft"] != "off"]
+    for n in sorted({d["nodes"] for d in rows}):
+        chains = [d for d in rows if d["nodes"] == n and d["draft"].startswith("chain-")]
+        trees = [d for d in rows if d["nodes"] == n and not d["draft"].startswith("chain-")]
+        if chains and trees:
+            c = max(chains, key=lambda d: d["mean_accepted_length"])
+            t = max(trees, key=lambda d: d["mean_accepted_length"])
+            out.append(dict(nodes=n, best_chain=c["draft"], chain_accepted_length=c["mean_accepted_length"],
+                            best_tree=t["draft"], tree_accepted_length=t["mean_accepted_length"],
+                            tree_beats_chain=t["mean_accepted_length"] > c["mean_accepted_length"]))
+    return out
+
+
 def plot(summary: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for i, mode in enumerate(sorted({d["mode"] for d in summary})):
-        rows = [d for d in summary if d["mode"] == mode and d["system"] == "specd"]
-        ks = [d["k"] for d in rows]
-        ax.plot(ks, [d["tokens_per_s"] for d in rows], "o-", label=f"specd measured ({mode})", color=f"C{i}")
-        base = rows[0]["tokens_per_s"]
-        ax.plot([d["k"] for d in rows if d.get("predicted_speedup")],
-                [base * d["predicted_speedup"] for d in rows if d.get("predicted_speedup")],
-                "x--", color=f"C{i}", label=f"theory ({mode})")
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    modes = sorted({d["mode"] for d in summary})
+    labels = [d["draft"] for d in summary if d["system"] == "specd" and d["mode"] == modes[0]]
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        rows = {d["draft"]: d for d in summary if d["mode"] == mode and d["system"] == "specd"}
+        xs = [j + i * width for j in range(len(labels))]
+        ax.bar(xs, [rows[l]["tokens_per_s"] if l in rows else 0 for l in labels], width,
+               label=f"specd measured ({mode})", color=f"C{i}")
+        base = rows["off"]["tokens_per_s"]
+        ax.plot([x for x, l in zip(xs, labels) if rows.get(l, {}).get("predicted_speedup")],
+                [base * rows[l]["predicted_speedup"] for l in labels if rows.get(l, {}).get("predicted_speedup")],
+                "kx", label="theory" if i == 0 else None)
         hf = next((d for d in summary if d["system"] == "hf-assisted" and d["mode"] == mode), None)
         if hf:
             ax.axhline(hf["tokens_per_s"], color=f"C{i}", ls=":", label=f"HF assisted ({mode})")
-    ax.set_xlabel("K (draft tokens per cycle; 0 = speculation off)")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=30, fontsize=8)
     ax.set_ylabel("tokens/s (batch 1)")
     ax.set_title("specd speedup, cost-scaled demo target")
     ax.legend(fontsize=8)
@@ -197,29 +260,33 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--ks", default="2,3,4,5,6", help="K values for specd")
+    ap.add_argument("--drafts", nargs="+", default=DEFAULT_DRAFTS,
+                    help="specd settings: off, K (a chain), tree-B1,B2,.. (static tree), dyn-N[xDEPTH] (dynamic)")
     ap.add_argument("--modes", default="greedy,T=0.8")
-    ap.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, K in {3,5}")
+    ap.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, a few drafts")
     ap.add_argument("--out", type=Path, default=RESULTS / "speedup.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.prompts, args.max_new_tokens, args.ks = 3, 32, "3,5"
+        args.prompts, args.max_new_tokens, args.drafts = 3, 32, ["off", "3", "tree-2,1,1", "dyn-6"]
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     target = cost_scaled_target(args.target, args.min_params)
     tok = load_tokenizer(str(args.target))
     prompts = [p.tolist() for p in make_prompts(tok, args.prompts, args.prompt_tokens, args.max_new_tokens)]
-    ks = [0] + [int(k) for k in args.ks.split(",")]
+    drafts = [Draft.parse(d) for d in args.drafts]
+    if drafts[0].label != "off":
+        drafts.insert(0, Draft.parse("off"))       # the baseline every ratio uses
     modes = args.modes.split(",")
 
     rows: list[Row] = []
     stack = Stack(str(target), str(args.drafter))
     try:
-        run_specd(stack, prompts[:1], 2, "greedy", 8)          # warm-up: first-call costs
+        run_specd(stack, prompts[:1], Draft.parse("2"), "greedy", 8)   # warm-up: first-call costs
         for mode in modes:
-            for k in ks:
-                rows.append(run_specd(stack, prompts, k, mode, args.max_new_tokens))
-                print(f"specd {mode} K={k}: {rows[-1].tokens_per_s:.1f} tok/s", flush=True)
+            for draft in drafts:
+                rows.append(run_specd(stack, prompts, draft, mode, args.max_new_tokens))
+                print(f"specd {mode} {draft.label}: {rows[-1].tokens_per_s:.1f} tok/s "
+                      f"(accepted length {rows[-1].mean_accepted_length:.2f})", flush=True)
     finally:
         stack.stop()
 
@@ -238,9 +305,16 @@ def main(argv=None) -> int:
                 prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(meta=meta, rows=summary), indent=2))
+    trees = tree_vs_chain(summary)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=summary, tree_vs_chain=trees), indent=2))
     plot(summary, args.out.with_suffix(".png"))
     print(table(summary))
+    if trees:
+        print("\nTree vs chain at equal verified draft tokens per cycle (greedy, mean accepted length):")
+        for t in trees:
+            print(f"  {t['nodes']:>3} nodes: best chain {t['best_chain']} {t['chain_accepted_length']:.3f}"
+                  f" | best tree {t['best_tree']} {t['tree_accepted_length']:.3f}"
+                  f" -> tree {'beats' if t['tree_beats_chain'] else 'does NOT beat'} chain")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 

@@ -62,6 +62,12 @@ class _Grower:
         """Forward these nodes in one pass; return their logits (len(nodes), V)."""
         fwd = self.tree.forwarded
         cached = self.past + len(fwd)
+        if len(nodes) == 1 and len(self.ancestors[nodes[0]]) == len(fwd):
+            # One node that sees everything cached (every level of a chain): the
+            # plain causal forward, no mask to build.
+            logits = self.s.forward([self.tree.tokens[nodes[0]]])
+            fwd += nodes
+            return logits
         row_of = {n: i for i, n in enumerate(fwd)}
         mask = torch.full((len(nodes), cached + len(nodes)), float("-inf"))
         mask[:, :self.past] = 0.0                                    # committed tokens
