@@ -7,6 +7,8 @@ import argparse
 import asyncio
 import logging
 
+from specd.spec_config import add_speculative_flags, speculative_config_from_args
+
 from .config import OrchestratorConfig
 from .server import start_async
 
@@ -19,18 +21,13 @@ def main(argv=None):
     p.add_argument("--drafter-address", action="append", default=[])
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--tree", help="default static draft tree, e.g. 3,2,1")
-    p.add_argument("--tree-budget", type=int, default=0, help="default dynamic tree of this many nodes")
-    p.add_argument("--tree-depth", type=int, default=6)
+    add_speculative_flags(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     config = OrchestratorConfig(
         target_dir=args.target, drafter_dir=args.drafter, host=args.host, port=args.port,
         verifier_addresses=args.verifier_address, drafter_addresses=args.drafter_address,
-        default_num_speculative_tokens=args.num_speculative_tokens,
-        default_tree_branching=tuple(int(x) for x in args.tree.split(",")) if args.tree else (),
-        default_tree_node_budget=args.tree_budget, default_tree_max_depth=args.tree_depth)
+        speculative=speculative_config_from_args(args))
 
     async def serve():
         server, port = await start_async(config)

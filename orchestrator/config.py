@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specd.draft_shape import DraftShape
+from specd.spec_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -15,21 +15,6 @@ class OrchestratorConfig:
     drafter_addresses: list[str] = field(default_factory=list)
     default_max_new_tokens: int = 128      # when a request leaves it unset
     max_new_tokens_limit: int = 4096       # requests above it: INVALID_ARGUMENT
-    default_num_speculative_tokens: int = 4  # K when a request leaves it unset
-    max_num_speculative_tokens: int = 16   # K / tree depth above it: INVALID_ARGUMENT
-    # Service default draft tree (None: a chain of default_num_speculative_tokens).
-    default_tree_branching: tuple[int, ...] = ()
-    default_tree_node_budget: int = 0      # > 0: a dynamic tree of this many nodes ...
-    default_tree_max_depth: int = 6        # ... and this depth
-    default_tree_top_k: int = 4
-    max_tree_nodes: int = 64               # tree size limit per cycle
+    # Method, K, tree, ngram settings and the limits requests cannot exceed.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     rpc_timeout_s: float = 60.0            # per internal call
-
-    def default_shape(self) -> DraftShape | None:
-        if self.default_tree_node_budget:
-            return DraftShape(node_budget=self.default_tree_node_budget, max_depth=self.default_tree_max_depth,
-                              top_k=self.default_tree_top_k)
-        if self.default_tree_branching:
-            return DraftShape(branching=tuple(self.default_tree_branching))
-        k = self.default_num_speculative_tokens
-        return DraftShape.chain(k) if k else None

@@ -12,6 +12,7 @@ from .clients import GrpcDrafter, GrpcVerifier
 from .config import OrchestratorConfig
 from .detok import OutputTracker
 from .loop import Chunk, run_generation
+from .ngram_drafter import NgramDrafter
 from .request import build_spec
 
 
@@ -41,6 +42,10 @@ class Orchestrator:
             self.drafter_ctx = context_length(drafter_cfg)
         self.verifiers = [GrpcVerifier(a, config.rpc_timeout_s) for a in config.verifier_addresses]
         self.drafters = [GrpcDrafter(a, config.rpc_timeout_s) for a in config.drafter_addresses]
+        sc = config.speculative.validate()
+        if sc.method == "draft_model" and sc.num_speculative_tokens and not self.drafters:
+            raise ValueError("speculative_config.method is draft_model but no drafter replica is deployed")
+        self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
 
     async def generate(self, request) -> AsyncIterator[Chunk]:
         spec = build_spec(request, self.config, self.tokenizer, self.vocab_size, self.target_ctx,
@@ -48,7 +53,11 @@ class Orchestrator:
         tracker = OutputTracker(self.tokenizer, self.eos_ids, spec.max_new_tokens,
                                 self.target_ctx - len(spec.prompt_ids), spec.stop)
         verifier = min(self.verifiers, key=lambda c: c.active)   # least loaded
-        drafter = min(self.drafters, key=lambda c: c.active) if spec.shape else None
+        drafter = None
+        if spec.method == "ngram":
+            drafter = self.ngram
+        elif spec.method == "draft_model":
+            drafter = min(self.drafters, key=lambda c: c.active)
         used = [c for c in (verifier, drafter) if c is not None]
         for c in used:
             c.active += 1
@@ -61,5 +70,5 @@ class Orchestrator:
                 c.active -= 1
 
     async def aclose(self) -> None:
-        for c in self.verifiers + self.drafters:
+        for c in self.verifiers + self.drafters + [self.ngram]:
             await c.aclose()

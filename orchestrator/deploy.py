@@ -7,13 +7,13 @@ the per-cycle hot path is gRPC between the services, never Ray calls.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
 from drafter_svc.config import DrafterConfig
+from specd.spec_config import SpeculativeConfig
 from verifier_svc.config import VerifierConfig
 
 from .config import OrchestratorConfig
@@ -32,10 +32,7 @@ class DeploymentConfig:
     num_drafters: int = 1
     device: str = "auto"
     dtype: str = "float32"
-    default_num_speculative_tokens: int = 4
-    default_tree_branching: tuple[int, ...] = ()   # service default tree (see OrchestratorConfig)
-    default_tree_node_budget: int = 0
-    default_tree_max_depth: int = 6
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     verifier_resource: str = "verifier"   # Ray custom resource of the verifier pool
     drafter_resource: str = "drafter"     # Ray custom resource of the drafter pool
     ready_timeout_s: float = 300.0
@@ -62,10 +59,10 @@ class ModelServiceActor:
 
 @ray.remote(num_cpus=0, max_restarts=3)
 class OrchestratorActor:
-    def __init__(self, config_fields: dict):
+    def __init__(self, config: OrchestratorConfig):
         from .server import BackgroundServer
         logging.basicConfig(level=logging.INFO)
-        self.server = BackgroundServer(OrchestratorConfig(**config_fields))
+        self.server = BackgroundServer(config)
         self.host = ray.util.get_node_ip_address()
 
     def address(self) -> str:
@@ -96,14 +93,11 @@ def deploy(cfg: DeploymentConfig) -> str:
         raise TimeoutError(
             f"replicas not ready after {cfg.ready_timeout_s}s: does the cluster have the "
             f"'{cfg.verifier_resource}' and '{cfg.drafter_resource}' resources?") from exc
-    orch_fields = dataclasses.asdict(OrchestratorConfig(
+    orch_config = OrchestratorConfig(
         target_dir=cfg.target_dir, drafter_dir=cfg.drafter_dir, port=cfg.port,
-        verifier_addresses=v_addrs, drafter_addresses=d_addrs,
-        default_num_speculative_tokens=cfg.default_num_speculative_tokens,
-        default_tree_branching=cfg.default_tree_branching, default_tree_node_budget=cfg.default_tree_node_budget,
-        default_tree_max_depth=cfg.default_tree_max_depth))
+        verifier_addresses=v_addrs, drafter_addresses=d_addrs, speculative=cfg.speculative)
     orch = OrchestratorActor.options(name=ORCHESTRATOR_NAME, namespace=NAMESPACE,
-                                     lifetime="detached").remote(orch_fields)
+                                     lifetime="detached").remote(orch_config)
     return ray.get(orch.address.remote(), timeout=cfg.ready_timeout_s)
 
 

@@ -59,6 +59,7 @@ class Stats:
     num_speculative_tokens: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    method: str = "off"
     draft_compute_ms: float = 0.0
     verify_compute_ms: float = 0.0
     cycles_wall_ms: float = 0.0
@@ -97,7 +98,8 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                          drafter: DrafterClient | None, tracker: OutputTracker,
                          target_ctx: int, drafter_ctx: int) -> AsyncIterator[Chunk]:
     shape = spec.shape
-    stats = Stats(num_speculative_tokens=shape.depth if shape else 0, prompt_tokens=len(spec.prompt_ids))
+    stats = Stats(num_speculative_tokens=shape.depth if shape else 0, prompt_tokens=len(spec.prompt_ids),
+                  method=spec.method)
     use_drafter = drafter is not None and shape is not None
     opened = []
     try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from specd.draft_shape import DraftShape
 from specd.errors import InvalidRequest
+from specd.spec_config import METHODS, SpeculativeConfig
 from specd.sampling import SamplingParams
 from specd.validation import check_token_ids
 
@@ -22,6 +23,7 @@ class GenerationSpec:
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams
+    method: str                   # draft_model | ngram | off
     shape: DraftShape | None      # the draft each cycle; None = plain decoding
     stop: tuple[str, ...] = ()
 
@@ -51,29 +53,38 @@ def build_spec(req, config: OrchestratorConfig, tokenizer, vocab_size: int, cont
 
     if any(not s for s in req.stop):
         raise InvalidRequest("stop strings must not be empty")
-    return GenerationSpec(prompt_ids, max_new, sampling, draft_shape(req, config, has_drafter), tuple(req.stop))
+    method, shape = speculation(req, config.speculative, has_drafter)
+    return GenerationSpec(prompt_ids, max_new, sampling, method, shape, tuple(req.stop))
 
 
-def draft_shape(req, config: OrchestratorConfig, has_drafter: bool) -> DraftShape | None:
-    """The request's draft: its tree, else a chain of its K, else the service
-    default; None = speculation off. Bounded by the service's limits."""
+def speculation(req, sc: SpeculativeConfig, has_drafter: bool) -> tuple[str, DraftShape | None]:
+    """(method, draft shape) for a request: its own method / K / tree where it
+    sets them, else the service's speculative config, within the service's limits."""
+    method = req.speculative_method or sc.method
+    if method not in METHODS:
+        raise InvalidRequest(f"speculative_method must be one of {', '.join(METHODS)} (or empty), got {method!r}")
+    k = sc.num_speculative_tokens
     if req.HasField("num_speculative_tokens"):
         k = req.num_speculative_tokens
-        if not (0 <= k <= config.max_num_speculative_tokens):
+        if not (0 <= k <= sc.max_num_speculative_tokens):
             raise InvalidRequest(
-                f"num_speculative_tokens must be in [0, {config.max_num_speculative_tokens}], got {k}")
-        if k == 0:
-            return None
+                f"num_speculative_tokens must be in [0, {sc.max_num_speculative_tokens}], got {k}")
+    if req.HasField("tree") and method != "draft_model":
+        raise InvalidRequest(f"a draft tree needs speculative_method draft_model, not {method!r}")
+    if method == "off" or k == 0:
+        return "off", None
+    if method == "ngram":
+        return method, DraftShape.chain(k)
+    if not has_drafter:
+        if req.speculative_method or req.HasField("num_speculative_tokens") or req.HasField("tree"):
+            raise InvalidRequest("speculative_method draft_model was asked for but this deployment has no drafter")
+        return "off", None
     if req.HasField("tree"):
         t = req.tree
         shape = DraftShape(branching=tuple(t.branching), node_budget=t.node_budget, max_depth=t.max_depth,
-                           top_k=t.top_k or config.default_tree_top_k)
-    elif req.HasField("num_speculative_tokens"):
-        shape = DraftShape.chain(req.num_speculative_tokens)
+                           top_k=t.top_k or 4)
+    elif sc.tree and not req.HasField("num_speculative_tokens"):
+        shape = sc.tree_shape()
     else:
-        shape = config.default_shape() if has_drafter else None
-    if shape is None:
-        return None
-    if not has_drafter:
-        raise InvalidRequest("speculation was asked for but this deployment has no drafter")
-    return shape.validate(config.max_tree_nodes, config.max_num_speculative_tokens)
+        shape = DraftShape.chain(k)
+    return method, shape.validate(sc.max_tree_nodes, sc.max_num_speculative_tokens)

@@ -26,7 +26,7 @@ def response_for(chunk) -> pb.GenerateResponse:
             mean_accepted_length=s.mean_accepted_length, prompt_tokens=s.prompt_tokens,
             completion_tokens=s.completion_tokens, num_speculative_tokens=s.num_speculative_tokens,
             draft_compute_ms=s.draft_compute_ms, verify_compute_ms=s.verify_compute_ms,
-            cycles_wall_ms=s.cycles_wall_ms, cycle_overhead_ms=s.cycle_overhead_ms))
+            cycles_wall_ms=s.cycles_wall_ms, cycle_overhead_ms=s.cycle_overhead_ms, method=s.method))
     return r
 
 

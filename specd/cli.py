@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from . import cluster
+from .spec_config import METHODS, ConfigError, _branching, add_speculative_flags, speculative_config_from_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models/demo/target"
@@ -22,10 +23,22 @@ def cmd_up(args) -> int:
     if cluster.read_state():
         print("specd is already up (run `specd down` first); state: " + str(cluster.state_path()), file=sys.stderr)
         return 1
+    try:
+        sc = speculative_config_from_args(args)
+    except (ConfigError, OSError) as exc:
+        print(f"specd up: {exc}", file=sys.stderr)
+        return 2
+    # The drafter: --drafter, else the config's `model`, else the demo drafter;
+    # '' deploys none (then only ngram and off can run).
+    drafter = args.drafter if args.drafter is not None else (sc.model or str(DEMO_DRAFTER))
+    args.drafter = drafter or None
     for label, d in (("target", args.target), ("drafter", args.drafter)):
         if d and not (Path(d) / "config.json").exists():
             print(f"--{label} {d}: not a Hugging Face model directory (no config.json)", file=sys.stderr)
             return 2
+    if sc.method == "draft_model" and not args.drafter:
+        print("specd up: speculative_config.method is draft_model but no drafter is given", file=sys.stderr)
+        return 2
     ray_address = args.ray_address or os.environ.get("RAY_ADDRESS")
     ray_pid = None
     if not ray_address:
@@ -37,9 +50,7 @@ def cmd_up(args) -> int:
             target_dir=str(Path(args.target).resolve()),
             drafter_dir=str(Path(args.drafter).resolve()) if args.drafter else None,
             port=args.port, num_verifiers=args.verifiers, num_drafters=args.drafters,
-            device=args.device, default_num_speculative_tokens=args.num_speculative_tokens,
-            default_tree_branching=tuple(args.tree or ()), default_tree_node_budget=args.tree_budget or 0,
-            default_tree_max_depth=args.tree_depth))
+            device=args.device, speculative=sc))
     except BaseException:
         if ray_pid:
             cluster.stop_local_ray(ray_pid)
@@ -84,9 +95,11 @@ def cmd_generate(args) -> int:
         req.seed = args.seed
     if args.num_speculative_tokens is not None:
         req.num_speculative_tokens = args.num_speculative_tokens
+    if args.method:
+        req.speculative_method = args.method
     if args.tree or args.tree_budget:
         req.tree.CopyFrom(pb.DraftShape(branching=args.tree or [], node_budget=args.tree_budget or 0,
-                                        max_depth=args.tree_depth))
+                                        max_depth=args.tree_depth or 6))
     with grpc.insecure_channel(address) as channel:
         try:
             for r in pb_grpc.OrchestratorServiceStub(channel).Generate(req):
@@ -94,7 +107,7 @@ def cmd_generate(args) -> int:
                 sys.stdout.flush()
                 if r.finish_reason:
                     s = r.stats
-                    print(f"\n[finish={r.finish_reason} prompt_tokens={s.prompt_tokens} "
+                    print(f"\n[finish={r.finish_reason} method={s.method} prompt_tokens={s.prompt_tokens} "
                           f"completion_tokens={s.completion_tokens} K={s.num_speculative_tokens} "
                           f"cycles={s.cycles} drafted={s.drafted_tokens} accepted={s.accepted_tokens} "
                           f"mean_accepted_length={s.mean_accepted_length:.2f}]", file=sys.stderr)
@@ -117,7 +130,8 @@ def cmd_demo(args) -> int:
 
 def _add_deploy_flags(p) -> None:
     p.add_argument("--target", default=str(DEMO_TARGET), help="target model dir (default: the demo pair)")
-    p.add_argument("--drafter", default=str(DEMO_DRAFTER), help="drafter model dir ('' = no drafter)")
+    p.add_argument("--drafter", help="drafter model dir (default: the config's `model`, else the demo "
+                   "drafter; '' = none)")
     p.add_argument("--verifiers", type=int, default=1, help="verifier replicas")
     p.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -134,33 +148,23 @@ def _add_generate_flags(p) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 
-def _branching(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tree wants comma-separated branching factors like 3,2,1; got {text!r}")
-
-
-def _add_tree_flags(p) -> None:
-    p.add_argument("--tree", type=_branching, help="static draft tree: children per depth, e.g. 3,2,2,1")
-    p.add_argument("--tree-budget", type=int, help="dynamic draft tree (EAGLE-2 style) of this many nodes")
-    p.add_argument("--tree-depth", type=int, default=6, help="depth limit of the dynamic tree")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description="distributed speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start (or attach to) Ray and deploy; prints the Generate address")
     _add_deploy_flags(up)
     up.add_argument("--port", type=int, default=50051, help="public Generate port (0 = any free)")
-    up.add_argument("--num-speculative-tokens", type=int, default=4, help="default K per cycle")
-    _add_tree_flags(up)
+    add_speculative_flags(up)
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="stream a completion")
     gen.add_argument("prompt")
     _add_generate_flags(gen)
-    gen.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
-    _add_tree_flags(gen)
+    g = gen.add_argument_group("per-request speculation (default: the service's config)")
+    g.add_argument("--method", choices=METHODS, help="draft_model | ngram | off")
+    g.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
+    g.add_argument("--tree", type=_branching, help="static draft tree: children per depth, e.g. 3,2,2,1")
+    g.add_argument("--tree-budget", type=int, help="dynamic draft tree of this many nodes")
+    g.add_argument("--tree-depth", type=int, help="depth limit of the dynamic tree (default 6)")
     gen.set_defaults(func=cmd_generate)
     down = sub.add_parser("down", help="stop what `specd up` started")
     down.set_defaults(func=cmd_down)
@@ -168,8 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_deploy_flags(demo)
     _add_generate_flags(demo)
     demo.add_argument("--prompt", default=DEMO_PROMPT)
-    demo.add_argument("--num-speculative-tokens", type=int, default=4)
-    _add_tree_flags(demo)
+    add_speculative_flags(demo)
     demo.set_defaults(func=cmd_demo, max_new_tokens=64)
     return parser
 

@@ -149,7 +149,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_path: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: PromptTokenIds
     max_new_tokens: int
@@ -170,7 +171,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     num_speculative_tokens: int
     tree: DraftShape
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ...) -> None: ...
+    speculative_method: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ...) -> None: ...
 
 class PromptTokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -179,7 +181,7 @@ class PromptTokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms")
+    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method")
     CYCLES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +193,7 @@ class GenerationStats(_message.Message):
     VERIFY_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     CYCLES_WALL_MS_FIELD_NUMBER: _ClassVar[int]
     CYCLE_OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     cycles: int
     drafted_tokens: int
     accepted_tokens: int
@@ -202,7 +205,8 @@ class GenerationStats(_message.Message):
     verify_compute_ms: float
     cycles_wall_ms: float
     cycle_overhead_ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+    method: str
+    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")

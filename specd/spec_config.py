@@ -1,0 +1,136 @@
+"""The speculative config, in the vocabulary of vLLM's `speculative_config`.
+
+    method: draft_model        # draft_model | ngram | off
+    model: models/demo/drafter # the drafter (method draft_model)
+    num_speculative_tokens: 4  # K: chain length, or the depth limit of a tree
+    prompt_lookup_max: 4       # ngram: longest suffix tried
+    prompt_lookup_min: 1       # ngram: shortest suffix tried
+    tree:                      # optional, draft_model only: a static or dynamic tree
+      branching: [3, 2, 1]     #   children per depth, or
+      node_budget: 16          #   a dynamic tree of this many nodes ...
+      max_depth: 6             #   ... and this depth
+      top_k: 4
+
+Read from YAML or TOML (`specd up --speculative-config FILE`) or flags; every
+error names the key and the value. Requests may override method, K and tree
+within the service's limits (GenerateRequest.speculative_method, ...).
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .draft_shape import DraftShape
+
+METHODS = ("draft_model", "ngram", "off")
+TREE_KEYS = ("branching", "node_budget", "max_depth", "top_k")
+
+
+class ConfigError(ValueError):
+    """A speculative config that cannot run; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "draft_model"
+    model: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    tree: dict = field(default_factory=dict)
+    max_num_speculative_tokens: int = 16    # limits that requests cannot exceed
+    max_tree_nodes: int = 64
+
+    def validate(self) -> "SpeculativeConfig":
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative_config.method: {self.method!r} is not one of {', '.join(METHODS)}")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "max_num_speculative_tokens", "max_tree_nodes"):
+            if not isinstance(getattr(self, key), int) or isinstance(getattr(self, key), bool):
+                raise ConfigError(f"speculative_config.{key}: must be an integer, got {getattr(self, key)!r}")
+        k = self.num_speculative_tokens
+        if not (0 <= k <= self.max_num_speculative_tokens):
+            raise ConfigError(f"speculative_config.num_speculative_tokens: {k} is outside "
+                              f"[0, {self.max_num_speculative_tokens}]")
+        if self.prompt_lookup_min < 1:
+            raise ConfigError(f"speculative_config.prompt_lookup_min: must be >= 1, got {self.prompt_lookup_min}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is greater "
+                              f"than prompt_lookup_max ({self.prompt_lookup_max})")
+        unknown = sorted(set(self.tree) - set(TREE_KEYS))
+        if unknown:
+            raise ConfigError(f"speculative_config.tree.{unknown[0]}: unknown key (known: {', '.join(TREE_KEYS)})")
+        if self.tree:
+            if self.method != "draft_model":
+                raise ConfigError(f"speculative_config.tree: trees need method draft_model, not {self.method!r}")
+            try:
+                self.tree_shape().validate(self.max_tree_nodes, self.max_num_speculative_tokens)
+            except ValueError as exc:
+                raise ConfigError(f"speculative_config.tree: {exc}") from None
+        return self
+
+    def tree_shape(self) -> DraftShape | None:
+        if not self.tree:
+            return None
+        t = self.tree
+        return DraftShape(branching=tuple(t.get("branching", ())), node_budget=t.get("node_budget", 0),
+                          max_depth=t.get("max_depth", 0), top_k=t.get("top_k", 4))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SpeculativeConfig":
+        data = dict(data.get("speculative_config", data))      # a file may nest it
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        return cls(**data).validate()
+
+
+def load(path: str | Path) -> SpeculativeConfig:
+    """Read a YAML (.yaml/.yml) or TOML (.toml) speculative config file."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".toml":
+        data = tomllib.loads(text)
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+        data = yaml.safe_load(text) or {}
+    else:
+        raise ConfigError(f"{path}: the speculative config must be .yaml, .yml or .toml")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys, got {type(data).__name__}")
+    return SpeculativeConfig.from_dict(data)
+
+
+def add_speculative_flags(parser) -> None:
+    """Flags shared by `specd up` and `python -m orchestrator`; they override the file."""
+    g = parser.add_argument_group("speculative config (vLLM vocabulary; flags override the file)")
+    g.add_argument("--speculative-config", help="YAML or TOML file (see specd/spec_config.py)")
+    g.add_argument("--method", choices=METHODS, help="draft_model | ngram | off")
+    g.add_argument("--num-speculative-tokens", type=int, help="K: chain length / tree depth limit")
+    g.add_argument("--prompt-lookup-max", type=int)
+    g.add_argument("--prompt-lookup-min", type=int)
+    g.add_argument("--tree", type=_branching, help="static draft tree: children per depth, e.g. 3,2,2,1")
+    g.add_argument("--tree-budget", type=int, help="dynamic draft tree (EAGLE-2 style) of this many nodes")
+    g.add_argument("--tree-depth", type=int, help="depth limit of the dynamic tree (default 6)")
+
+
+def _branching(text: str) -> list[int]:  # argparse type, also used by the CLI
+    import argparse
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated branching factors like 3,2,1; got {text!r}")
+
+
+def speculative_config_from_args(args) -> SpeculativeConfig:
+    base = load(args.speculative_config) if args.speculative_config else SpeculativeConfig()
+    changes = {k: getattr(args, k) for k in ("method", "num_speculative_tokens", "prompt_lookup_max",
+                                              "prompt_lookup_min") if getattr(args, k) is not None}
+    if args.tree:
+        changes["tree"] = {"branching": args.tree}
+    elif args.tree_budget:
+        changes["tree"] = {"node_budget": args.tree_budget, "max_depth": args.tree_depth or 6}
+    return dataclasses.replace(base, **changes).validate()

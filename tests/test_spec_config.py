@@ -1,0 +1,56 @@
+"""Issue 5, must-show 3: a bad speculative config is refused at start with a
+message naming the key - as a file, as flags, and by `specd up`."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specd.spec_config import ConfigError, SpeculativeConfig, load
+
+BAD = [
+    ({"method": "medusa"}, "speculative_config.method"),
+    ({"num_speculative_tokens": -1}, "speculative_config.num_speculative_tokens"),
+    ({"num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
+    ({"lookahead": 3}, "speculative_config.lookahead: unknown key"),
+    ({"tree": {"branching": [2, 0]}}, "speculative_config.tree"),
+    ({"tree": {"width": 3}}, "speculative_config.tree.width: unknown key"),
+    ({"method": "ngram", "tree": {"branching": [2]}}, "speculative_config.tree"),
+    ({"num_speculative_tokens": "four"}, "speculative_config.num_speculative_tokens"),
+]
+
+
+@pytest.mark.parametrize("data,needle", BAD, ids=[n for _, n in BAD])
+def test_bad_config_names_the_key(data, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        SpeculativeConfig.from_dict(data)
+
+
+def test_yaml_and_toml_files(tmp_path):
+    y = tmp_path / "spec.yaml"
+    y.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 5\n  prompt_lookup_max: 3\n")
+    assert load(y) == SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3)
+    t = tmp_path / "spec.toml"
+    t.write_text('method = "draft_model"\nnum_speculative_tokens = 3\n[tree]\nbranching = [2, 1]\n')
+    c = load(t)
+    assert c.tree_shape().branching == (2, 1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("method: ngram\nprompt_lookup_min: 4\nprompt_lookup_max: 2\n")
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        load(bad)
+
+
+def test_specd_up_refuses_a_bad_config_before_starting_anything(tmp_path, pairs):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("method: draft_model\nnum_speculative_tokens: 4\nprompt_lookup_mx: 3\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["SPECD_HOME"] = str(tmp_path / "home")
+    target, drafter = pairs["llama"]
+    r = subprocess.run([sys.executable, "-m", "specd.cli", "up", "--target", target, "--drafter", drafter,
+                        "--speculative-config", str(bad)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "speculative_config.prompt_lookup_mx: unknown key" in r.stderr
+    assert "started a local Ray cluster" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "specd.cli", "up", "--target", target, "--method", "ngram",
+                        "--prompt-lookup-min", "6"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "prompt_lookup_min (6) is greater than prompt_lookup_max (4)" in r.stderr
