@@ -47,6 +47,8 @@ class Draft:
     def parse(text: str) -> "Draft":
         if text in ("0", "off"):
             return Draft("off", (("num_speculative_tokens", 0),))
+        if text.startswith("ngram-"):
+            return Draft(text, (("speculative_method", "ngram"), ("num_speculative_tokens", int(text[6:]))))
         if text.startswith("tree-"):
             return Draft(text, (("tree", {"branching": [int(x) for x in text[5:].split(",")]}),))
         if text.startswith("dyn-"):
@@ -73,7 +75,7 @@ class Draft:
 @dataclass
 class Row:
     system: str              # "specd" | "hf-assisted" | "hf-target-only"
-    mode: str                # "greedy" | "T=0.8"
+    mode: str                # "greedy" | "T=0.8" (+ " code-edit" for the code-edit prompt set)
     draft: Draft | None      # specd's setting; None for HF
     tokens: int = 0
     seconds: float = 0.0
@@ -152,6 +154,20 @@ def run_hf(target, drafter, prompts, mode: str, max_new: int) -> Row:
     return row
 
 
+def code_edit_prompts(tokenizer, prompts: list[list[int]]) -> list[list[int]]:
+    """'The same code again, with one change' prompts: a held-out snippet, an
+    instruction comment, then the snippet's first lines restated, so that the
+    continuation (the rest of the snippet) is mostly in the prompt already."""
+    out = []
+    for p in prompts:
+        code = tokenizer.decode(p)
+        lines = code.splitlines(keepends=True)
+        head = "".join(lines[: max(1, len(lines) // 3)])
+        text = f"{code}\n\n# The same code again, with `self` renamed to `this`:\n{head}"
+        out.append(tokenizer(text.replace("self", "this"), add_special_tokens=False)["input_ids"])
+    return out
+
+
 def pct(values, q) -> float:
     return float(torch.tensor(values).quantile(q)) if values else 0.0
 
@@ -167,13 +183,15 @@ def summarise(rows: list[Row]) -> list[dict]:
                  speedup_vs_target_only=round(r.tokens_per_s / base.tokens_per_s, 3))
         if r.system == "specd":
             t1 = base.verify_ms / base.cycles
+            d["method"] = "ngram" if r.draft.label.startswith("ngram-") else (
+                "off" if r.draft.label == "off" else "draft_model")
             d.update(alpha=round(r.alpha, 4), mean_accepted_length=round(r.mean_accepted_length, 3),
                      overhead_ms_p50=round(pct(r.overheads_ms, 0.5), 3),
                      overhead_ms_p90=round(pct(r.overheads_ms, 0.9), 3),
                      verify_ms_per_cycle=round(r.verify_ms / r.cycles, 2),
                      draft_ms_per_cycle=round(r.draft_ms / r.cycles, 2))
             if r.draft.label != "off":
-                chain = r.draft.label.startswith("chain-")
+                chain = r.draft.label.startswith(("chain-", "ngram-"))
                 # Chains: the i.i.d. formula from the measured per-token acceptance.
                 # Trees have no such closed form: their measured tokens per cycle is used.
                 expected = (expected_tokens_per_cycle(r.alpha, r.draft.nodes) if chain
@@ -181,7 +199,7 @@ def summarise(rows: list[Row]) -> list[dict]:
                 pred = predicted_speedup(expected, r.verify_ms / r.cycles, t1, r.draft_ms / r.cycles)
                 d.update(expected_tokens_per_cycle=round(expected, 3), predicted_speedup=round(pred, 3),
                          efficiency=round(d["speedup_vs_target_only"] / pred, 3))
-                if r.mode == "greedy":
+                if r.mode.startswith("greedy"):
                     d["greedy_outputs_equal_target_only"] = r.outputs == base.outputs
         out.append(d)
     for d in out:   # specd vs HF assisted on the same pair, same mode
@@ -207,7 +225,8 @@ def tree_vs_chain(summary: list[dict]) -> list[dict]:
     """Per number of verified draft tokens: the best chain's and the best tree's
     mean accepted length (greedy)."""
     out = []
-    rows = [d for d in summary if d["system"] == "specd" and d["mode"] == "greedy" and d["draft"] != "off"]
+    rows = [d for d in summary if d["system"] == "specd" and d["mode"] == "greedy" and d["draft"] != "off"
+            and d["method"] == "draft_model"]
     for n in sorted({d["nodes"] for d in rows}):
         chains = [d for d in rows if d["nodes"] == n and d["draft"].startswith("chain-")]
         trees = [d for d in rows if d["nodes"] == n and not d["draft"].startswith("chain-")]
@@ -263,16 +282,20 @@ def main(argv=None) -> int:
     ap.add_argument("--drafts", nargs="+", default=DEFAULT_DRAFTS,
                     help="specd settings: off, K (a chain), tree-B1,B2,.. (static tree), dyn-N[xDEPTH] (dynamic)")
     ap.add_argument("--modes", default="greedy,T=0.8")
+    ap.add_argument("--code-edit-drafts", nargs="+", default=["off", "ngram-2", "ngram-5", "4"],
+                    help="settings run (greedy) on the code-edit prompts; none to skip")
     ap.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, a few drafts")
     ap.add_argument("--out", type=Path, default=RESULTS / "speedup.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens, args.drafts = 3, 32, ["off", "3", "tree-2,1,1", "dyn-6"]
+        args.code_edit_drafts = ["off", "ngram-5"]
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     target = cost_scaled_target(args.target, args.min_params)
     tok = load_tokenizer(str(args.target))
     prompts = [p.tolist() for p in make_prompts(tok, args.prompts, args.prompt_tokens, args.max_new_tokens)]
+    edits = code_edit_prompts(tok, prompts)
     drafts = [Draft.parse(d) for d in args.drafts]
     if drafts[0].label != "off":
         drafts.insert(0, Draft.parse("off"))       # the baseline every ratio uses
@@ -287,6 +310,15 @@ def main(argv=None) -> int:
                 rows.append(run_specd(stack, prompts, draft, mode, args.max_new_tokens))
                 print(f"specd {mode} {draft.label}: {rows[-1].tokens_per_s:.1f} tok/s "
                       f"(accepted length {rows[-1].mean_accepted_length:.2f})", flush=True)
+        edit_drafts = [Draft.parse(d) for d in args.code_edit_drafts if d != "none"]
+        if edit_drafts and edit_drafts[0].label != "off":
+            edit_drafts.insert(0, Draft.parse("off"))
+        for draft in edit_drafts:
+            row = run_specd(stack, edits, draft, "greedy", args.max_new_tokens)
+            row.mode = "greedy code-edit"
+            rows.append(row)
+            print(f"specd code-edit {draft.label}: {row.tokens_per_s:.1f} tok/s "
+                  f"(accepted length {row.mean_accepted_length:.2f})", flush=True)
     finally:
         stack.stop()
 
