@@ -281,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--drafts", nargs="+", default=DEFAULT_DRAFTS,
                     help="specd settings: off, K (a chain), tree-B1,B2,.. (static tree), dyn-N[xDEPTH] (dynamic)")
+    ap.add_argument("--sampled-drafts", nargs="+", default=["off", "3", "4", "6", "tree-2,1,1", "dyn-6x4"],
+                    help="settings run at temperature 0.8 (default: a subset of --drafts)")
     ap.add_argument("--modes", default="greedy,T=0.8")
     ap.add_argument("--code-edit-drafts", nargs="+", default=["off", "ngram-2", "ngram-5", "4"],
                     help="settings run (greedy) on the code-edit prompts; none to skip")
@@ -290,6 +292,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.prompts, args.max_new_tokens, args.drafts = 3, 32, ["off", "3", "tree-2,1,1", "dyn-6"]
         args.code_edit_drafts = ["off", "ngram-5"]
+        args.sampled_drafts = ["off", "3"]
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     target = cost_scaled_target(args.target, args.min_params)
@@ -305,8 +308,11 @@ def main(argv=None) -> int:
     stack = Stack(str(target), str(args.drafter))
     try:
         run_specd(stack, prompts[:1], Draft.parse("2"), "greedy", 8)   # warm-up: first-call costs
+        sampled = [Draft.parse(d) for d in args.sampled_drafts]
+        if sampled[0].label != "off":
+            sampled.insert(0, Draft.parse("off"))
         for mode in modes:
-            for draft in drafts:
+            for draft in drafts if mode == "greedy" else sampled:
                 rows.append(run_specd(stack, prompts, draft, mode, args.max_new_tokens))
                 print(f"specd {mode} {draft.label}: {rows[-1].tokens_per_s:.1f} tok/s "
                       f"(accepted length {rows[-1].mean_accepted_length:.2f})", flush=True)
