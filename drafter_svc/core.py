@@ -17,6 +17,7 @@ import torch
 
 from specd.errors import CapacityExceeded, InvalidRequest, UnknownSession
 from specd.models import Runner, context_length, load_model, vocab_size
+from specd.phases import Phases
 from specd.sampling import SamplingParams
 from specd.validation import check_token_ids
 
@@ -30,6 +31,9 @@ from .tree_builder import DraftTree, build_tree
 class Proposal:
     tree: DraftTree
     compute_ms: float = 0.0
+    # (name, start_ns, end_ns): forward (keep the accepted rows, forward the newly
+    # committed tokens), tree (grow the draft tree, one forward per depth)
+    phases: list = field(default_factory=list)
 
 
 @dataclass
@@ -89,7 +93,7 @@ class Drafter:
             raise InvalidRequest(f"a tree of depth {shape.depth} would pass the drafter's context "
                                  f"length {self.context_length}")
         with self._lock:
-            start = time.perf_counter()
+            start, phases = time.perf_counter(), Phases()
             # Keep the rows of the accepted path's forwarded nodes (ancestors are
             # forwarded first, so the offsets ascend), drop the rest of the tree.
             on_path = set(accepted_path)
@@ -99,9 +103,11 @@ class Drafter:
             s.tokens += committed
             root_logits = s.cache.forward(s.tokens[s.cache.length:], last_only=True)[0]
             s.base = s.cache.length                 # == len(s.tokens): root is cached
+            phases.mark("forward")
             tree = build_tree(s.cache, root_logits, shape, s.params, self.config.draft_top_n, s.generator)
             s.last = tree
-            return Proposal(tree, (time.perf_counter() - start) * 1e3)
+            phases.mark("tree")
+            return Proposal(tree, (time.perf_counter() - start) * 1e3, phases.spans)
 
     def close_session(self, session_id: str) -> None:
         with self._lock:

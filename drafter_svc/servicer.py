@@ -1,6 +1,7 @@
 """Thin gRPC shell: proto <-> core calls, errors -> status (specd.grpc_util)."""
 from __future__ import annotations
 
+from specd import telemetry
 from specd.grpc_util import grpc_errors, stream_call
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -8,6 +9,7 @@ from specd.draft_shape import DraftShape
 from specd.wire import dists_to_proto, sampling_from_proto, shape_from_proto
 
 from .core import Drafter
+from .metrics import DrafterMetrics
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
@@ -15,18 +17,30 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
 class DrafterServicer(pb_grpc.DrafterServiceServicer):
     def __init__(self, core: Drafter):
         self.core = core
+        self.metrics = DrafterMetrics(core)
 
     @grpc_errors
     def OpenSession(self, request, context):
-        self.core.open_session(request.session_id, list(request.prompt_token_ids),
-                               sampling_from_proto(request.sampling))
+        with telemetry.server_span("drafter.prefill", grpc_context=context, attributes={
+                "specdec.session_id": request.session_id,
+                "specdec.prompt_tokens": len(request.prompt_token_ids)} if telemetry.ENABLED else None):
+            self.core.open_session(request.session_id, list(request.prompt_token_ids),
+                                   sampling_from_proto(request.sampling))
         return pb.OpenDraftSessionResponse()
 
     def _propose(self, request) -> pb.ProposeResponse:
-        shape = (shape_from_proto(request.shape) if request.HasField("shape")
-                 else DraftShape.chain(request.num_draft_tokens))
-        proposal = self.core.propose(request.session_id, list(request.accepted_path),
-                                     list(request.committed_token_ids), shape)
+        with telemetry.server_span("drafter.propose", request.traceparent) as span:
+            shape = (shape_from_proto(request.shape) if request.HasField("shape")
+                     else DraftShape.chain(request.num_draft_tokens))
+            proposal = self.core.propose(request.session_id, list(request.accepted_path),
+                                         list(request.committed_token_ids), shape)
+            if span is not None:
+                telemetry.add_phases(span, "drafter", proposal.phases)
+                span.set_attributes({"specdec.session_id": request.session_id,
+                                     "specdec.draft.depth": shape.depth,
+                                     "specdec.draft.nodes": len(proposal.tree.tokens),
+                                     "specdec.compute_ms": proposal.compute_ms})
+        self.metrics.observe_proposal(proposal)
         tree = proposal.tree
         return pb.ProposeResponse(
             draft_token_ids=tree.tokens, draft_parents=tree.parents,
@@ -43,5 +57,6 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
 
     @grpc_errors
     def CloseSession(self, request, context):
-        self.core.close_session(request.session_id)
+        with telemetry.server_span("drafter.close", grpc_context=context):
+            self.core.close_session(request.session_id)
         return pb.CloseSessionResponse()

@@ -1,4 +1,5 @@
-"""`python -m orchestrator --target DIR [--drafter DIR] --verifier ADDR [--drafter-address ADDR] --port N`
+"""`python -m orchestrator --target DIR [--drafter DIR] --verifier ADDR [--drafter-address ADDR] --port N
+[--metrics-port M]`
 
 Runs the orchestrator against already running services, without Ray (useful for
 debugging one machine); `specd up` is the normal way, with replicas on Ray.
@@ -6,7 +7,9 @@ debugging one machine); `specd up` is the normal way, with replicas on Ray.
 import argparse
 import asyncio
 import logging
+import signal
 
+from specd import metrics, telemetry
 from specd.spec_config import add_speculative_flags, speculative_config_from_args
 
 from .config import OrchestratorConfig
@@ -21,20 +24,33 @@ def main(argv=None):
     p.add_argument("--drafter-address", action="append", default=[])
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = any free port; "
+                   "default: off)")
     add_speculative_flags(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    telemetry.setup("orchestrator")            # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
     config = OrchestratorConfig(
         target_dir=args.target, drafter_dir=args.drafter, host=args.host, port=args.port,
         verifier_addresses=args.verifier_address, drafter_addresses=args.drafter_address,
         speculative=speculative_config_from_args(args))
 
     async def serve():
+        if args.metrics_port is not None:
+            # Before the "listening on" line, which tests and scripts wait for.
+            print(f"orchestrator metrics on {config.host}:{metrics.serve(args.metrics_port, config.host)}",
+                  flush=True)
         server, port = await start_async(config)
         print(f"orchestrator listening on {config.host}:{port}", flush=True)
-        await server.wait_for_termination()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        # Graceful: refuse new calls, give running streams a few seconds.
+        await server.stop(5)
 
     asyncio.run(serve())
+    telemetry.shutdown()                       # export the spans still queued
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Open and close are unary calls; the per-cycle Propose and Verify go over one
 long-lived bidirectional stream per replica, shared by all sessions and matched
 by request_id (`StreamMux`): a message on an open stream costs about half a
 unary round trip, and the cycle makes two of them.
+
+Tracing (specd.telemetry, a no-op unless configured): each call is a CLIENT
+span; unary calls carry its traceparent in metadata, stream messages in their
+`traceparent` field (stream metadata is sent once, for all sessions).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import itertools
 
 import grpc
 
+from specd import telemetry
 from specd.grpc_util import CHANNEL_OPTIONS
 from specd.wire import dists_from_proto, dists_to_proto, sampling_to_proto, shape_to_proto
 from specdec.v1 import specdec_pb2 as pb
@@ -92,6 +97,7 @@ class StreamMux:
 
 class _Client:
     stub_cls = None
+    service = ""     # the grpc service name, for span attributes
 
     def __init__(self, address: str, timeout_s: float):
         self.address = address
@@ -100,14 +106,26 @@ class _Client:
         self.stub = self.stub_cls(self.channel)
         self.active = 0   # sessions this orchestrator has open here (for routing)
 
-    async def _unary(self, method, request):
-        try:
-            return await method(request, timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise ServiceError(exc.code(), exc.details() or str(exc.code())) from None
+    def _span_attributes(self, rpc_method: str) -> dict:
+        return {"rpc.system": "grpc", "rpc.service": self.service, "rpc.method": rpc_method,
+                "server.address": self.address}
+
+    async def _unary(self, method, request, span_name: str, rpc_method: str):
+        with telemetry.client_span(span_name, attributes=self._span_attributes(rpc_method)
+                                   if telemetry.ENABLED else None):
+            try:
+                return await method(request, timeout=self.timeout, metadata=telemetry.outgoing_metadata())
+            except grpc.aio.AioRpcError as exc:
+                raise ServiceError(exc.code(), exc.details() or str(exc.code())) from None
+
+    async def _stream(self, request, span_name: str, rpc_method: str):
+        with telemetry.client_span(span_name, request, self._span_attributes(rpc_method)
+                                   if telemetry.ENABLED else None):
+            return await self.mux.call(request, self.timeout)
 
     async def close(self, session_id: str) -> None:
-        await self._unary(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+        await self._unary(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id),
+                          "specdec.close", "CloseSession")
 
     async def aclose(self) -> None:
         await self.channel.close()
@@ -115,6 +133,7 @@ class _Client:
 
 class GrpcVerifier(_Client):
     stub_cls = pb_grpc.VerifierServiceStub
+    service = "specdec.v1.VerifierService"
 
     def __init__(self, address: str, timeout_s: float):
         super().__init__(address, timeout_s)
@@ -122,18 +141,20 @@ class GrpcVerifier(_Client):
 
     async def open(self, session_id, prompt_ids, sampling) -> int:
         r = await self._unary(self.stub.OpenSession, pb.OpenVerifySessionRequest(
-            session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)))
+            session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
+            "specdec.prefill", "OpenSession")
         return r.first_token_id
 
     async def verify(self, session_id, draft: Draft) -> Verdict:
-        r = await self.mux.call(pb.VerifyRequest(
+        r = await self._stream(pb.VerifyRequest(
             session_id=session_id, draft_token_ids=draft.tokens, draft_parents=draft.parents,
-            draft_distributions=dists_to_proto(draft.row_dists)), self.timeout)
+            draft_distributions=dists_to_proto(draft.row_dists)), "specdec.verify", "VerifyStream")
         return Verdict(list(r.accepted_path), list(r.token_ids), r.compute_ms)
 
 
 class GrpcDrafter(_Client):
     stub_cls = pb_grpc.DrafterServiceStub
+    service = "specdec.v1.DrafterService"
 
     def __init__(self, address: str, timeout_s: float):
         super().__init__(address, timeout_s)
@@ -141,11 +162,12 @@ class GrpcDrafter(_Client):
 
     async def open(self, session_id, prompt_ids, sampling) -> None:
         await self._unary(self.stub.OpenSession, pb.OpenDraftSessionRequest(
-            session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)))
+            session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
+            "specdec.draft_prefill", "OpenSession")
 
     async def propose(self, session_id, accepted_path, committed, shape) -> Draft:
-        r = await self.mux.call(pb.ProposeRequest(
+        r = await self._stream(pb.ProposeRequest(
             session_id=session_id, accepted_path=accepted_path, committed_token_ids=committed,
-            shape=shape_to_proto(shape)), self.timeout)
+            shape=shape_to_proto(shape)), "specdec.draft", "ProposeStream")
         return Draft(list(r.draft_token_ids), list(r.draft_parents), dists_from_proto(r.draft_distributions),
                      r.compute_ms)

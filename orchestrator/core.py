@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import AsyncIterator
 
 from transformers import AutoConfig
@@ -12,8 +13,10 @@ from .clients import GrpcDrafter, GrpcVerifier
 from .config import OrchestratorConfig
 from .detok import OutputTracker
 from .loop import Chunk, run_generation
+from .metrics import OrchestratorMetrics
 from .ngram_drafter import NgramDrafter
 from .request import build_spec
+from .tracing import request_trace
 
 
 def eos_ids(config) -> set[int]:
@@ -28,6 +31,7 @@ class Orchestrator:
         if not config.verifier_addresses:
             raise ValueError("at least one verifier address is needed")
         self.config = config
+        self.model_name = Path(config.target_dir).name     # gen_ai.request.model
         self.tokenizer = load_tokenizer(config.target_dir)
         target_cfg = AutoConfig.from_pretrained(config.target_dir)
         self.vocab_size = target_cfg.vocab_size
@@ -46,26 +50,40 @@ class Orchestrator:
         if sc.method == "draft_model" and sc.num_speculative_tokens and not self.drafters:
             raise ValueError("speculative_config.method is draft_model but no drafter replica is deployed")
         self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
+        self.metrics = OrchestratorMetrics()
 
-    async def generate(self, request) -> AsyncIterator[Chunk]:
-        spec = build_spec(request, self.config, self.tokenizer, self.vocab_size, self.target_ctx,
-                          has_drafter=bool(self.drafters))
-        tracker = OutputTracker(self.tokenizer, self.eos_ids, spec.max_new_tokens,
-                                self.target_ctx - len(spec.prompt_ids), spec.stop)
-        verifier = min(self.verifiers, key=lambda c: c.active)   # least loaded
-        drafter = None
-        if spec.method == "ngram":
-            drafter = self.ngram
-        elif spec.method == "draft_model":
-            drafter = min(self.drafters, key=lambda c: c.active)
-        used = [c for c in (verifier, drafter) if c is not None]
-        for c in used:
-            c.active += 1
+    async def generate(self, request, trace_context=None) -> AsyncIterator[Chunk]:
+        """Run one request; trace_context: the caller's (from its gRPC metadata)."""
+        session_id = uuid.uuid4().hex
+        trace = request_trace(trace_context, self.model_name, session_id)   # no-op unless tracing is on
+        metrics = self.metrics.request()
+        chunk, used = None, []
         try:
-            async for chunk in run_generation(spec, uuid.uuid4().hex, verifier, drafter, tracker,
-                                              self.target_ctx, self.drafter_ctx):
+            spec = build_spec(request, self.config, self.tokenizer, self.vocab_size, self.target_ctx,
+                              has_drafter=bool(self.drafters))
+            trace.describe(spec)
+            tracker = OutputTracker(self.tokenizer, self.eos_ids, spec.max_new_tokens,
+                                    self.target_ctx - len(spec.prompt_ids), spec.stop)
+            verifier = min(self.verifiers, key=lambda c: c.active)   # least loaded
+            drafter = None
+            if spec.method == "ngram":
+                drafter = self.ngram
+            elif spec.method == "draft_model":
+                drafter = min(self.drafters, key=lambda c: c.active)
+            used = [c for c in (verifier, drafter) if c is not None]
+            for c in used:
+                c.active += 1
+            async for chunk in run_generation(spec, session_id, verifier, drafter, tracker,
+                                              self.target_ctx, self.drafter_ctx, trace):
+                metrics.observe(chunk, spec.method)
                 yield chunk
+        except BaseException as exc:   # also the client leaving (GeneratorExit, CancelledError)
+            trace.finish(chunk, exc)
+            raise
+        else:
+            trace.finish(chunk)
         finally:
+            metrics.done()
             for c in used:
                 c.active -= 1
 

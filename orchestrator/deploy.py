@@ -8,11 +8,13 @@ the per-cycle hot path is gRPC between the services, never Ray calls.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import ray
 
 from drafter_svc.config import DrafterConfig
+from specd import telemetry
 from specd.spec_config import SpeculativeConfig
 from verifier_svc.config import VerifierConfig
 
@@ -44,6 +46,7 @@ class ModelServiceActor:
 
     def __init__(self, kind: str, config_fields: dict):
         logging.basicConfig(level=logging.INFO)
+        telemetry.setup(kind)          # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
         if kind == "verifier":
             from verifier_svc.server import start
             config = VerifierConfig(**config_fields)
@@ -62,6 +65,7 @@ class OrchestratorActor:
     def __init__(self, config: OrchestratorConfig):
         from .server import BackgroundServer
         logging.basicConfig(level=logging.INFO)
+        telemetry.setup("orchestrator")
         self.server = BackgroundServer(config)
         self.host = ray.util.get_node_ip_address()
 
@@ -69,10 +73,18 @@ class OrchestratorActor:
         return f"{self.host}:{self.server.port}"
 
 
+def _tracing_options() -> dict:
+    """The deploying shell's OTEL_* settings for the actors: workers of an
+    attached cluster do not inherit this process's environment. Nothing when
+    none is set, so untraced deployments are unchanged."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 def _replica(kind: str, index: int, resource: str, fields: dict):
     return ModelServiceActor.options(
         name=f"specd-{kind}-{index}", namespace=NAMESPACE, lifetime="detached",
-        resources={resource: 1}, num_gpus=0,
+        resources={resource: 1}, num_gpus=0, **_tracing_options(),
     ).remote(kind, fields)
 
 
@@ -97,7 +109,7 @@ def deploy(cfg: DeploymentConfig) -> str:
         target_dir=cfg.target_dir, drafter_dir=cfg.drafter_dir, port=cfg.port,
         verifier_addresses=v_addrs, drafter_addresses=d_addrs, speculative=cfg.speculative)
     orch = OrchestratorActor.options(name=ORCHESTRATOR_NAME, namespace=NAMESPACE,
-                                     lifetime="detached").remote(orch_config)
+                                     lifetime="detached", **_tracing_options()).remote(orch_config)
     return ray.get(orch.address.remote(), timeout=cfg.ready_timeout_s)
 
 

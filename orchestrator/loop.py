@@ -7,11 +7,14 @@
         stream kept tokens
 
 The clients are injected (grpc in production, anything with the same async
-methods in a unit test); this module never imports grpc.
+methods in a unit test); this module never imports grpc. So are the trace hooks
+(orchestrator/tracing.py; no-ops by default): the loop only produces data, a
+CycleRecord per cycle, that the edge reports as span attributes and metrics.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
@@ -51,6 +54,36 @@ class DrafterClient(Protocol):
 
 
 @dataclass
+class CycleRecord:
+    """One cycle as data, for whoever reports it (trace attributes, Prometheus)."""
+    index: int               # 0-based verify cycle
+    draft: Draft
+    verdict: Verdict
+    wall_ms: float           # the cycle as the orchestrator saw it
+
+    @property
+    def accepted(self) -> int:
+        return len(self.verdict.path)
+
+    @property
+    def depth(self) -> int:
+        """Draft depth (a chain: K; 0 = a plain decode step)."""
+        depths: list[int] = []
+        for p in self.draft.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return max(depths, default=0)
+
+    @property
+    def bonus(self) -> bool:
+        """The extra token is a bonus (the path reached a leaf), not a correction."""
+        return bool(self.verdict.path) and self.verdict.path[-1] not in self.draft.parents
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.wall_ms - self.draft.compute_ms - self.verdict.compute_ms
+
+
+@dataclass
 class Stats:
     cycles: int = 0            # verify passes after the prefill
     drafted_tokens: int = 0    # draft tokens (tree nodes) verified
@@ -64,27 +97,60 @@ class Stats:
     verify_compute_ms: float = 0.0
     cycles_wall_ms: float = 0.0
     cycle_overhead_ms: list[float] = field(default_factory=list)   # wall - compute, per cycle
+    drafts: int = 0            # cycles that verified a non-empty draft (vLLM's num_drafts)
+    # Per draft position (0 = depth 1): cycles whose accepted path reached it.
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
 
     @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per verify pass, the correction/bonus token included."""
         return self.committed_in_cycles / self.cycles if self.cycles else 0.0
 
-    def observe_cycle(self, draft: Draft, verdict: Verdict, wall_ms: float) -> None:
+    def observe_cycle(self, draft: Draft, verdict: Verdict, wall_ms: float) -> CycleRecord:
         self.cycles += 1
+        self.drafts += bool(draft.tokens)
         self.drafted_tokens += len(draft.tokens)
         self.accepted_tokens += len(verdict.path)
+        for i in range(len(verdict.path)):
+            if i == len(self.accepted_per_position):     # a path deeper than K: never, but be safe
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[i] += 1
         self.committed_in_cycles += len(verdict.tokens)
         self.draft_compute_ms += draft.compute_ms
         self.verify_compute_ms += verdict.compute_ms
         self.cycles_wall_ms += wall_ms
         self.cycle_overhead_ms.append(wall_ms - draft.compute_ms - verdict.compute_ms)
+        return CycleRecord(self.cycles - 1, draft, verdict, wall_ms)
 
 
 @dataclass
 class Chunk:
     emit: Emit
     stats: Stats
+    cycle: CycleRecord | None = None     # the cycle that produced it (None: the prefill)
+
+
+class NoTrace:
+    """The trace hooks of the loop when tracing is off (orchestrator/tracing.py
+    has the real ones): `scope` makes the request span current around the
+    session calls, `cycle` opens a span per cycle that the draft and verify
+    calls nest under, `annotate` puts a cycle's record on it."""
+    _null = contextlib.nullcontext()
+
+    def scope(self):
+        return self._null
+
+    def cycle(self):
+        return self._null
+
+    def annotate(self, span, cycle: CycleRecord) -> None:
+        pass
+
+
+NO_TRACE = NoTrace()
 
 
 def draft_budget(k: int, remaining: int, committed: int, target_ctx: int, drafter_ctx: int) -> int:
@@ -96,7 +162,7 @@ def draft_budget(k: int, remaining: int, committed: int, target_ctx: int, drafte
 
 async def run_generation(spec: GenerationSpec, session_id: str, verifier: VerifierClient,
                          drafter: DrafterClient | None, tracker: OutputTracker,
-                         target_ctx: int, drafter_ctx: int) -> AsyncIterator[Chunk]:
+                         target_ctx: int, drafter_ctx: int, trace: NoTrace = NO_TRACE) -> AsyncIterator[Chunk]:
     shape = spec.shape
     stats = Stats(num_speculative_tokens=shape.depth if shape else 0, prompt_tokens=len(spec.prompt_ids),
                   method=spec.method)
@@ -106,7 +172,8 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
         opens = [verifier.open(session_id, spec.prompt_ids, spec.sampling)]
         if use_drafter:
             opens.append(drafter.open(session_id, spec.prompt_ids, spec.sampling))
-        results = await asyncio.gather(*opens, return_exceptions=True)
+        with trace.scope():
+            results = await asyncio.gather(*opens, return_exceptions=True)
         opened = [c for c, r in zip([verifier, drafter], results) if not isinstance(r, BaseException)]
         for r in results:
             if isinstance(r, BaseException):
@@ -119,22 +186,25 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
         # proposal, and the path of that proposal that was kept.
         unsent, kept_path = [results[0]], []
         while emit.finish_reason is None:
-            start = time.perf_counter()
-            cycle_shape = shape.truncated(draft_budget(shape.depth, tracker.remaining, committed, target_ctx,
-                                                       drafter_ctx)) if use_drafter else None
-            draft = Draft()
-            if cycle_shape is not None:
-                draft = await drafter.propose(session_id, kept_path, unsent, cycle_shape)
-                unsent = []
-            verdict = await verifier.verify(session_id, draft)
-            if cycle_shape is not None:
-                kept_path = verdict.path
-            unsent += verdict.tokens
-            committed += len(verdict.tokens)
-            emit = tracker.add(verdict.tokens)
-            stats.observe_cycle(draft, verdict, (time.perf_counter() - start) * 1e3)
+            with trace.cycle() as span:     # the draft and verify calls nest under it
+                start = time.perf_counter()
+                cycle_shape = shape.truncated(draft_budget(shape.depth, tracker.remaining, committed, target_ctx,
+                                                           drafter_ctx)) if use_drafter else None
+                draft = Draft()
+                if cycle_shape is not None:
+                    draft = await drafter.propose(session_id, kept_path, unsent, cycle_shape)
+                    unsent = []
+                verdict = await verifier.verify(session_id, draft)
+                if cycle_shape is not None:
+                    kept_path = verdict.path
+                unsent += verdict.tokens
+                committed += len(verdict.tokens)
+                emit = tracker.add(verdict.tokens)
+                cycle = stats.observe_cycle(draft, verdict, (time.perf_counter() - start) * 1e3)
+                trace.annotate(span, cycle)
             stats.completion_tokens = len(tracker.ids)
-            yield Chunk(emit, stats)
+            yield Chunk(emit, stats, cycle)
     finally:
         # Free the session everywhere, also when the client went away mid-stream.
-        await asyncio.gather(*(c.close(session_id) for c in opened), return_exceptions=True)
+        with trace.scope():
+            await asyncio.gather(*(c.close(session_id) for c in opened), return_exceptions=True)

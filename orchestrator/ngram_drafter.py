@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from specd import telemetry
 from specd.ngram import propose_ngram
 
 from .loop import Draft
@@ -27,7 +28,8 @@ class NgramDrafter:
         start = time.perf_counter()
         context = self.contexts[session_id]
         context += committed
-        tokens = propose_ngram(context, shape.depth, self.n_max, self.n_min)
+        with telemetry.span("specdec.draft"):      # in-process: an INTERNAL span, no server side
+            tokens = propose_ngram(context, shape.depth, self.n_max, self.n_min)
         # A chain; children chosen without sampling, so no q travels and the
         # verifier applies the deterministic rule (lossless at any temperature).
         return Draft(tokens, list(range(-1, len(tokens) - 1)), [], (time.perf_counter() - start) * 1e3)

@@ -7,6 +7,7 @@ import threading
 
 import grpc
 
+from specd import telemetry
 from specd.grpc_util import CHANNEL_OPTIONS, add_health_and_reflection
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -55,3 +56,4 @@ class BackgroundServer:
     def stop(self, grace_s: float = 5.0) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop).result(grace_s + 5)
         self.thread.join(grace_s + 5)
+        telemetry.flush()     # the process may live on (a Ray actor): flush, do not shut down

@@ -5,6 +5,7 @@ import logging
 
 import grpc
 
+from specd import telemetry
 from specd.grpc_util import status_for
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -26,7 +27,8 @@ def response_for(chunk) -> pb.GenerateResponse:
             mean_accepted_length=s.mean_accepted_length, prompt_tokens=s.prompt_tokens,
             completion_tokens=s.completion_tokens, num_speculative_tokens=s.num_speculative_tokens,
             draft_compute_ms=s.draft_compute_ms, verify_compute_ms=s.verify_compute_ms,
-            cycles_wall_ms=s.cycles_wall_ms, cycle_overhead_ms=s.cycle_overhead_ms, method=s.method))
+            cycles_wall_ms=s.cycles_wall_ms, cycle_overhead_ms=s.cycle_overhead_ms, method=s.method,
+            drafts=s.drafts, accepted_per_position=s.accepted_per_position))
     return r
 
 
@@ -36,7 +38,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServiceServicer):
 
     async def Generate(self, request, context):
         try:
-            async for chunk in self.core.generate(request):
+            parent = telemetry.extract(grpc_context=context) if telemetry.ENABLED else None
+            async for chunk in self.core.generate(request, parent):
                 yield response_for(chunk)
         except ServiceError as exc:   # an internal service refused: pass its reason on
             await context.abort(exc.code, exc.message)

@@ -12,7 +12,7 @@ from .spec_config import METHODS, ConfigError, _branching, add_speculative_flags
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models/demo/target"
 DEMO_DRAFTER = REPO_ROOT / "models/demo/drafter"
-DEMO_PROMPT = "def fibonacci(n):\n    "
+DEMO_PROMPT = "def read_config(path):\n    with open(path) as f:\n        return"
 
 
 def cmd_up(args) -> int:

@@ -20,19 +20,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class ServiceProcess:
-    """`python -m MODULE ARGS --port 0`, waiting for its 'listening on H:P' line."""
+    """`python -m MODULE ARGS --port 0`, waiting for its 'listening on H:P' line.
 
-    def __init__(self, module: str, *args: str, timeout_s: float = 120.0):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env: extra environment variables (e.g. OTEL_*). A 'metrics on H:P' line
+    (printed before it with --metrics-port) sets `metrics_address`."""
+
+    def __init__(self, module: str, *args: str, timeout_s: float = 120.0, env: dict | None = None):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", module, *args, "--port", "0"], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
+        self.metrics_address: str | None = None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line and self.proc.poll() is not None:
                 raise RuntimeError(f"{module} exited early:\n" + "".join(self.lines))
             self.lines.append(line)
+            m = re.search(r"metrics on (\S*):(\d+)", line)
+            if m:
+                self.metrics_address = f"127.0.0.1:{m.group(2)}"
             m = re.search(r"listening on (\S+):(\d+)", line)
             if m:
                 self.address = f"127.0.0.1:{m.group(2)}"
@@ -53,23 +60,29 @@ class ServiceProcess:
 
 
 class Stack:
-    """Verifier + drafter + orchestrator processes for one model pair."""
+    """Verifier + drafter + orchestrator processes for one model pair.
 
-    def __init__(self, target: str, drafter: str | None, service_args: tuple[str, ...] = ()):
+    env: extra environment variables for all three (e.g. OTEL_EXPORTER_OTLP_ENDPOINT);
+    metrics: serve Prometheus /metrics on free ports (each process's `metrics_address`)."""
+
+    def __init__(self, target: str, drafter: str | None, service_args: tuple[str, ...] = (),
+                 env: dict | None = None, metrics: bool = False):
         self.target, self.drafter = target, drafter
-        self.verifier = ServiceProcess("verifier_svc", "--model", target, *service_args)
-        self.drafter_proc = ServiceProcess("drafter_svc", "--model", drafter, *service_args) if drafter else None
-        args = ["--target", target, "--verifier-address", self.verifier.address]
+        extra = ("--metrics-port", "0") if metrics else ()
+        self.verifier = ServiceProcess("verifier_svc", "--model", target, *service_args, *extra, env=env)
+        self.drafter_proc = ServiceProcess("drafter_svc", "--model", drafter, *service_args, *extra,
+                                           env=env) if drafter else None
+        args = ["--target", target, "--verifier-address", self.verifier.address, *extra]
         if drafter:
             args += ["--drafter", drafter, "--drafter-address", self.drafter_proc.address]
-        self.orchestrator = ServiceProcess("orchestrator", *args)
+        self.orchestrator = ServiceProcess("orchestrator", *args, env=env)
         self.channel = grpc.insecure_channel(self.orchestrator.address)
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
 
-    def generate(self, **fields) -> tuple[list[int], pb.GenerateResponse]:
+    def generate(self, metadata=None, **fields) -> tuple[list[int], pb.GenerateResponse]:
         """Run one Generate; return (all token ids, the final response)."""
         ids, last = [], None
-        for r in self.stub.Generate(pb.GenerateRequest(**fields), timeout=120):
+        for r in self.stub.Generate(pb.GenerateRequest(**fields), timeout=120, metadata=metadata):
             ids += r.token_ids
             last = r
         return ids, last

@@ -10,6 +10,8 @@ import logging
 import signal
 import threading
 
+from . import metrics, telemetry
+
 
 def model_service_main(name: str, config_cls, start, argv=None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
@@ -20,12 +22,19 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--max-draft-tokens", type=int, default=config_cls.max_draft_tokens)
     parser.add_argument("--torch-threads", type=int, default=0)
+    parser.add_argument("--metrics-port", type=int,
+                        help="serve Prometheus /metrics on this port (0 = any free port; default: off)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
+    telemetry.setup(name.removesuffix("_svc"))
     config = config_cls(model_dir=args.model, host=args.host, port=args.port, device=args.device,
                         dtype=args.dtype, max_draft_tokens=args.max_draft_tokens,
                         torch_threads=args.torch_threads)
     server, port = start(config)
+    if args.metrics_port is not None:
+        # Printed before the "listening on" line, which tests and scripts wait for.
+        print(f"{name} metrics on {config.host}:{metrics.serve(args.metrics_port, config.host)}", flush=True)
     # Tests and scripts wait for this exact line to learn the bound port.
     print(f"{name} listening on {config.host}:{port}", flush=True)
     stop = threading.Event()
@@ -34,3 +43,4 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     stop.wait()
     # Graceful: refuse new calls, give running ones a few seconds to finish.
     server.stop(grace=5).wait()
+    telemetry.shutdown()      # export the spans still queued

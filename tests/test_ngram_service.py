@@ -74,17 +74,20 @@ def test_ngram_sampling_matches_target(temperature, top_p, top_k, pairs, stacks)
 def test_per_request_methods_concurrently(pairs, stacks):
     """off, ngram and draft_model served at once by the same system; each final
     stats message names its method; greedy outputs are identical."""
-    target_dir, _ = pairs["qwen2"]
+    target_dir, _ = pairs["llama"]
     tok = load_tokenizer(target_dir)
     methods = ["off", "ngram", "draft_model"] * 3
     ps = repetitive_prompts(tok, 3)
     jobs = [(m, ps[i // 3]) for i, m in enumerate(methods)]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda j: stacks["qwen2"].generate(
+        results = list(pool.map(lambda j: stacks["llama"].generate(
             prompt_token_ids={"ids": j[1]}, max_new_tokens=MAX_NEW, speculative_method=j[0]), jobs))
+    drafted = {m: 0 for m in set(methods)}
     for (method, _), (_, last) in zip(jobs, results):
         assert last.stats.method == method
-        assert (last.stats.drafted_tokens == 0) == (method == "off")
+        drafted[method] += last.stats.drafted_tokens
+    # Off drafts nothing; the two speculative methods really drafted.
+    assert drafted["off"] == 0 and drafted["ngram"] > 0 and drafted["draft_model"] > 0
     for i in range(0, len(jobs), 3):
         off, ngram, draft = (results[i + j][0] for j in range(3))
         assert off == ngram == draft

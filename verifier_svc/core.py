@@ -19,6 +19,7 @@ import torch
 from specd.acceptance import dense_q
 from specd.errors import CapacityExceeded, InvalidRequest, UnknownSession
 from specd.models import Runner, context_length, load_model, vocab_size
+from specd.phases import Phases
 from specd.sampling import SamplingParams, logits_to_probs, sample
 from specd.tree import (TokenTree, accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled,
                         children, compaction_indices, depth, tree_attention, validate_tree)
@@ -32,6 +33,7 @@ class VerifyResult:
     path: list[int]            # accepted node indices, root-down
     tokens: list[int]          # path tokens + correction or bonus
     compute_ms: float          # forward + acceptance + compaction
+    phases: list = field(default_factory=list)   # (name, start_ns, end_ns): forward, accept, compact
 
     @property
     def num_accepted(self) -> int:
@@ -71,7 +73,8 @@ class Verifier:
 
     @property
     def kv_tokens(self) -> int:
-        return sum(s.cache.length for s in self._sessions.values())
+        # list(): a metrics scrape reads this from another thread while sessions open.
+        return sum(s.cache.length for s in list(self._sessions.values()))
 
     def open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
         """Prefill the prompt; return the first generated token (a plain decode step)."""
@@ -114,23 +117,26 @@ class Verifier:
                                  f"would pass the context length {self.context_length}")
         q = self._dense_q(tree, row_dists) if row_dists else None
         with self._lock:
-            start = time.perf_counter()
+            start, phases = time.perf_counter(), Phases()
             base = s.cache.length                       # == len(tokens) - 1
             positions = mask = None
             if not is_chain(tree):                      # a chain's mask is the causal one
                 mask4, pos2 = tree_attention(tree, base)
                 mask, positions = mask4[0, 0], pos2[0]
             logits = s.cache.forward([s.tokens[-1]] + list(tree.tokens), positions=positions, mask=mask)
+            phases.mark("forward")
             if s.params.greedy:
                 result = accept_tree_greedy(logits, tree)
             else:
                 p = logits_to_probs(logits, s.params)
                 result = (accept_tree_sampled(p, tree, q, s.generator) if q is not None
                           else accept_tree_deterministic(p, tree, s.generator))
+            phases.mark("accept")
             # Keep the root and the accepted path; the new last token is pending.
             s.cache.compact(base, compaction_indices(result.path))
             s.tokens += result.tokens
-            return VerifyResult(result.path, result.tokens, (time.perf_counter() - start) * 1e3)
+            phases.mark("compact")
+            return VerifyResult(result.path, result.tokens, (time.perf_counter() - start) * 1e3, phases.spans)
 
     def close_session(self, session_id: str) -> None:
         with self._lock:

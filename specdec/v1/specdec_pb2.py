@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"V\n\nDraftShape\x12\x11\n\tbranching\x18\x01 \x03(\x05\x12\x13\n\x0bnode_budget\x18\x02 \x01(\x05\x12\x11\n\tmax_depth\x18\x03 \x01(\x05\x12\r\n\x05top_k\x18\x04 \x01(\x05\"u\n\x17OpenDraftSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"\x1a\n\x18OpenDraftSessionResponse\"\xb3\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\raccepted_path\x18\x06 \x03(\x05\x12\x1b\n\x13\x63ommitted_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12%\n\x05shape\x18\x07 \x01(\x0b\x32\x16.specdec.v1.DraftShape\x12\x12\n\nrequest_id\x18\x05 \x01(\x04J\x04\x08\x02\x10\x03\"\xcc\x01\n\x0fProposeResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12$\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.specdec.v1.CallError\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"v\n\x18OpenVerifySessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"3\n\x19OpenVerifySessionResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\"\xa4\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12\x15\n\rdraft_parents\x18\x05 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"\x9e\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\raccepted_path\x18\x06 \x03(\x05\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12$\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.specdec.v1.CallError\"\x82\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x36\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.PromptTokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12#\n\x16num_speculative_tokens\x18\t \x01(\x05H\x04\x88\x01\x01\x12$\n\x04tree\x18\n \x01(\x0b\x32\x16.specdec.v1.DraftShape\x12\x1a\n\x12speculative_method\x18\x0b \x01(\tB\x07\n\x05inputB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xba\x02\n\x0fGenerationStats\x12\x0e\n\x06\x63ycles\x18\x01 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\x12\x18\n\x10\x64raft_compute_ms\x18\x08 \x01(\x01\x12\x19\n\x11verify_compute_ms\x18\t \x01(\x01\x12\x16\n\x0e\x63ycles_wall_ms\x18\n \x01(\x01\x12\x19\n\x11\x63ycle_overhead_ms\x18\x0b \x03(\x02\x12\x0e\n\x06method\x18\x0c \x01(\t\"v\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats2\xcf\x02\n\x0e\x44rafterService\x12X\n\x0bOpenSession\x12#.specdec.v1.OpenDraftSessionRequest\x1a$.specdec.v1.OpenDraftSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12L\n\rProposeStream\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse2\xcc\x02\n\x0fVerifierService\x12Z\n\x0bOpenSession\x12$.specdec.v1.OpenVerifySessionRequest\x1a%.specdec.v1.OpenVerifySessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12I\n\x0cVerifyStream\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse2^\n\x13OrchestratorService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"V\n\nDraftShape\x12\x11\n\tbranching\x18\x01 \x03(\x05\x12\x13\n\x0bnode_budget\x18\x02 \x01(\x05\x12\x11\n\tmax_depth\x18\x03 \x01(\x05\x12\r\n\x05top_k\x18\x04 \x01(\x05\"u\n\x17OpenDraftSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"\x1a\n\x18OpenDraftSessionResponse\"\xc8\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\raccepted_path\x18\x06 \x03(\x05\x12\x1b\n\x13\x63ommitted_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12%\n\x05shape\x18\x07 \x01(\x0b\x32\x16.specdec.v1.DraftShape\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\x12\x13\n\x0btraceparent\x18\x08 \x01(\tJ\x04\x08\x02\x10\x03\"\xcc\x01\n\x0fProposeResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12$\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.specdec.v1.CallError\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"v\n\x18OpenVerifySessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"3\n\x19OpenVerifySessionResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\"\xb9\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12\x15\n\rdraft_parents\x18\x05 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\"\x9e\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\raccepted_path\x18\x06 \x03(\x05\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12$\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.specdec.v1.CallError\"\x82\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x36\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.PromptTokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12#\n\x16num_speculative_tokens\x18\t \x01(\x05H\x04\x88\x01\x01\x12$\n\x04tree\x18\n \x01(\x0b\x32\x16.specdec.v1.DraftShape\x12\x1a\n\x12speculative_method\x18\x0b \x01(\tB\x07\n\x05inputB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe9\x02\n\x0fGenerationStats\x12\x0e\n\x06\x63ycles\x18\x01 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\x12\x18\n\x10\x64raft_compute_ms\x18\x08 \x01(\x01\x12\x19\n\x11verify_compute_ms\x18\t \x01(\x01\x12\x16\n\x0e\x63ycles_wall_ms\x18\n \x01(\x01\x12\x19\n\x11\x63ycle_overhead_ms\x18\x0b \x03(\x02\x12\x0e\n\x06method\x18\x0c \x01(\t\x12\x0e\n\x06\x64rafts\x18\r \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x0e \x03(\x05\"v\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats2\xcf\x02\n\x0e\x44rafterService\x12X\n\x0bOpenSession\x12#.specdec.v1.OpenDraftSessionRequest\x1a$.specdec.v1.OpenDraftSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12L\n\rProposeStream\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse2\xcc\x02\n\x0fVerifierService\x12Z\n\x0bOpenSession\x12$.specdec.v1.OpenVerifySessionRequest\x1a%.specdec.v1.OpenVerifySessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12I\n\x0cVerifyStream\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse2^\n\x13OrchestratorService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENDRAFTSESSIONRESPONSE']._serialized_start=430
   _globals['_OPENDRAFTSESSIONRESPONSE']._serialized_end=456
   _globals['_PROPOSEREQUEST']._serialized_start=459
-  _globals['_PROPOSEREQUEST']._serialized_end=638
-  _globals['_PROPOSERESPONSE']._serialized_start=641
-  _globals['_PROPOSERESPONSE']._serialized_end=845
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=847
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=888
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=890
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=912
-  _globals['_OPENVERIFYSESSIONREQUEST']._serialized_start=914
-  _globals['_OPENVERIFYSESSIONREQUEST']._serialized_end=1032
-  _globals['_OPENVERIFYSESSIONRESPONSE']._serialized_start=1034
-  _globals['_OPENVERIFYSESSIONRESPONSE']._serialized_end=1085
-  _globals['_VERIFYREQUEST']._serialized_start=1088
-  _globals['_VERIFYREQUEST']._serialized_end=1252
-  _globals['_VERIFYRESPONSE']._serialized_start=1255
-  _globals['_VERIFYRESPONSE']._serialized_end=1413
-  _globals['_GENERATEREQUEST']._serialized_start=1416
-  _globals['_GENERATEREQUEST']._serialized_end=1802
-  _globals['_PROMPTTOKENIDS']._serialized_start=1804
-  _globals['_PROMPTTOKENIDS']._serialized_end=1833
-  _globals['_GENERATIONSTATS']._serialized_start=1836
-  _globals['_GENERATIONSTATS']._serialized_end=2150
-  _globals['_GENERATERESPONSE']._serialized_start=2152
-  _globals['_GENERATERESPONSE']._serialized_end=2270
-  _globals['_DRAFTERSERVICE']._serialized_start=2273
-  _globals['_DRAFTERSERVICE']._serialized_end=2608
-  _globals['_VERIFIERSERVICE']._serialized_start=2611
-  _globals['_VERIFIERSERVICE']._serialized_end=2943
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=2945
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=3039
+  _globals['_PROPOSEREQUEST']._serialized_end=659
+  _globals['_PROPOSERESPONSE']._serialized_start=662
+  _globals['_PROPOSERESPONSE']._serialized_end=866
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=868
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=909
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=911
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=933
+  _globals['_OPENVERIFYSESSIONREQUEST']._serialized_start=935
+  _globals['_OPENVERIFYSESSIONREQUEST']._serialized_end=1053
+  _globals['_OPENVERIFYSESSIONRESPONSE']._serialized_start=1055
+  _globals['_OPENVERIFYSESSIONRESPONSE']._serialized_end=1106
+  _globals['_VERIFYREQUEST']._serialized_start=1109
+  _globals['_VERIFYREQUEST']._serialized_end=1294
+  _globals['_VERIFYRESPONSE']._serialized_start=1297
+  _globals['_VERIFYRESPONSE']._serialized_end=1455
+  _globals['_GENERATEREQUEST']._serialized_start=1458
+  _globals['_GENERATEREQUEST']._serialized_end=1844
+  _globals['_PROMPTTOKENIDS']._serialized_start=1846
+  _globals['_PROMPTTOKENIDS']._serialized_end=1875
+  _globals['_GENERATIONSTATS']._serialized_start=1878
+  _globals['_GENERATIONSTATS']._serialized_end=2239
+  _globals['_GENERATERESPONSE']._serialized_start=2241
+  _globals['_GENERATERESPONSE']._serialized_end=2359
+  _globals['_DRAFTERSERVICE']._serialized_start=2362
+  _globals['_DRAFTERSERVICE']._serialized_end=2697
+  _globals['_VERIFIERSERVICE']._serialized_start=2700
+  _globals['_VERIFIERSERVICE']._serialized_end=3032
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=3034
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=3128
 # @@protoc_insertion_point(module_scope)

@@ -61,20 +61,22 @@ class OpenDraftSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "accepted_path", "committed_token_ids", "num_draft_tokens", "shape", "request_id")
+    __slots__ = ("session_id", "accepted_path", "committed_token_ids", "num_draft_tokens", "shape", "request_id", "traceparent")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     shape: DraftShape
     request_id: int
-    def __init__(self, session_id: _Optional[str] = ..., accepted_path: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., shape: _Optional[_Union[DraftShape, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, session_id: _Optional[str] = ..., accepted_path: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., shape: _Optional[_Union[DraftShape, _Mapping]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("draft_token_ids", "draft_parents", "draft_distributions", "compute_ms", "request_id", "error")
@@ -119,18 +121,20 @@ class OpenVerifySessionResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "draft_token_ids", "draft_parents", "draft_distributions", "request_id")
+    __slots__ = ("session_id", "draft_token_ids", "draft_parents", "draft_distributions", "request_id", "traceparent")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     request_id: int
-    def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("num_accepted", "token_ids", "accepted_path", "compute_ms", "request_id", "error")
@@ -181,7 +185,7 @@ class PromptTokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method")
+    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position")
     CYCLES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +198,8 @@ class GenerationStats(_message.Message):
     CYCLES_WALL_MS_FIELD_NUMBER: _ClassVar[int]
     CYCLE_OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     cycles: int
     drafted_tokens: int
     accepted_tokens: int
@@ -206,7 +212,9 @@ class GenerationStats(_message.Message):
     cycles_wall_ms: float
     cycle_overhead_ms: _containers.RepeatedScalarFieldContainer[float]
     method: str
-    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ...) -> None: ...
+    drafts: int
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
