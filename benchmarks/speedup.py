@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch

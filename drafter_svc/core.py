@@ -9,21 +9,19 @@ forwarded, and a new tree grows below the last committed token.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from specd.errors import CapacityExceeded, InvalidRequest, UnknownSession
-from specd.models import Runner, context_length, load_model, vocab_size
+from specd.draft_shape import DraftShape
+from specd.errors import InvalidRequest
+from specd.model_core import ModelCore
 from specd.phases import Phases
 from specd.sampling import SamplingParams
 from specd.validation import check_token_ids
 
 from .config import DrafterConfig
-from specd.draft_shape import DraftShape
-
 from .tree_builder import DraftTree, build_tree
 
 
@@ -46,32 +44,16 @@ class _Session:
     base: int = 0                # cache rows before the last tree's nodes
 
 
-class Drafter:
-    def __init__(self, config: DrafterConfig, model=None):
-        self.config = config
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
-        self.model = model if model is not None else load_model(config.model_dir, config.device, config.dtype)
-        self.runner = Runner(self.model, config.engine)
-        self.vocab_size = vocab_size(self.model)
-        self.context_length = context_length(self.model.config)
-        self._sessions: dict[str, _Session] = {}
-        self._lock = threading.Lock()
+class Drafter(ModelCore):
+    role = "drafter"
 
-    @property
-    def num_sessions(self) -> int:
-        return len(self._sessions)
+    def __init__(self, config: DrafterConfig, model=None):
+        super().__init__(config, model)
 
     def open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        if not session_id:
-            raise InvalidRequest("session_id must not be empty")
-        check_token_ids(prompt_ids, self.vocab_size, self.context_length, "prompt_token_ids")
+        self._check_request(session_id, prompt_ids, params)
         with self._lock:
-            if session_id in self._sessions:
-                raise InvalidRequest(f"session {session_id!r} is already open")
-            if len(self._sessions) >= self.config.max_sessions:
-                raise CapacityExceeded(f"drafter is at its limit of {self.config.max_sessions} sessions")
+            self._check_room(session_id)
             # A distinct stream from the verifier's: draft randomness must be
             # independent of the acceptance randomness.
             gen = torch.Generator().manual_seed((params.seed * 2654435761 + 1) % 2**63)
@@ -109,11 +91,6 @@ class Drafter:
             phases.mark("tree")
             return Proposal(tree, (time.perf_counter() - start) * 1e3, phases.spans)
 
-    def close_session(self, session_id: str) -> None:
-        with self._lock:
-            if self._sessions.pop(session_id, None) is None:
-                raise UnknownSession(f"unknown session id {session_id!r}")
-
     @staticmethod
     def _check_outcome(s: _Session, path: list[int], committed: list[int]) -> None:
         """The path must run root-down through the last tree and start `committed`."""
@@ -128,8 +105,3 @@ class Drafter:
         if not committed and s.last.tokens:
             raise InvalidRequest("committed_token_ids is empty but a draft is outstanding")
 
-    def _get(self, session_id: str) -> _Session:
-        s = self._sessions.get(session_id)
-        if s is None:
-            raise UnknownSession(f"unknown session id {session_id!r}")
-        return s

@@ -14,7 +14,6 @@ itself (simulated with a fixed seed), and the test also checks that this
 threshold is tight enough to reject the drafter's own distribution - i.e. a
 rule that accepted drafts too readily would fail.
 """
-import itertools
 
 import pytest
 import torch

@@ -10,15 +10,14 @@ the accepted path's rows, moved in place (specd/tree.py). No grpc here.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from specd.acceptance import dense_q
-from specd.errors import CapacityExceeded, InvalidRequest, UnknownSession
-from specd.models import Runner, context_length, load_model, vocab_size
+from specd.errors import CapacityExceeded, InvalidRequest
+from specd.model_core import ModelCore
 from specd.phases import Phases
 from specd.sampling import SamplingParams, logits_to_probs, sample
 from specd.tree import (TokenTree, accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled,
@@ -52,24 +51,11 @@ def is_chain(tree: TokenTree) -> bool:
     return all(p == i - 1 for i, p in enumerate(tree.parents))
 
 
-class Verifier:
-    def __init__(self, config: VerifierConfig, model=None):
-        self.config = config
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
-        self.model = model if model is not None else load_model(config.model_dir, config.device, config.dtype)
-        self.runner = Runner(self.model, config.engine)
-        self.vocab_size = vocab_size(self.model)
-        self.context_length = context_length(self.model.config)
-        self._sessions: dict[str, _Session] = {}
-        # One forward at a time: concurrent forwards on 2 CPU cores only thrash.
-        # (Batching concurrent sessions into one forward is a later step.)
-        self._lock = threading.Lock()
+class Verifier(ModelCore):
+    role = "verifier"
 
-    # -- introspection (health, tests, metrics) --
-    @property
-    def num_sessions(self) -> int:
-        return len(self._sessions)
+    def __init__(self, config: VerifierConfig, model=None):
+        super().__init__(config, model)
 
     @property
     def kv_tokens(self) -> int:
@@ -78,15 +64,9 @@ class Verifier:
 
     def open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
         """Prefill the prompt; return the first generated token (a plain decode step)."""
-        params.validate()
-        if not session_id:
-            raise InvalidRequest("session_id must not be empty")
-        check_token_ids(prompt_ids, self.vocab_size, self.context_length, "prompt_token_ids")
+        self._check_request(session_id, prompt_ids, params)
         with self._lock:
-            if session_id in self._sessions:
-                raise InvalidRequest(f"session {session_id!r} is already open")
-            if len(self._sessions) >= self.config.max_sessions:
-                raise CapacityExceeded(f"verifier is at its limit of {self.config.max_sessions} sessions")
+            self._check_room(session_id)
             if self.kv_tokens + len(prompt_ids) > self.config.max_kv_tokens:
                 raise CapacityExceeded(
                     f"verifier KV budget full: {self.kv_tokens} of {self.config.max_kv_tokens} tokens in use")
@@ -137,17 +117,6 @@ class Verifier:
             s.tokens += result.tokens
             phases.mark("compact")
             return VerifyResult(result.path, result.tokens, (time.perf_counter() - start) * 1e3, phases.spans)
-
-    def close_session(self, session_id: str) -> None:
-        with self._lock:
-            if self._sessions.pop(session_id, None) is None:
-                raise UnknownSession(f"unknown session id {session_id!r}")
-
-    def _get(self, session_id: str) -> _Session:
-        s = self._sessions.get(session_id)
-        if s is None:
-            raise UnknownSession(f"unknown session id {session_id!r}")
-        return s
 
     def _dense_q(self, tree: TokenTree, rows: list[tuple[list[int], list[float]]]) -> torch.Tensor:
         """Check the sparse per-row q and densify it to (N+1, V)."""
