@@ -15,7 +15,7 @@ DEMO_DRAFTER = REPO_ROOT / "models/demo/drafter"
 DEMO_PROMPT = "def read_config(path):\n    with open(path) as f:\n        return"
 
 
-def cmd_up(args) -> int:
+def cmd_up(args, print_address: bool = True) -> int:
     import ray
 
     from orchestrator.deploy import DeploymentConfig, deploy
@@ -57,7 +57,8 @@ def cmd_up(args) -> int:
         raise
     address = address.replace("0.0.0.0", "127.0.0.1")
     cluster.write_state({"address": address, "ray_address": ray_address, "ray_pid": ray_pid})
-    print(address)
+    if print_address:   # stdout carries only the address, for scripts
+        print(address)
     print(f"specd is up: Generate at {address} (ray {ray_address})", file=sys.stderr)
     return 0
 
@@ -119,7 +120,7 @@ def cmd_generate(args) -> int:
 
 def cmd_demo(args) -> int:
     args.port = 0
-    if cmd_up(args) != 0:
+    if cmd_up(args, print_address=False) != 0:
         return 1
     try:
         print(args.prompt, end="")
