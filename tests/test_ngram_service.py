@@ -8,7 +8,7 @@ import torch
 from specd.models import load_model, load_tokenizer
 from specd.sampling import SamplingParams, logits_to_probs
 from tests.test_greedy_exact import MAX_NEW, assert_same_or_near_tie, prompts, reference
-from tests.test_sampling_lossless import N, exact_joint, null_threshold, tv
+from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold
 
 
 def repetitive_prompts(tok, n=20):
@@ -55,20 +55,9 @@ def test_ngram_sampling_matches_target(temperature, top_p, top_k, pairs, stacks)
     params = SamplingParams(temperature, top_p, top_k)
     prompt = lookup_prompt(load_model(target_dir, "cpu"), params)
     joint = exact_joint(target_dir, prompt, params)
-    threshold = null_threshold(joint, N)
-    counts, rejections, acceptances = {}, 0, 0
-    for seed in range(N):
-        ids, last = stacks["llama"].generate(
-            prompt_token_ids={"ids": prompt}, max_new_tokens=4, speculative_method="ngram",
-            num_speculative_tokens=2, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        counts[tuple(ids[:3])] = counts.get(tuple(ids[:3]), 0) + 1
-        rejections += last.stats.accepted_tokens < last.stats.drafted_tokens
-        acceptances += last.stats.accepted_tokens > 0
-    stat = tv(joint, counts, N)
-    print(f"ngram T={temperature} top_p={top_p}: TV={stat:.4f} threshold={threshold:.4f} "
-          f"rejections={rejections} acceptances={acceptances}")
-    assert rejections > N // 10 and acceptances > N // 10
-    assert stat < threshold
+    check_stream_law(stacks["llama"], prompt, joint, null_threshold(joint, N),
+                     dict(speculative_method="ngram", num_speculative_tokens=2, temperature=temperature,
+                          top_p=top_p, top_k=top_k))
 
 
 def test_per_request_methods_concurrently(pairs, stacks):

@@ -83,18 +83,22 @@ def test_speculative_sampling_matches_target(prompt, temperature, top_p, top_k, 
     drafter_joint = exact_joint(drafter_dir, prompt, params)
     assert tv(joint, {k: v * N for k, v in drafter_joint.items()}, N) > 2 * threshold
 
+    check_stream_law(stacks["llama"], prompt, joint, threshold,
+                     dict(temperature=temperature, top_p=top_p, top_k=top_k, **draft))
+
+
+def check_stream_law(stack, prompt, joint, threshold, fields: dict) -> None:
+    """N sampled requests (4 tokens, seeds 0..N-1) through the stack; the law of
+    their first 3 tokens must be within `threshold` TV of the exact joint, and
+    both paths (kept drafts, tokens after a rejection) must really have run."""
     counts, rejections, acceptances = {}, 0, 0
     for seed in range(N):
-        ids, last = stacks["llama"].generate(
-            prompt_token_ids={"ids": prompt}, max_new_tokens=4,
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **draft)
-        key = tuple(ids[:3])
-        counts[key] = counts.get(key, 0) + 1
+        ids, last = stack.generate(prompt_token_ids={"ids": prompt}, max_new_tokens=4, seed=seed, **fields)
+        counts[tuple(ids[:3])] = counts.get(tuple(ids[:3]), 0) + 1
         rejections += last.stats.accepted_tokens < last.stats.drafted_tokens
         acceptances += last.stats.accepted_tokens > 0
     stat = tv(joint, counts, N)
-    print(f"T={temperature} top_p={top_p} top_k={top_k}: TV={stat:.4f} threshold={threshold:.4f} "
-          f"support={len(joint)} requests with a rejection={rejections} with an acceptance={acceptances}")
-    # Both paths must really run: kept drafts, and tokens after a rejection.
+    print(f"{fields}: TV={stat:.4f} threshold={threshold:.4f} support={len(joint)} "
+          f"requests with a rejection={rejections} with an acceptance={acceptances}")
     assert rejections > N // 10 and acceptances > N // 10
     assert stat < threshold
