@@ -123,7 +123,7 @@ def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> GoodnessOfFit:
 
 # ---------------------------------------------------------------- toy models
 
-def model_tables(seed: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def model_tables(seed: int = 2, argmax_noise: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(target, drafter, argmax drafter) logits, each (V+1, V): row c = logits of
     the next token after token c (row BOS: first token).
 
@@ -136,7 +136,7 @@ def model_tables(seed: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     noise = torch.randn(V + 1, V, generator=g)
     anti = torch.arange(V + 1).remainder(2).eq(0).unsqueeze(1)
     drafter = torch.where(anti, -target + 0.5 * noise, target + 1.0 * noise)
-    argmax_drafter = target + 0.5 * torch.randn(V + 1, V, generator=g)
+    argmax_drafter = target + argmax_noise * torch.randn(V + 1, V, generator=g)
     return target, drafter, argmax_drafter
 
 

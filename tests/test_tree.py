@@ -35,9 +35,9 @@ from specd.tree import (
     children, compaction_indices, depth, path_to, paths_to_parents, static_tree, static_tree_paths,
     validate_tree,
 )
-from tests.test_acceptance import GoodnessOfFit, goodness_of_fit
+from tests.test_acceptance import BOS, L, V, GoodnessOfFit, exact_sequence_law, goodness_of_fit
+from tests.test_acceptance import model_tables as acceptance_tables
 
-V, BOS, L = 6, 6, 3
 N_TRIALS = 15_000        # sequences per correct rule
 N_TRIALS_WRONG = 4_000   # per wrong rule (fewer trials only makes failing harder)
 PLAIN = SamplingParams(temperature=1.0)
@@ -138,26 +138,13 @@ def test_empty_tree_samples_root_row():
 
 # ---------------------------------------------------------------- toy models and trees
 
-def model_tables(seed: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(target, sampling drafter, top-k drafter) logits, each (V+1, V). The sampling
-    drafter's even rows are anti-correlated with the target (its children are often
-    rejected, so second children and all-rejected nodes are common); the top-k
-    drafter is a noisy copy (its top-2 often, not always, holds the target's favourite)."""
-    g = torch.Generator().manual_seed(seed)
-    target = torch.randn(V + 1, V, generator=g) * 0.8
-    noise = torch.randn(V + 1, V, generator=g)
-    anti = torch.arange(V + 1).remainder(2).eq(0).unsqueeze(1)
-    drafter = torch.where(anti, -target + 0.5 * noise, target + 1.0 * noise)
-    topk_drafter = target + 0.7 * torch.randn(V + 1, V, generator=g)
-    return target, drafter, topk_drafter
-
-
-def exact_sequence_law(p_table: torch.Tensor) -> np.ndarray:
-    P = p_table.double().numpy()
-    law = P[BOS]
-    for _ in range(L - 1):
-        law = law[..., None] * P[:V]
-    return law
+def model_tables():
+    """(target, sampling drafter, top-k drafter) logits, each (V+1, V): the chain
+    tests' tables (tests/test_acceptance.py). The sampling drafter's even rows are
+    anti-correlated with the target (children often rejected, so second children
+    and all-rejected nodes are common); the top-k drafter is a noisy copy (its
+    top-2 often, not always, holds the target's favourite)."""
+    return acceptance_tables(seed=4, argmax_noise=0.7)
 
 
 def tree_from_children(root_ctx: int, pick: Callable[[int], list[int]], branching=(2, 2)) -> TokenTree:
