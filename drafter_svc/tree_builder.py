@@ -90,27 +90,33 @@ def build_tree(session, root_logits: torch.Tensor, shape: DraftShape, params: Sa
     if shape.dynamic:
         _grow_dynamic(g, root_logits, shape)
     else:
-        _grow_static(g, root_logits, shape.branching, params, top_n, gen)
+        _grow_static(g, root_logits, shape.children(), params, top_n, gen)
     return g.tree
 
 
-def _grow_static(g: _Grower, root_logits, branching, params, top_n, gen) -> None:
+def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen) -> None:
+    """children: how many children each node path has (DraftShape.children);
+    the k-th child of a node is the drafter's k-th choice there."""
     sampled = not params.greedy
-    frontier = [(-1, root_logits)]
+    frontier = [((), -1, root_logits)]              # (rank path, node index, its logits)
     dists: dict[int, tuple[list[int], list[float]]] = {}
-    for depth, b in enumerate(branching):
+    while frontier:
         level = []
-        for node, logits in frontier:
+        for path, node, logits in frontier:
+            b = children[path]
             if sampled:
                 ids, probs = truncate_top(logits_to_probs(logits, params), top_n)
                 dists[node + 1] = (ids.tolist(), probs.tolist())
                 chosen = _sample_without_replacement(ids, probs, b, gen)
             else:
                 chosen = torch.topk(logits, b).indices.tolist()
-            level += [g.add(t, node) for t in chosen]
-        if depth == len(branching) - 1 or not level:
+            level += [(path + (k,), g.add(t, node)) for k, t in enumerate(chosen)]
+        # Only nodes with children of their own go through the model.
+        level = [(p, n) for p, n in level if p in children]
+        if not level:
             break
-        frontier = list(zip(level, g.forward_level(level)))
+        logits = g.forward_level([n for _, n in level])
+        frontier = [(p, n, row) for (p, n), row in zip(level, logits)]
     if sampled:
         g.tree.row_dists = [dists.get(r, ([], [])) for r in range(len(g.tree.tokens) + 1)]
 

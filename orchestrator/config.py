@@ -4,6 +4,9 @@ from dataclasses import dataclass, field
 
 from specd.spec_config import SpeculativeConfig
 
+from .pool import ReplicaSpec
+from .scaling import AutoscalePolicy
+
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
@@ -11,8 +14,11 @@ class OrchestratorConfig:
     drafter_dir: str | None = None         # None: no drafter, speculation off
     host: str = "0.0.0.0"
     port: int = 50051                      # public Generate port; 0 = any free port
-    verifier_addresses: list[str] = field(default_factory=list)
-    drafter_addresses: list[str] = field(default_factory=list)
+    verifier_addresses: list[str] = field(default_factory=list)   # named verifier-0, verifier-1, ...
+    drafter_addresses: list[str] = field(default_factory=list)    # named drafter-0, ...
+    replicas: list[ReplicaSpec] = field(default_factory=list)     # named replicas (Ray deployments)
+    autoscale: dict[str, AutoscalePolicy] = field(default_factory=dict)   # per pool, optional
+    max_replicas: int = 64                 # per pool, for `specd scale`
     default_max_new_tokens: int = 128      # when a request leaves it unset
     max_new_tokens_limit: int = 4096       # requests above it: INVALID_ARGUMENT
     # Method, K, tree, ngram settings and the limits requests cannot exceed.

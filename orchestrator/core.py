@@ -15,6 +15,8 @@ from .detok import OutputTracker
 from .loop import Chunk, run_generation
 from .metrics import OrchestratorMetrics
 from .ngram_drafter import NgramDrafter
+from .pool import Pool, ReplicaSpec
+from .scaling import Launcher, Scaler
 from .request import build_spec
 from .tracing import request_trace
 
@@ -26,9 +28,20 @@ def eos_ids(config) -> set[int]:
     return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
 
 
+class NotScalable(RuntimeError):
+    """Scale asked of an orchestrator that has no launcher (FAILED_PRECONDITION)."""
+
+
+def initial_replicas(config: OrchestratorConfig) -> list[ReplicaSpec]:
+    return (list(config.replicas)
+            + [ReplicaSpec("verifier", f"verifier-{i}", a) for i, a in enumerate(config.verifier_addresses)]
+            + [ReplicaSpec("drafter", f"drafter-{i}", a) for i, a in enumerate(config.drafter_addresses)])
+
+
 class Orchestrator:
-    def __init__(self, config: OrchestratorConfig):
-        if not config.verifier_addresses:
+    def __init__(self, config: OrchestratorConfig, launcher: Launcher | None = None):
+        specs = initial_replicas(config)
+        if not any(s.kind == "verifier" for s in specs):
             raise ValueError("at least one verifier address is needed")
         self.config = config
         self.model_name = Path(config.target_dir).name     # gen_ai.request.model
@@ -38,41 +51,50 @@ class Orchestrator:
         self.target_ctx = context_length(target_cfg)
         self.eos_ids = eos_ids(target_cfg)
         self.drafter_ctx = self.target_ctx
-        if config.drafter_dir and config.drafter_addresses:
+        if config.drafter_dir:
             drafter_cfg = AutoConfig.from_pretrained(config.drafter_dir)
             if drafter_cfg.vocab_size != self.vocab_size:
                 raise ValueError(f"drafter vocabulary ({drafter_cfg.vocab_size}) differs from the "
                                  f"target's ({self.vocab_size}); they must share a tokenizer")
             self.drafter_ctx = context_length(drafter_cfg)
-        self.verifiers = [GrpcVerifier(a, config.rpc_timeout_s) for a in config.verifier_addresses]
-        self.drafters = [GrpcDrafter(a, config.rpc_timeout_s) for a in config.drafter_addresses]
+        self.pools = {"verifier": Pool("verifier"), "drafter": Pool("drafter")}
+        for spec in specs:
+            self.pools[spec.kind].add(spec, self.client_for(spec))
         sc = config.speculative.validate()
-        if sc.method == "draft_model" and sc.num_speculative_tokens and not self.drafters:
+        if sc.method == "draft_model" and sc.num_speculative_tokens and not self.pools["drafter"].replicas:
             raise ValueError("speculative_config.method is draft_model but no drafter replica is deployed")
+        # Scaling needs a launcher (on Ray); without one the pools are fixed.
+        self.scaler = (Scaler(self.pools, launcher, self.client_for, config.max_replicas, config.autoscale)
+                       if launcher else None)
         self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
         self.metrics = OrchestratorMetrics()
+        self.active_requests = 0
+
+    def client_for(self, spec: ReplicaSpec):
+        cls = GrpcVerifier if spec.kind == "verifier" else GrpcDrafter
+        return cls(spec.address, self.config.rpc_timeout_s)
 
     async def generate(self, request, trace_context=None) -> AsyncIterator[Chunk]:
         """Run one request; trace_context: the caller's (from its gRPC metadata)."""
         session_id = uuid.uuid4().hex
         trace = request_trace(trace_context, self.model_name, session_id)   # no-op unless tracing is on
         metrics = self.metrics.request()
+        self.active_requests += 1
         chunk, used = None, []
         try:
             spec = build_spec(request, self.config, self.tokenizer, self.vocab_size, self.target_ctx,
-                              has_drafter=bool(self.drafters))
+                              has_drafter=bool(self.pools["drafter"].serving()))
             trace.describe(spec)
             tracker = OutputTracker(self.tokenizer, self.eos_ids, spec.max_new_tokens,
                                     self.target_ctx - len(spec.prompt_ids), spec.stop)
-            verifier = min(self.verifiers, key=lambda c: c.active)   # least loaded
-            drafter = None
+            # Least-loaded replicas; the session keeps them to its end.
+            used.append(self.pools["verifier"].acquire())
+            verifier, drafter = used[0].client, None
             if spec.method == "ngram":
                 drafter = self.ngram
             elif spec.method == "draft_model":
-                drafter = min(self.drafters, key=lambda c: c.active)
-            used = [c for c in (verifier, drafter) if c is not None]
-            for c in used:
-                c.active += 1
+                used.append(self.pools["drafter"].acquire())
+                drafter = used[1].client
             async for chunk in run_generation(spec, session_id, verifier, drafter, tracker,
                                               self.target_ctx, self.drafter_ctx, trace):
                 metrics.observe(chunk, spec.method)
@@ -84,9 +106,31 @@ class Orchestrator:
             trace.finish(chunk)
         finally:
             metrics.done()
-            for c in used:
-                c.active -= 1
+            self.active_requests -= 1
+            for replica in used:
+                Pool.release(replica)
+
+    async def scale(self, counts: dict[str, int]) -> None:
+        """Bring each named pool to that many serving replicas (admin API)."""
+        if self.scaler is None:
+            raise NotScalable("scaling needs the orchestrator deployed on Ray (`specd up`); this one serves "
+                              "a fixed list of replica addresses")
+        for kind, n in counts.items():      # verifiers first: they hold what makes output
+            await self.scaler.scale(kind, n)
+
+    def status(self) -> dict:
+        return dict(
+            replicas=[dict(kind=r.spec.kind, name=r.spec.name, address=r.spec.address, node=r.spec.node,
+                           sessions=r.sessions, draining=r.draining)
+                      for pool in self.pools.values() for r in pool.replicas.values()],
+            active_requests=self.active_requests, scalable=self.scaler is not None,
+            autoscale={k: f"{p.min_replicas}:{p.max_replicas}:{p.target_sessions}"
+                       for k, p in (self.scaler.policies.items() if self.scaler else ())})
 
     async def aclose(self) -> None:
-        for c in self.verifiers + self.drafters + [self.ngram]:
-            await c.aclose()
+        if self.scaler:
+            self.scaler.stop()
+        for pool in self.pools.values():
+            for r in pool.replicas.values():
+                await r.client.aclose()
+        await self.ngram.aclose()

@@ -3,15 +3,20 @@ detached, named actors, each serving gRPC on its node.
 
 Ray places and supervises the replicas (custom resources `drafter` / `verifier`
 put each replica in its pool, so the two pools can be different node types);
-the per-cycle hot path is gRPC between the services, never Ray calls.
+the per-cycle hot path is gRPC between the services, never Ray calls. The
+orchestrator actor holds a `RayLauncher`, so it can start and stop replicas
+itself when asked to scale (`specd scale`, or its autoscaling policy).
 """
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from drafter_svc.config import DrafterConfig
 from specd import telemetry
@@ -19,6 +24,8 @@ from specd.spec_config import SpeculativeConfig
 from verifier_svc.config import VerifierConfig
 
 from .config import OrchestratorConfig
+from .pool import ReplicaSpec
+from .scaling import AutoscalePolicy
 
 log = logging.getLogger(__name__)
 NAMESPACE = "specd"
@@ -37,7 +44,9 @@ class DeploymentConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     verifier_resource: str = "verifier"   # Ray custom resource of the verifier pool
     drafter_resource: str = "drafter"     # Ray custom resource of the drafter pool
-    ready_timeout_s: float = 300.0
+    replica_gpus: float = 0.0             # GPUs each replica asks Ray for (1 on GPU pools)
+    ready_timeout_s: float = 300.0        # a replica that does not serve by then is an error
+    autoscale: dict[str, AutoscalePolicy] = field(default_factory=dict)   # per pool, optional
 
 
 @ray.remote(num_cpus=0, max_restarts=3)
@@ -59,14 +68,18 @@ class ModelServiceActor:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def node(self) -> str:
+        """The Ray node id: several nodes may share one IP (tests, big hosts)."""
+        return ray.get_runtime_context().get_node_id()
+
 
 @ray.remote(num_cpus=0, max_restarts=3)
 class OrchestratorActor:
-    def __init__(self, config: OrchestratorConfig):
+    def __init__(self, config: OrchestratorConfig, deployment: "DeploymentConfig"):
         from .server import BackgroundServer
         logging.basicConfig(level=logging.INFO)
         telemetry.setup("orchestrator")
-        self.server = BackgroundServer(config)
+        self.server = BackgroundServer(config, RayLauncher(deployment))
         self.host = ray.util.get_node_ip_address()
 
     def address(self) -> str:
@@ -81,11 +94,61 @@ def _tracing_options() -> dict:
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 
-def _replica(kind: str, index: int, resource: str, fields: dict):
+def _replica(cfg: DeploymentConfig, kind: str, name: str):
+    """One replica actor, asking for one unit of its pool's resource."""
+    model_dir = cfg.target_dir if kind == "verifier" else cfg.drafter_dir
+    resource = cfg.verifier_resource if kind == "verifier" else cfg.drafter_resource
+    fields = dict(model_dir=model_dir, host="0.0.0.0", port=0, device=cfg.device, dtype=cfg.dtype)
     return ModelServiceActor.options(
-        name=f"specd-{kind}-{index}", namespace=NAMESPACE, lifetime="detached",
-        resources={resource: 1}, num_gpus=0, **_tracing_options(),
+        name=name, namespace=NAMESPACE, lifetime="detached",
+        resources={resource: 1}, num_gpus=cfg.replica_gpus, **_tracing_options(),
     ).remote(kind, fields)
+
+
+def _not_ready(cfg: DeploymentConfig, kind: str) -> TimeoutError:
+    resource = cfg.verifier_resource if kind == "verifier" else cfg.drafter_resource
+    return TimeoutError(f"{kind} replica not serving after {cfg.ready_timeout_s}s: does the cluster have "
+                        f"(or can its autoscaler add) a node with free '{resource}' resource"
+                        + (f" and {cfg.replica_gpus} GPU" if cfg.replica_gpus else "") + "?")
+
+
+class RayLauncher:
+    """Starts replicas as detached Ray actors and kills them when handed back
+    (orchestrator.scaling.Launcher). Runs inside the orchestrator actor."""
+
+    def __init__(self, cfg: DeploymentConfig):
+        self.cfg = cfg
+        # Names in use (the first replicas, started by deploy()) are skipped.
+        self._taken = {info["name"] for info in ray.util.list_named_actors(all_namespaces=True)
+                       if info["namespace"] == NAMESPACE}
+
+    def _new_name(self, kind: str) -> str:
+        for i in itertools.count():
+            name = f"specd-{kind}-{i}"
+            if name not in self._taken:
+                self._taken.add(name)
+                return name
+
+    async def start(self, kind: str) -> ReplicaSpec:
+        name = self._new_name(kind)
+        actor = _replica(self.cfg, kind, name)
+        try:
+            address, node = await asyncio.wait_for(
+                asyncio.gather(_wait(actor.address.remote()), _wait(actor.node.remote())), self.cfg.ready_timeout_s)
+        except asyncio.TimeoutError:
+            ray.kill(actor, no_restart=True)      # do not leave a pending actor behind
+            raise _not_ready(self.cfg, kind) from None
+        return ReplicaSpec(kind, name, address, node)
+
+    async def stop(self, spec: ReplicaSpec) -> None:
+        try:
+            ray.kill(ray.get_actor(spec.name, namespace=NAMESPACE), no_restart=True)
+        except ValueError:       # already gone
+            pass
+
+
+def _wait(ref):
+    return asyncio.wrap_future(ref.future())
 
 
 def deploy(cfg: DeploymentConfig) -> str:
@@ -93,23 +156,25 @@ def deploy(cfg: DeploymentConfig) -> str:
 
     Assumes ray.init() was called. Replicas ask for their pool's resource, so on
     a cluster without it they stay pending (the timeout says which)."""
-    common = dict(host="0.0.0.0", port=0, device=cfg.device, dtype=cfg.dtype)
-    verifiers = [_replica("verifier", i, cfg.verifier_resource, dict(model_dir=cfg.target_dir, **common))
-                 for i in range(cfg.num_verifiers)]
-    drafters = [_replica("drafter", i, cfg.drafter_resource, dict(model_dir=cfg.drafter_dir, **common))
-                for i in range(cfg.num_drafters if cfg.drafter_dir else 0)]
-    try:
-        v_addrs = ray.get([a.address.remote() for a in verifiers], timeout=cfg.ready_timeout_s)
-        d_addrs = ray.get([a.address.remote() for a in drafters], timeout=cfg.ready_timeout_s)
-    except ray.exceptions.GetTimeoutError as exc:
-        raise TimeoutError(
-            f"replicas not ready after {cfg.ready_timeout_s}s: does the cluster have the "
-            f"'{cfg.verifier_resource}' and '{cfg.drafter_resource}' resources?") from exc
+    actors = [("verifier", f"specd-verifier-{i}") for i in range(cfg.num_verifiers)]
+    actors += [("drafter", f"specd-drafter-{i}") for i in range(cfg.num_drafters if cfg.drafter_dir else 0)]
+    handles = [_replica(cfg, kind, name) for kind, name in actors]
+    specs = []
+    for (kind, name), actor in zip(actors, handles):
+        try:
+            address, node = ray.get([actor.address.remote(), actor.node.remote()], timeout=cfg.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise _not_ready(cfg, kind) from None
+        specs.append(ReplicaSpec(kind, name, address, node))
     orch_config = OrchestratorConfig(
-        target_dir=cfg.target_dir, drafter_dir=cfg.drafter_dir, port=cfg.port,
-        verifier_addresses=v_addrs, drafter_addresses=d_addrs, speculative=cfg.speculative)
-    orch = OrchestratorActor.options(name=ORCHESTRATOR_NAME, namespace=NAMESPACE,
-                                     lifetime="detached", **_tracing_options()).remote(orch_config)
+        target_dir=cfg.target_dir, drafter_dir=cfg.drafter_dir, port=cfg.port, replicas=specs,
+        speculative=cfg.speculative, autoscale=cfg.autoscale)
+    # Pinned to the node that runs `specd up` (the head, in deploy/cluster.yaml):
+    # an actor asking for no resources could land anywhere, and clients are told
+    # to reach Generate on the head.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    orch = OrchestratorActor.options(name=ORCHESTRATOR_NAME, namespace=NAMESPACE, lifetime="detached",
+                                     scheduling_strategy=here, **_tracing_options()).remote(orch_config, cfg)
     return ray.get(orch.address.remote(), timeout=cfg.ready_timeout_s)
 
 

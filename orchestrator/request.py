@@ -14,6 +14,7 @@ from specd.errors import InvalidRequest
 from specd.spec_config import METHODS, SpeculativeConfig
 from specd.sampling import SamplingParams
 from specd.validation import check_token_ids
+from specd.wire import shape_from_proto
 
 from .config import OrchestratorConfig
 
@@ -80,9 +81,7 @@ def speculation(req, sc: SpeculativeConfig, has_drafter: bool) -> tuple[str, Dra
             raise InvalidRequest("speculative_method draft_model was asked for but this deployment has no drafter")
         return "off", None
     if req.HasField("tree"):
-        t = req.tree
-        shape = DraftShape(branching=tuple(t.branching), node_budget=t.node_budget, max_depth=t.max_depth,
-                           top_k=t.top_k or 4)
+        shape = shape_from_proto(req.tree)
     elif sc.tree and not req.HasField("num_speculative_tokens"):
         shape = sc.tree_shape()
     else:

@@ -11,10 +11,11 @@ from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 from .clients import ServiceError
-from .core import Orchestrator
+from .core import NotScalable, Orchestrator
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
+ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 
 def response_for(chunk) -> pb.GenerateResponse:
@@ -48,3 +49,33 @@ class OrchestratorServicer(pb_grpc.OrchestratorServiceServicer):
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("Generate failed")
             await context.abort(code, msg)
+
+
+class AdminServicer(pb_grpc.AdminServiceServicer):
+    """Pools and scaling (`specd status`, `specd scale`)."""
+
+    def __init__(self, core: Orchestrator):
+        self.core = core
+
+    def _status(self) -> pb.ClusterStatus:
+        s = self.core.status()
+        return pb.ClusterStatus(replicas=[pb.ReplicaStatus(**r) for r in s["replicas"]],
+                                active_requests=s["active_requests"], scalable=s["scalable"],
+                                autoscale=s["autoscale"])
+
+    async def Status(self, request, context):
+        return self._status()
+
+    async def Scale(self, request, context):
+        counts = {kind: getattr(request, f"{kind}s") for kind in ("verifier", "drafter")
+                  if request.HasField(f"{kind}s")}
+        try:
+            await self.core.scale(counts)
+        except NotScalable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:  # noqa: BLE001 - every error must become a status
+            code, msg = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("Scale failed")
+            await context.abort(code, msg)
+        return self._status()

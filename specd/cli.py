@@ -1,4 +1,4 @@
-"""`specd` command line: up, generate, down, demo."""
+"""`specd` command line: up, generate, status, scale, down, demo."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from . import cluster
-from .spec_config import METHODS, ConfigError, _branching, add_speculative_flags, speculative_config_from_args
+from .spec_config import (METHODS, ConfigError, _branching, add_speculative_flags, speculative_config_from_args,
+                          tree_paths_arg)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models/demo/target"
@@ -19,13 +20,16 @@ def cmd_up(args, print_address: bool = True) -> int:
     import ray
 
     from orchestrator.deploy import DeploymentConfig, deploy
+    from orchestrator.scaling import AutoscalePolicy
 
     if cluster.read_state():
         print("specd is already up (run `specd down` first); state: " + str(cluster.state_path()), file=sys.stderr)
         return 1
     try:
         sc = speculative_config_from_args(args)
-    except (ConfigError, OSError) as exc:
+        autoscale = {kind: AutoscalePolicy.parse(text) for kind, text in
+                     (("verifier", args.autoscale_verifiers), ("drafter", args.autoscale_drafters)) if text}
+    except (ConfigError, OSError, ValueError) as exc:
         print(f"specd up: {exc}", file=sys.stderr)
         return 2
     # The drafter: --drafter, else the config's `model`, else the demo drafter;
@@ -50,7 +54,8 @@ def cmd_up(args, print_address: bool = True) -> int:
             target_dir=str(Path(args.target).resolve()),
             drafter_dir=str(Path(args.drafter).resolve()) if args.drafter else None,
             port=args.port, num_verifiers=args.verifiers, num_drafters=args.drafters,
-            device=args.device, speculative=sc))
+            device=args.device, dtype=args.dtype, replica_gpus=args.replica_gpus, speculative=sc,
+            autoscale=autoscale, ready_timeout_s=args.ready_timeout))
     except BaseException:
         if ray_pid:
             cluster.stop_local_ray(ray_pid)
@@ -98,9 +103,10 @@ def cmd_generate(args) -> int:
         req.num_speculative_tokens = args.num_speculative_tokens
     if args.method:
         req.speculative_method = args.method
-    if args.tree or args.tree_budget:
+    if args.tree or args.tree_budget or args.tree_paths:
         req.tree.CopyFrom(pb.DraftShape(branching=args.tree or [], node_budget=args.tree_budget or 0,
-                                        max_depth=args.tree_depth or 6))
+                                        max_depth=args.tree_depth or (6 if args.tree_budget else 0),
+                                        paths=[pb.TreePath(ranks=p) for p in args.tree_paths or []]))
     with grpc.insecure_channel(address) as channel:
         try:
             for r in pb_grpc.OrchestratorServiceStub(channel).Generate(req):
@@ -115,6 +121,63 @@ def cmd_generate(args) -> int:
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+    return 0
+
+
+def _admin_call(args, method: str, request):
+    import grpc
+
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    address = args.address or (cluster.read_state() or {}).get("address") or "127.0.0.1:50051"
+    with grpc.insecure_channel(address) as channel:
+        return getattr(pb_grpc.AdminServiceStub(channel), method)(request, timeout=args.timeout)
+
+
+def print_status(status) -> None:
+    rows = [("POOL", "REPLICA", "ADDRESS", "NODE", "SESSIONS", "STATE")]
+    for r in sorted(status.replicas, key=lambda r: (r.kind != "verifier", r.name)):
+        rows.append((r.kind, r.name, r.address, r.node[:12] or "-", str(r.sessions),
+                     "draining" if r.draining else "serving"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    for kind in ("verifier", "drafter"):
+        serving = sum(1 for r in status.replicas if r.kind == kind and not r.draining)
+        policy = status.autoscale.get(kind)
+        print(f"{kind}s: {serving} serving" + (f", autoscaling min:max:target_sessions {policy}" if policy else ""))
+    print(f"active requests: {status.active_requests}" + ("" if status.scalable else "  (fixed pools: not on Ray)"))
+
+
+def cmd_status(args) -> int:
+    import grpc
+
+    from specdec.v1 import specdec_pb2 as pb
+    try:
+        print_status(_admin_call(args, "Status", pb.StatusRequest()))
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_scale(args) -> int:
+    import grpc
+
+    from specdec.v1 import specdec_pb2 as pb
+    if args.drafters is None and args.verifiers is None:
+        print("specd scale: give --drafters N and/or --verifiers M", file=sys.stderr)
+        return 2
+    req = pb.ScaleRequest()
+    if args.drafters is not None:
+        req.drafters = args.drafters
+    if args.verifiers is not None:
+        req.verifiers = args.verifiers
+    try:
+        print_status(_admin_call(args, "Scale", req))
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -136,6 +199,15 @@ def _add_deploy_flags(p) -> None:
     p.add_argument("--verifiers", type=int, default=1, help="verifier replicas")
     p.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model weights dtype in every replica")
+    p.add_argument("--replica-gpus", type=float, default=0.0,
+                   help="GPUs each replica asks Ray for (1 on GPU pools; 0 = CPU)")
+    p.add_argument("--autoscale-verifiers", metavar="MIN:MAX:TARGET",
+                   help="autoscale the verifier pool: about TARGET sessions per replica, MIN..MAX replicas")
+    p.add_argument("--autoscale-drafters", metavar="MIN:MAX:TARGET", help="autoscale the drafter pool likewise")
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds a replica may take to serve (scaling onto a new GPU node takes minutes)")
     p.add_argument("--ray-address", help="attach to this Ray cluster (default: $RAY_ADDRESS, else start one)")
 
 
@@ -164,9 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=METHODS, help="draft_model | ngram | off")
     g.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
     g.add_argument("--tree", type=_branching, help="static draft tree: children per depth, e.g. 3,2,2,1")
+    g.add_argument("--tree-paths", type=tree_paths_arg,
+                   help="static draft tree node by node: rank paths separated by ';', e.g. '0;1;0,0;0,0,0'")
     g.add_argument("--tree-budget", type=int, help="dynamic draft tree of this many nodes")
     g.add_argument("--tree-depth", type=int, help="depth limit of the dynamic tree (default 6)")
     gen.set_defaults(func=cmd_generate)
+    status = sub.add_parser("status", help="pools, replicas, their nodes, addresses, sessions")
+    status.add_argument("--address", help="orchestrator address (default: the one `specd up` printed)")
+    status.add_argument("--timeout", type=float, default=10.0)
+    status.set_defaults(func=cmd_status)
+    scale = sub.add_parser("scale", help="resize the drafter and/or verifier pool live (down = drain)")
+    scale.add_argument("--drafters", type=int, help="serving drafter replicas wanted")
+    scale.add_argument("--verifiers", type=int, help="serving verifier replicas wanted")
+    scale.add_argument("--address", help="orchestrator address (default: the one `specd up` printed)")
+    scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for new replicas")
+    scale.set_defaults(func=cmd_scale)
     down = sub.add_parser("down", help="stop what `specd up` started")
     down.set_defaults(func=cmd_down)
     demo = sub.add_parser("demo", help="up, one generation with the demo pair, down")

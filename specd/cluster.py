@@ -52,28 +52,61 @@ def ray_executable() -> str:
     return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
 
 
-def start_local_ray(timeout_s: float = 90.0, log_dir: str | None = None) -> tuple[str, int]:
+def start_local_ray(timeout_s: float = 90.0, log_dir: str | None = None,
+                    resources: dict | None = None, num_cpus: int | None = None) -> tuple[str, int]:
     """Start a head node; return (address, pid of its process group leader)."""
     port = free_port()
     cmd = [ray_executable(), "start", "--head", "--block", f"--port={port}",
-           f"--resources={json.dumps(LOCAL_RESOURCES)}", "--include-dashboard=false",
-           "--disable-usage-stats"]
-    log_path = Path(log_dir or state_path().parent) / "ray-head.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+           f"--resources={json.dumps(LOCAL_RESOURCES if resources is None else resources)}",
+           "--include-dashboard=false", "--disable-usage-stats"]
+    cmd += [f"--num-cpus={num_cpus}"] if num_cpus is not None else []
     address = f"127.0.0.1:{port}"
+    pid = _spawn(cmd, Path(log_dir or state_path().parent) / "ray-head.log")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"`ray start` exited with {proc.returncode}; see {log.name}")
+        if not _alive(pid):
+            raise RuntimeError(f"`ray start` exited; see {Path(log_dir or state_path().parent) / 'ray-head.log'}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return address, proc.pid
+                return address, pid
         except OSError:
             time.sleep(0.5)
-    stop_local_ray(proc.pid)
+    stop_local_ray(pid)
     raise TimeoutError(f"Ray head did not come up on {address} within {timeout_s}s")
+
+
+def start_worker_node(address: str, resources: dict, log_path: Path, num_cpus: int = 1,
+                      object_store_mb: int = 100) -> int:
+    """Join one more node to the cluster at `address` with `ray start --block`;
+    return its process group id. Several nodes may share this machine (a
+    multi-node cluster on one host, for tests): each gets its own free agent and
+    metrics ports, which Ray otherwise fixes and two nodes would both claim.
+    The caller waits for the node to register (e.g. by polling ray.nodes())."""
+    ports = {flag: free_port() for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                            "metrics-export-port", "runtime-env-agent-port")}
+    cmd = [ray_executable(), "start", "--block", f"--address={address}", f"--resources={json.dumps(resources)}",
+           f"--num-cpus={num_cpus}", f"--object-store-memory={object_store_mb * 1024 * 1024}",
+           "--disable-usage-stats"] + [f"--{flag}={port}" for flag, port in ports.items()]
+    return _spawn(cmd, log_path)
+
+
+def _spawn(cmd: list[str], log_path: Path) -> int:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True).pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie leader still "exists": ask whether it has exited.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return done == 0
 
 
 def stop_local_ray(pid: int, timeout_s: float = 5.0) -> None:

@@ -1,10 +1,18 @@
 """The shape of a draft, as data: chains, static trees and dynamic trees are
-values of one dataclass, never code branches in the services."""
+values of one dataclass, never code branches in the services.
+
+A static tree is given per depth (`branching`, every node of a depth has as
+many children) or node by node (`paths`, each node as its tuple of choice
+ranks from the root, as Medusa's choice lists). Paths let a tree spend its
+nodes where acceptance is likely, e.g. a deep chain plus the drafter's second
+choice at depth 1 (the shape `benchmarks/tree_search.py` finds on the demo
+pair), which a per-depth branching cannot express."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .errors import InvalidRequest
+from .tree import static_tree_paths
 
 
 @dataclass(frozen=True)
@@ -13,6 +21,7 @@ class DraftShape:
     node_budget: int = 0              # dynamic: nodes in the tree (0 = static)
     max_depth: int = 0                # dynamic: depth limit
     top_k: int = 4                    # dynamic: candidates per expanded node, nodes expanded per depth
+    paths: tuple[tuple[int, ...], ...] = ()   # static, node by node (instead of branching)
 
     @staticmethod
     def chain(k: int) -> "DraftShape":
@@ -25,9 +34,25 @@ class DraftShape:
         return self.node_budget > 0
 
     @property
+    def static_paths(self) -> tuple[tuple[int, ...], ...]:
+        """Every node of a static tree as its rank path, parents first."""
+        return self.paths or tuple(static_tree_paths(list(self.branching)))
+
+    def children(self) -> dict[tuple[int, ...], int]:
+        """Static tree: number of children per node path (() = the root).
+        Ranks of siblings are contiguous from 0 (validate checks it), so a
+        count says which of the drafter's choices to take."""
+        count: dict[tuple[int, ...], int] = {}
+        for p in self.static_paths:
+            count[p[:-1]] = max(count.get(p[:-1], 0), p[-1] + 1)
+        return count
+
+    @property
     def max_nodes(self) -> int:
         if self.dynamic:
             return self.node_budget
+        if self.paths:
+            return len(self.paths)
         total, level = 0, 1
         for b in self.branching:
             level *= b
@@ -36,7 +61,9 @@ class DraftShape:
 
     @property
     def depth(self) -> int:
-        return self.max_depth if self.dynamic else len(self.branching)
+        if self.dynamic:
+            return self.max_depth
+        return max(map(len, self.paths)) if self.paths else len(self.branching)
 
     def validate(self, max_nodes: int, max_depth: int) -> "DraftShape":
         if self.dynamic:
@@ -44,6 +71,12 @@ class DraftShape:
                 raise InvalidRequest(f"tree max_depth must be in [1, {max_depth}], got {self.max_depth}")
             if self.top_k < 1:
                 raise InvalidRequest(f"tree top_k must be >= 1, got {self.top_k}")
+            if self.branching or self.paths:
+                raise InvalidRequest("a tree has either node_budget (dynamic) or branching / paths (static), not both")
+        elif self.paths:
+            if self.branching:
+                raise InvalidRequest("a static tree has either branching or paths, not both")
+            _check_paths(self.paths, max_nodes)
         elif not self.branching or any(b < 1 for b in self.branching):
             raise InvalidRequest(f"tree branching must be a non-empty list of factors >= 1, got {list(self.branching)}")
         if self.depth > max_depth:
@@ -59,4 +92,25 @@ class DraftShape:
             return None
         if self.dynamic:
             return DraftShape(node_budget=self.node_budget, max_depth=min(self.max_depth, depth), top_k=self.top_k)
+        if self.paths:
+            return DraftShape(paths=tuple(p for p in self.paths if len(p) <= depth))
         return DraftShape(branching=self.branching[:depth])
+
+
+def _check_paths(paths, max_nodes: int) -> None:
+    """Paths form a tree: no repeats, every node's parent and elder sibling
+    listed before it (so ranks are contiguous and parents come first)."""
+    if len(paths) > max_nodes:     # before the loop: a huge list is refused cheaply
+        raise InvalidRequest(f"tree of {len(paths)} nodes is over the limit of {max_nodes}")
+    seen: set[tuple[int, ...]] = {()}
+    for i, p in enumerate(paths):
+        if not p or any(r < 0 for r in p):
+            raise InvalidRequest(f"tree paths[{i}] = {list(p)}: a path is a non-empty list of ranks >= 0")
+        if p in seen:
+            raise InvalidRequest(f"tree paths[{i}] = {list(p)} is listed twice")
+        if p[:-1] not in seen:
+            raise InvalidRequest(f"tree paths[{i}] = {list(p)} comes before its parent {list(p[:-1])}")
+        if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in seen:
+            raise InvalidRequest(f"tree paths[{i}] = {list(p)} comes before its elder sibling "
+                                 f"{list(p[:-1] + (p[-1] - 1,))} (ranks are contiguous from 0)")
+        seen.add(p)

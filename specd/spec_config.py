@@ -7,6 +7,7 @@
     prompt_lookup_min: 1       # ngram: shortest suffix tried
     tree:                      # optional, draft_model only: a static or dynamic tree
       branching: [3, 2, 1]     #   children per depth, or
+      paths: [[0], [1], [0, 0]] #  node by node: choice ranks from the root, or
       node_budget: 16          #   a dynamic tree of this many nodes ...
       max_depth: 6             #   ... and this depth
       top_k: 4
@@ -25,7 +26,7 @@ from pathlib import Path
 from .draft_shape import DraftShape
 
 METHODS = ("draft_model", "ngram", "off")
-TREE_KEYS = ("branching", "node_budget", "max_depth", "top_k")
+TREE_KEYS = ("branching", "paths", "node_budget", "max_depth", "top_k")
 
 
 class ConfigError(ValueError):
@@ -67,7 +68,7 @@ class SpeculativeConfig:
                 raise ConfigError(f"speculative_config.tree: trees need method draft_model, not {self.method!r}")
             try:
                 self.tree_shape().validate(self.max_tree_nodes, self.max_num_speculative_tokens)
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:   # TypeError: paths that are not lists of ints
                 raise ConfigError(f"speculative_config.tree: {exc}") from None
         return self
 
@@ -76,7 +77,8 @@ class SpeculativeConfig:
             return None
         t = self.tree
         return DraftShape(branching=tuple(t.get("branching", ())), node_budget=t.get("node_budget", 0),
-                          max_depth=t.get("max_depth", 0), top_k=t.get("top_k", 4))
+                          max_depth=t.get("max_depth", 0), top_k=t.get("top_k", 4),
+                          paths=tuple(tuple(p) for p in t.get("paths", ())))
 
     @classmethod
     def from_dict(cls, data: dict) -> "SpeculativeConfig":
@@ -113,6 +115,8 @@ def add_speculative_flags(parser) -> None:
     g.add_argument("--prompt-lookup-max", type=int)
     g.add_argument("--prompt-lookup-min", type=int)
     g.add_argument("--tree", type=_branching, help="static draft tree: children per depth, e.g. 3,2,2,1")
+    g.add_argument("--tree-paths", type=tree_paths_arg,
+                   help="static draft tree node by node: rank paths separated by ';', e.g. '0;1;0,0;0,0,0'")
     g.add_argument("--tree-budget", type=int, help="dynamic draft tree (EAGLE-2 style) of this many nodes")
     g.add_argument("--tree-depth", type=int, help="depth limit of the dynamic tree (default 6)")
 
@@ -125,12 +129,22 @@ def _branching(text: str) -> list[int]:  # argparse type, also used by the CLI
         raise argparse.ArgumentTypeError(f"want comma-separated branching factors like 3,2,1; got {text!r}")
 
 
+def tree_paths_arg(text: str) -> list[list[int]]:  # argparse type, also used by the CLI
+    import argparse
+    try:
+        return [[int(x) for x in path.split(",")] for path in text.split(";")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want ';'-separated rank paths like 0;1;0,0; got {text!r}")
+
+
 def speculative_config_from_args(args) -> SpeculativeConfig:
     base = load(args.speculative_config) if args.speculative_config else SpeculativeConfig()
     changes = {k: getattr(args, k) for k in ("method", "num_speculative_tokens", "prompt_lookup_max",
                                               "prompt_lookup_min") if getattr(args, k) is not None}
     if args.tree:
         changes["tree"] = {"branching": args.tree}
+    elif getattr(args, "tree_paths", None):
+        changes["tree"] = {"paths": args.tree_paths}
     elif args.tree_budget:
         changes["tree"] = {"node_budget": args.tree_budget, "max_depth": args.tree_depth or 6}
     return dataclasses.replace(base, **changes).validate()

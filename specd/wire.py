@@ -25,10 +25,12 @@ def dists_to_proto(dists) -> list[pb.SparseDistribution]:
 
 def shape_to_proto(shape) -> pb.DraftShape:
     return pb.DraftShape(branching=list(shape.branching), node_budget=shape.node_budget,
-                         max_depth=shape.max_depth, top_k=shape.top_k)
+                         max_depth=shape.max_depth, top_k=shape.top_k,
+                         paths=[pb.TreePath(ranks=p) for p in shape.paths])
 
 
 def shape_from_proto(msg: pb.DraftShape, default_top_k: int = 4):
     from .draft_shape import DraftShape
     return DraftShape(branching=tuple(msg.branching), node_budget=msg.node_budget,
-                      max_depth=msg.max_depth, top_k=msg.top_k or default_top_k)
+                      max_depth=msg.max_depth, top_k=msg.top_k or default_top_k,
+                      paths=tuple(tuple(p.ranks) for p in msg.paths))

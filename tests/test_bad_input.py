@@ -33,6 +33,12 @@ BAD_GENERATE = [
     ("tree too big", dict(prompt_token_ids=PROMPT, tree={"branching": [8, 8, 8]}), "over the limit of 64"),
     ("tree too deep", dict(prompt_token_ids=PROMPT, tree={"node_budget": 10, "max_depth": 40}), "max_depth"),
     ("empty tree", dict(prompt_token_ids=PROMPT, tree={}), "branching"),
+    ("tree path before its parent", dict(prompt_token_ids=PROMPT, tree={"paths": [{"ranks": [0, 0]}]}),
+     "before its parent"),
+    ("tree paths and branching", dict(prompt_token_ids=PROMPT, tree={"branching": [2], "paths": [{"ranks": [0]}]}),
+     "not both"),
+    ("tree of 100k paths", dict(prompt_token_ids=PROMPT, tree={"paths": [{"ranks": [0]}] * 100_000}),
+     "over the limit of 64"),
 ]
 
 

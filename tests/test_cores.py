@@ -8,7 +8,7 @@ from drafter_svc.core import Drafter
 from specd.draft_shape import DraftShape
 from specd.errors import CapacityExceeded
 from specd.sampling import SamplingParams
-from specd.tree import TokenTree, path_to
+from specd.tree import TokenTree, path_to, paths_to_parents
 from verifier_svc.config import VerifierConfig
 from verifier_svc.core import Verifier
 
@@ -45,8 +45,9 @@ def check_tree_against_scratch(drafter_model, tokens, tree, shape):
 
 
 @pytest.mark.parametrize("shape", [DraftShape.chain(3), DraftShape(branching=(3, 2, 1)),
+                                   DraftShape(paths=((0,), (1,), (0, 0), (1, 0), (1, 1), (0, 0, 0))),
                                    DraftShape(node_budget=10, max_depth=4, top_k=3)],
-                         ids=["chain3", "static321", "dynamic10"])
+                         ids=["chain3", "static321", "paths", "dynamic10"])
 def test_caches_track_committed_tokens_across_cycles(cores, shape):
     verifier, drafter = cores
     prompt = [40, 41, 42, 43]
@@ -58,6 +59,8 @@ def test_caches_track_committed_tokens_across_cycles(cores, shape):
         for cycle in range(6):
             tree = drafter.propose("a", path, unsent, shape).tree
             assert len(tree.tokens) <= shape.max_nodes
+            if shape.paths:   # exactly the listed nodes (the parents say which is which)
+                assert tree.parents == paths_to_parents(list(shape.paths))
             # The drafter's cache, compacted and extended many times, still drafts
             # exactly what its model drafts from scratch on the committed tokens.
             check_tree_against_scratch(drafter.model, tokens, tree, shape)

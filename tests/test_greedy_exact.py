@@ -73,10 +73,11 @@ def test_concurrent_streams_share_the_replicas_exactly(pairs, stacks):
 
 
 TREES = [{"branching": [3, 2, 1]}, {"branching": [2, 2, 2, 1]},
+         {"paths": [{"ranks": r} for r in ([0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0])]},
          {"node_budget": 8, "max_depth": 4, "top_k": 3}, {"node_budget": 16, "max_depth": 6, "top_k": 4}]
 
 
-@pytest.mark.parametrize("tree", TREES, ids=["static321", "static2221", "dynamic8", "dynamic16"])
+@pytest.mark.parametrize("tree", TREES, ids=["static321", "static2221", "paths", "dynamic8", "dynamic16"])
 def test_greedy_trees_equal_target_only(tree, pairs, stacks):
     """Issue 4, must-show 1: tree drafts (static and dynamic), 20 prompts each."""
     target_dir, _ = pairs["llama"]

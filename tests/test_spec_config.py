@@ -54,3 +54,19 @@ def test_specd_up_refuses_a_bad_config_before_starting_anything(tmp_path, pairs)
     r = subprocess.run([sys.executable, "-m", "specd.cli", "up", "--target", target, "--method", "ngram",
                         "--prompt-lookup-min", "6"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "prompt_lookup_min (6) is greater than prompt_lookup_max (4)" in r.stderr
+
+
+def test_tree_paths_in_config_and_flags():
+    """A static tree node by node: a deep chain plus the second choice at depth 1."""
+    from specd.cli import build_parser
+    from specd.spec_config import speculative_config_from_args
+    sc = SpeculativeConfig.from_dict({"tree": {"paths": [[0], [1], [0, 0], [0, 0, 0]]}})
+    shape = sc.tree_shape()
+    assert shape.max_nodes == 4 and shape.depth == 3
+    assert shape.children() == {(): 2, (0,): 1, (0, 0): 1}
+    args = build_parser().parse_args(["up", "--tree-paths", "0;1;0,0;0,0,0"])
+    assert speculative_config_from_args(args).tree_shape() == shape
+    for bad, needle in [([[0], [0, 1]], "elder sibling"), ([[0, 0]], "before its parent"),
+                        ([[0], [0]], "listed twice"), ([[0], []], "non-empty"), ([[0], "ab"], "speculative_config.tree")]:
+        with pytest.raises(ConfigError, match=needle):
+            SpeculativeConfig.from_dict({"tree": {"paths": bad}})

@@ -35,16 +35,24 @@ class CallError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DraftShape(_message.Message):
-    __slots__ = ("branching", "node_budget", "max_depth", "top_k")
+    __slots__ = ("branching", "node_budget", "max_depth", "top_k", "paths")
     BRANCHING_FIELD_NUMBER: _ClassVar[int]
     NODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
     branching: _containers.RepeatedScalarFieldContainer[int]
     node_budget: int
     max_depth: int
     top_k: int
-    def __init__(self, branching: _Optional[_Iterable[int]] = ..., node_budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
+    paths: _containers.RepeatedCompositeFieldContainer[TreePath]
+    def __init__(self, branching: _Optional[_Iterable[int]] = ..., node_budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ..., paths: _Optional[_Iterable[_Union[TreePath, _Mapping]]] = ...) -> None: ...
+
+class TreePath(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenDraftSessionRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "sampling")
@@ -227,3 +235,50 @@ class GenerateResponse(_message.Message):
     finish_reason: str
     stats: GenerationStats
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("drafters", "verifiers")
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIERS_FIELD_NUMBER: _ClassVar[int]
+    drafters: int
+    verifiers: int
+    def __init__(self, drafters: _Optional[int] = ..., verifiers: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("kind", "name", "address", "node", "sessions", "draining")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    address: str
+    node: str
+    sessions: int
+    draining: bool
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., sessions: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("replicas", "active_requests", "scalable", "autoscale")
+    class AutoscaleEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SCALABLE_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    active_requests: int
+    scalable: bool
+    autoscale: _containers.ScalarMap[str, str]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., scalable: _Optional[bool] = ..., autoscale: _Optional[_Mapping[str, str]] = ...) -> None: ...

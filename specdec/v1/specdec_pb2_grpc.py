@@ -500,3 +500,121 @@ class OrchestratorService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Scale = channel.unary_unary(
+                '/specdec.v1.AdminService/Scale',
+                request_serializer=specdec_dot_v1_dot_specdec__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_specdec__pb2.ClusterStatus.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/specdec.v1.AdminService/Status',
+                request_serializer=specdec_dot_v1_dot_specdec__pb2.StatusRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_specdec__pb2.ClusterStatus.FromString,
+                _registered_method=True)
+
+
+class AdminServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Scale(self, request, context):
+        """Up: starts replicas (taking back draining ones first) and returns once
+        they serve. Down: drains at once and returns; the replicas leave when
+        their last session ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=specdec_dot_v1_dot_specdec__pb2.ScaleRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_specdec__pb2.ClusterStatus.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=specdec_dot_v1_dot_specdec__pb2.StatusRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_specdec__pb2.ClusterStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'specdec.v1.AdminService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('specdec.v1.AdminService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AdminService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.AdminService/Scale',
+            specdec_dot_v1_dot_specdec__pb2.ScaleRequest.SerializeToString,
+            specdec_dot_v1_dot_specdec__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.AdminService/Status',
+            specdec_dot_v1_dot_specdec__pb2.StatusRequest.SerializeToString,
+            specdec_dot_v1_dot_specdec__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
