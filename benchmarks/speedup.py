@@ -26,13 +26,18 @@ from specd.local_stack import Stack
 from specd.models import load_model, load_tokenizer
 
 from .costs import expected_tokens_per_cycle, predicted_speedup
+from .tree_search import load_searched
 
 ROOT = Path(__file__).resolve().parents[1]
-# Chains, and trees with the same number of draft nodes as some chain (6, 10),
-# so that trees and chains compare at equal verified tokens per cycle.
-DEFAULT_DRAFTS = ["off", "2", "3", "4", "6", "10", "tree-2,1,1", "tree-3,1", "tree-1,1,1,1,2", "tree-2,1,1,1,1",
-                  "tree-1,1,1,1,1,1,1,1,2", "dyn-6x4", "dyn-6x6", "dyn-10x6", "dyn-10x10"]
+DEFAULT_DRAFTS = ["off", "2", "3", "4", "6", "10"]
+# Trees vs chains at equal verified draft tokens per cycle (6, 10, 12, 16), run
+# in fp32: in bf16 a 1 M-parameter drafter loses acceptance to rounding, which
+# would measure bf16 rather than tree shapes. searched-N: the tree that
+# benchmarks/tree_search.py finds for N nodes on calibration prompts (not these).
+TREE_DRAFTS = ["6", "10", "12", "16", "tree-2,1,1", "tree-1,1,1,1,2", "tree-2,1,1,1,1", "tree-1,1,1,1,1,1,1,1,2",
+               "searched-6", "searched-10", "searched-12", "searched-16", "dyn-10x10", "dyn-16x12"]
 RESULTS = ROOT / "benchmarks/results"
+TREES_FILE = RESULTS / "trees.json"
 CACHE = ROOT / "benchmarks/.cache"
 
 
@@ -50,6 +55,11 @@ class Draft:
             return Draft(text, (("speculative_method", "ngram"), ("num_speculative_tokens", int(text[6:]))))
         if text.startswith("tree-"):
             return Draft(text, (("tree", {"branching": [int(x) for x in text[5:].split(",")]}),))
+        if text.startswith("searched-"):
+            paths = load_searched(TREES_FILE, int(text[9:]))
+            if paths is None:
+                raise SystemExit(f"{text}: no {text[9:]}-node tree in {TREES_FILE}; run python -m benchmarks.tree_search")
+            return Draft(text, (("tree", {"paths": [{"ranks": p} for p in paths]}),))
         if text.startswith("dyn-"):
             n, _, depth = text[4:].partition("x")
             return Draft(text, (("tree", {"node_budget": int(n), "max_depth": int(depth or 6)}),))
@@ -63,6 +73,8 @@ class Draft:
             t = f["tree"]
             if "node_budget" in t:
                 return t["node_budget"]
+            if "paths" in t:
+                return len(t["paths"])
             total, level = 0, 1
             for b in t["branching"]:
                 level *= b
@@ -259,11 +271,14 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+TREE_MODE = "greedy fp32 trees"
+
+
 def tree_vs_chain(summary: list[dict]) -> list[dict]:
     """Per number of verified draft tokens: the best chain's and the best tree's
     mean accepted length (greedy)."""
     out = []
-    rows = [d for d in summary if d["system"] == "specd" and d["mode"] == "greedy" and d["draft"] != "off"
+    rows = [d for d in summary if d["system"] == "specd" and d["mode"] == TREE_MODE and d["draft"] != "off"
             and d["method"] == "draft_model"]
     for n in sorted({d["nodes"] for d in rows}):
         chains = [d for d in rows if d["nodes"] == n and d["draft"].startswith("chain-")]
@@ -275,6 +290,29 @@ def tree_vs_chain(summary: list[dict]) -> list[dict]:
                             best_tree=t["draft"], tree_accepted_length=t["mean_accepted_length"],
                             tree_beats_chain=t["mean_accepted_length"] > c["mean_accepted_length"]))
     return out
+
+
+def plot_trees(trees_rows: list[dict], path: Path) -> None:
+    """Mean accepted length against draft nodes: chains as a line, trees as points."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    chains = sorted((d["nodes"], d["mean_accepted_length"]) for d in trees_rows if d["draft"].startswith("chain-"))
+    ax.plot(*zip(*chains), "k-o", label="chain (K = nodes)")
+    for kind, marker in (("tree-", "s"), ("searched-", "*"), ("dyn-", "^")):
+        pts = [(d["nodes"], d["mean_accepted_length"]) for d in trees_rows if d["draft"].startswith(kind)]
+        if pts:
+            ax.plot(*zip(*pts), marker, ls="", ms=9, label={"tree-": "static tree (branching)",
+                    "searched-": "searched tree (paths)", "dyn-": "dynamic tree"}[kind])
+    ax.set_xlabel("draft tokens verified per cycle")
+    ax.set_ylabel("mean accepted length (tokens / cycle)")
+    ax.set_title("Trees vs chains, demo pair, greedy, held-out prompts (fp32)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def plot(summary: list[dict], path: Path) -> None:
@@ -325,6 +363,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                     help="model dtype for every system (bf16 halves the weight traffic of a CPU decode step)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0 = torch default)")
+    ap.add_argument("--tree-drafts", nargs="+", default=TREE_DRAFTS,
+                    help="settings run greedy in fp32 for the tree-vs-chain table; none to skip")
     ap.add_argument("--traced-drafts", nargs="+", default=["off", "4"],
                     help="settings re-run (greedy) with tracing on at 100%% sampling; none to skip")
     ap.add_argument("--code-edit-drafts", nargs="+", default=["off", "ngram-2", "ngram-5", "4"],
@@ -335,6 +375,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.prompts, args.max_new_tokens, args.drafts = 3, 32, ["off", "3", "tree-2,1,1", "dyn-6"]
         args.code_edit_drafts = ["off", "ngram-5"]
+        args.tree_drafts = ["6", "searched-6", "dyn-6x4"]
         args.sampled_drafts = ["off", "3"]
         args.traced_drafts = ["off", "3"]
 
@@ -371,6 +412,27 @@ def main(argv=None) -> int:
                   f"(accepted length {row.mean_accepted_length:.2f})", flush=True)
     finally:
         stack.stop()
+
+    searched = sorted({int(d[9:]) for d in args.tree_drafts if d.startswith("searched-")})
+    if searched and not all(load_searched(TREES_FILE, n, "float32") for n in searched):
+        from .tree_search import search
+        TREES_FILE.write_text(json.dumps(search(args.target, args.drafter, searched, "float32"), indent=1))
+    tree_drafts = [Draft.parse(d) for d in args.tree_drafts if d != "none"]
+    if tree_drafts:
+        # fp32: the padded target's logits equal the demo target's exactly, so the
+        # searched trees (found on the demo target in fp32) apply as they are.
+        tree_args = ("--dtype", "float32") + service_args[2:]
+        stack = Stack(str(target), str(args.drafter), tree_args)
+        try:
+            run_specd(stack, prompts[:1], Draft.parse("2"), "greedy", 8)
+            for draft in [Draft.parse("off")] + tree_drafts:
+                row = run_specd(stack, prompts, draft, "greedy", args.max_new_tokens)
+                row.mode = TREE_MODE
+                rows.append(row)
+                print(f"specd fp32 {draft.label}: {row.tokens_per_s:.1f} tok/s "
+                      f"(accepted length {row.mean_accepted_length:.2f})", flush=True)
+        finally:
+            stack.stop()
 
     traced = [Draft.parse(d) for d in args.traced_drafts if d != "none"]
     if traced:
@@ -417,6 +479,9 @@ def main(argv=None) -> int:
                 d["tracing_cost"] = round(1 - d["tokens_per_s"] / plain["tokens_per_s"], 3)
     args.out.write_text(json.dumps(dict(meta=meta, rows=summary, tree_vs_chain=trees), indent=2))
     plot(summary, args.out.with_suffix(".png"))
+    tree_rows = [d for d in summary if d["mode"] == TREE_MODE and d["draft"] != "off"]
+    if tree_rows:
+        plot_trees(tree_rows, args.out.with_name("trees.png"))
     print(table(summary))
     if trees:
         print("\nTree vs chain at equal verified draft tokens per cycle (greedy, mean accepted length):")

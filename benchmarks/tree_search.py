@@ -131,10 +131,14 @@ def search(target_dir: Path, drafter_dir: Path, budgets: list[int], dtype: str, 
                 max_new_tokens=max_new, trees=rows)
 
 
-def load_searched(path: Path, nodes: int) -> list[list[int]] | None:
+def load_searched(path: Path, nodes: int, dtype: str | None = None) -> list[list[int]] | None:
+    """The searched tree of `nodes` nodes (found in `dtype`, if given), or None."""
     if not path.exists():
         return None
-    for row in json.loads(path.read_text())["trees"]:
+    data = json.loads(path.read_text())
+    if dtype and data.get("dtype") != dtype:
+        return None
+    for row in data["trees"]:
         if row["nodes"] == nodes:
             return row["paths"]
     return None
@@ -144,8 +148,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
     ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/drafter")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[6, 10, 16])
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[6, 10, 12, 16])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="as the benchmark's tree rows (fp32)")
     ap.add_argument("--prompts", type=int, default=150, help="calibration prompts asked for (before exclusion)")
     ap.add_argument("--out", type=Path, default=RESULTS / "trees.json")
     args = ap.parse_args(argv)

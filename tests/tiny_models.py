@@ -45,13 +45,13 @@ def build_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
     return fast
 
 
-def _config(family: str, size: str, vocab: int, eos_id: int):
+def _config(family: str, size: str, vocab: int, eos_id: int, context: int = 256):
     hidden, layers = (64, 2) if size == "target" else (32, 1)
     common = dict(vocab_size=vocab, eos_token_id=eos_id, bos_token_id=eos_id)
     if family == "llama":
         return LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=256, **common), LlamaForCausalLM
+                           max_position_embeddings=context, **common), LlamaForCausalLM
     if family == "qwen2":
         return Qwen2Config(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2,
@@ -62,14 +62,14 @@ def _config(family: str, size: str, vocab: int, eos_id: int):
 
 
 def build_model(out_dir: str | os.PathLike, family: str, size: str, seed: int,
-                tokenizer: PreTrainedTokenizerFast, logit_scale: float = 1.0) -> str:
+                tokenizer: PreTrainedTokenizerFast, logit_scale: float = 1.0, context: int = 256) -> str:
     """Save a random-init model + tokenizer to out_dir; return the path.
 
     logit_scale multiplies the output layer so tiny random models have peaked,
     differing distributions (more realistic than near-uniform logits).
     """
     torch.manual_seed(seed)
-    config, cls = _config(family, size, len(tokenizer), tokenizer.eos_token_id)
+    config, cls = _config(family, size, len(tokenizer), tokenizer.eos_token_id, context)
     config.tie_word_embeddings = False
     model = cls(config)
     with torch.no_grad():
