@@ -73,6 +73,8 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
             await self.core.scale(counts)
         except NotScalable as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except TimeoutError as exc:       # a new replica did not serve in time (message names the resource)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except Exception as exc:  # noqa: BLE001 - every error must become a status
             code, msg = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:

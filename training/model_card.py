@@ -44,8 +44,6 @@ def render(pair: Path, wall_minutes: float | None) -> str:
     t, d, cs = info["target"], info["drafter"], info["corpus"]
     ta, da = t["args"], d["args"]
     g, s = ev["greedy"], ev["sampling"]
-    tps = ta["batch"] * ta["seq_len"]
-    dps = da["batch"] * da["seq_len"]
     epochs_t = t["tokens_seen"] / cs["train"]["tokens"]
     epochs_d = d["tokens_seen"] / cs["train"]["tokens"]
     train_minutes = t["minutes"] + d["minutes"]

@@ -62,7 +62,7 @@ def pad_model(model: LlamaForCausalLM, target_params: int = 100_000_000,
     cfg = model.config
     if cfg.attention_bias or cfg.mlp_bias:
         raise ValueError("pad_model assumes a bias-free Llama (as the demo models are)")
-    L0, I0 = cfg.num_hidden_layers, cfg.intermediate_size
+    I0 = cfg.intermediate_size
     L, I = plan(cfg, target_params, num_layers)
 
     new_cfg = copy.deepcopy(cfg)
