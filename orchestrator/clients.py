@@ -149,7 +149,7 @@ class GrpcVerifier(_Client):
         r = await self._stream(pb.VerifyRequest(
             session_id=session_id, draft_token_ids=draft.tokens, draft_parents=draft.parents,
             draft_distributions=dists_to_proto(draft.row_dists)), "specdec.verify", "VerifyStream")
-        return Verdict(list(r.accepted_path), list(r.token_ids), r.compute_ms)
+        return Verdict(list(r.accepted_path), list(r.token_ids), r.compute_ms, r.batch_sessions, r.batch_tokens)
 
 
 class GrpcDrafter(_Client):

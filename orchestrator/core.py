@@ -13,6 +13,7 @@ from .clients import GrpcDrafter, GrpcVerifier
 from .config import OrchestratorConfig
 from .detok import OutputTracker
 from .loop import Chunk, run_generation
+from .adaptive import CostModel
 from .metrics import OrchestratorMetrics
 from .ngram_drafter import NgramDrafter
 from .pool import Pool, ReplicaSpec
@@ -69,6 +70,7 @@ class Orchestrator:
         self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
         self.metrics = OrchestratorMetrics()
         self.active_requests = 0
+        self.costs = CostModel()          # verify / draft costs, learnt from every cycle (adaptive depth)
 
     def client_for(self, spec: ReplicaSpec):
         cls = GrpcVerifier if spec.kind == "verifier" else GrpcDrafter
@@ -96,7 +98,7 @@ class Orchestrator:
                 used.append(self.pools["drafter"].acquire())
                 drafter = used[1].client
             async for chunk in run_generation(spec, session_id, verifier, drafter, tracker,
-                                              self.target_ctx, self.drafter_ctx, trace):
+                                              self.target_ctx, self.drafter_ctx, trace, self.costs):
                 metrics.observe(chunk, spec.method)
                 yield chunk
         except BaseException as exc:   # also the client leaving (GeneratorExit, CancelledError)

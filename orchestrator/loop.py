@@ -21,6 +21,7 @@ from typing import AsyncIterator, Protocol
 
 from specd.draft_shape import DraftShape
 
+from .adaptive import CostModel, SessionDepth
 from .detok import Emit, OutputTracker
 from .request import GenerationSpec
 
@@ -38,6 +39,8 @@ class Verdict:
     path: list[int]          # accepted node indices, root-down
     tokens: list[int]        # path tokens + correction or bonus
     compute_ms: float = 0.0
+    batch_sessions: int = 1  # sessions in the verify forward it ran in
+    batch_tokens: int = 0    # rows of that forward (0: unknown)
 
 
 class VerifierClient(Protocol):
@@ -100,6 +103,7 @@ class Stats:
     drafts: int = 0            # cycles that verified a non-empty draft (vLLM's num_drafts)
     # Per draft position (0 = depth 1): cycles whose accepted path reached it.
     accepted_per_position: list[int] = field(default_factory=list)
+    adaptive: bool = False     # the depth was chosen per cycle
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
@@ -162,11 +166,17 @@ def draft_budget(k: int, remaining: int, committed: int, target_ctx: int, drafte
 
 async def run_generation(spec: GenerationSpec, session_id: str, verifier: VerifierClient,
                          drafter: DrafterClient | None, tracker: OutputTracker,
-                         target_ctx: int, drafter_ctx: int, trace: NoTrace = NO_TRACE) -> AsyncIterator[Chunk]:
+                         target_ctx: int, drafter_ctx: int, trace: NoTrace = NO_TRACE,
+                         costs: CostModel | None = None) -> AsyncIterator[Chunk]:
+    """costs: the orchestrator's shared cost model; it learns from every cycle
+    and, for an adaptive request, chooses the depth of the next."""
     shape = spec.shape
     stats = Stats(num_speculative_tokens=shape.depth if shape else 0, prompt_tokens=len(spec.prompt_ids),
-                  method=spec.method)
+                  method=spec.method, adaptive=spec.adaptive)
     use_drafter = drafter is not None and shape is not None
+    costs = costs or CostModel()
+    depth = SessionDepth(shape.depth) if spec.adaptive and use_drafter else None
+    rest_rows, rest_sessions = 0, 0        # the other sessions of this session's last verify forward
     opened = []
     try:
         opens = [verifier.open(session_id, spec.prompt_ids, spec.sampling)]
@@ -188,7 +198,8 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
         while emit.finish_reason is None:
             with trace.cycle() as span:     # the draft and verify calls nest under it
                 start = time.perf_counter()
-                cycle_shape = shape.truncated(draft_budget(shape.depth, tracker.remaining, committed, target_ctx,
+                k = depth.choose(costs, rest_rows, rest_sessions) if depth else (shape.depth if shape else 0)
+                cycle_shape = shape.truncated(draft_budget(k, tracker.remaining, committed, target_ctx,
                                                            drafter_ctx)) if use_drafter else None
                 draft = Draft()
                 if cycle_shape is not None:
@@ -202,6 +213,14 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                 emit = tracker.add(verdict.tokens)
                 cycle = stats.observe_cycle(draft, verdict, (time.perf_counter() - start) * 1e3)
                 trace.annotate(span, cycle)
+                rows = len(draft.tokens) + 1
+                costs.observe_verify(verdict.batch_tokens or rows, verdict.compute_ms)
+                costs.observe_draft(cycle.depth, draft.compute_ms)
+                costs.observe_tokens(len(verdict.tokens))
+                if depth:
+                    depth.observe(cycle.depth, cycle.accepted)
+                rest_rows = max(0, verdict.batch_tokens - rows)
+                rest_sessions = max(0, verdict.batch_sessions - 1)
             stats.completion_tokens = len(tracker.ids)
             yield Chunk(emit, stats, cycle)
     finally:

@@ -27,6 +27,7 @@ class GenerationSpec:
     method: str                   # draft_model | ngram | off
     shape: DraftShape | None      # the draft each cycle; None = plain decoding
     stop: tuple[str, ...] = ()
+    adaptive: bool = False        # choose the depth per cycle (orchestrator/adaptive.py), up to shape's
 
 
 def build_spec(req, config: OrchestratorConfig, tokenizer, vocab_size: int, context_length: int,
@@ -55,7 +56,11 @@ def build_spec(req, config: OrchestratorConfig, tokenizer, vocab_size: int, cont
     if any(not s for s in req.stop):
         raise InvalidRequest("stop strings must not be empty")
     method, shape = speculation(req, config.speculative, has_drafter)
-    return GenerationSpec(prompt_ids, max_new, sampling, method, shape, tuple(req.stop))
+    if req.HasField("adaptive_speculation"):
+        adaptive = req.adaptive_speculation
+    else:   # a request that names its own K or tree gets exactly that
+        adaptive = config.speculative.adaptive and not (req.HasField("num_speculative_tokens") or req.HasField("tree"))
+    return GenerationSpec(prompt_ids, max_new, sampling, method, shape, tuple(req.stop), adaptive and shape is not None)
 
 
 def speculation(req, sc: SpeculativeConfig, has_drafter: bool) -> tuple[str, DraftShape | None]:

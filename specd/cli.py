@@ -103,6 +103,8 @@ def cmd_generate(args) -> int:
         req.num_speculative_tokens = args.num_speculative_tokens
     if args.method:
         req.speculative_method = args.method
+    if getattr(args, "adaptive", None) is not None:
+        req.adaptive_speculation = args.adaptive
     if args.tree or args.tree_budget or args.tree_paths:
         req.tree.CopyFrom(pb.DraftShape(branching=args.tree or [], node_budget=args.tree_budget or 0,
                                         max_depth=args.tree_depth or (6 if args.tree_budget else 0),
@@ -239,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree-paths", type=tree_paths_arg,
                    help="static draft tree node by node: rank paths separated by ';', e.g. '0;1;0,0;0,0,0'")
     g.add_argument("--tree-budget", type=int, help="dynamic draft tree of this many nodes")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="depth per cycle from measured costs (default: on unless K or a tree is given)")
     g.add_argument("--tree-depth", type=int, help="depth limit of the dynamic tree (default 6)")
     gen.set_defaults(func=cmd_generate)
     status = sub.add_parser("status", help="pools, replicas, their nodes, addresses, sessions")

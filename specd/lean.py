@@ -81,47 +81,69 @@ class LeanModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    @torch.inference_mode()
     def forward(self, s: "LeanSession", token_ids: list[int], positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """Append tokens at cache rows [length, length+n); return logits (n or 1, V).
 
         positions: (n,) RoPE positions (default: the cache rows); mask: (n, length+n)
         additive float mask over the cache rows (default: causal)."""
-        n, start = len(token_ids), s.length
-        end = start + n
-        s.reserve(end)
-        ids = torch.tensor(token_ids, device=self.device)
-        pos = positions if positions is not None else torch.arange(start, end, device=self.device)
-        x = self.embed[ids]                                                   # (n, C)
+        return self.forward_batch([(s, token_ids, positions, mask)], last_only)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list, last_only: bool = False) -> list[torch.Tensor]:
+        """One forward for several sessions: items are (session, token_ids,
+        positions | None, mask | None) as in `forward`; returns each one's logits.
+
+        Every weight matmul (QKV, output, MLP, LM head) runs once over the rows
+        of all sessions together - at small batch a step is bound by reading
+        the weights, so this is where batching pays. Attention runs per session
+        on its own cache rows, in place: no session's cache is copied."""
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
-        causal = mask is None and n > 1
-        attn_mask = None if mask is None else mask.to(self.dtype)[None]       # (1, n, end)
-        for i, L in enumerate(self.layers):
-            h = self._rms(x, L["ln1"])
-            qkv = F.linear(h, L["qkv_w"], L["qkv_b"])                         # (n, (nh+2nkv)*hd)
-            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q = self._rope(q.view(n, nh, hd).transpose(0, 1), pos)            # (nh, n, hd)
-            k = self._rope(k.view(n, nkv, hd).transpose(0, 1), pos)
-            s.kv[i, 0, :, start:end] = k
-            s.kv[i, 1, :, start:end] = v.view(n, nkv, hd).transpose(0, 1)
-            keys, values = s.kv[i, 0, :, :end], s.kv[i, 1, :, :end]           # (nkv, end, hd)
-            if causal and start > 0:
-                # Causal over new rows, full attention to the past.
+        plans, ids = [], []
+        for s, token_ids, positions, mask in items:
+            n, start = len(token_ids), s.length
+            end = start + n
+            s.reserve(end)
+            pos = positions if positions is not None else torch.arange(start, end, device=self.device)
+            causal = False
+            if mask is not None:
+                attn_mask = mask.to(self.dtype)[None]                          # (1, n, end)
+            elif n > 1 and start > 0:
+                # Causal over the new rows, full attention to the past.
                 attn_mask = torch.full((n, end), float("-inf"), dtype=self.dtype, device=self.device)
                 attn_mask[:, :start] = 0
                 attn_mask[:, start:] = torch.triu(attn_mask[:, start:], diagonal=1)
                 attn_mask = attn_mask[None]
-                causal = False
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, is_causal=causal,
-                                               enable_gqa=nh != nkv)             # (nh, n, hd)
-            x = x + F.linear(y.transpose(0, 1).reshape(n, nh * hd), L["o"])
+            else:
+                attn_mask, causal = None, n > 1
+            plans.append((s, n, start, end, pos, attn_mask, causal))
+            ids += token_ids
+        x = self.embed[torch.tensor(ids, device=self.device)]                  # (R, C), R = all rows
+        sizes = [p[1] for p in plans]
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            qkv = F.linear(h, L["qkv_w"], L["qkv_b"])                          # (R, (nh+2nkv)*hd)
+            ys = []
+            for (s, n, start, end, pos, attn_mask, causal), part in zip(plans, qkv.split(sizes)):
+                q, k, v = part.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+                q = self._rope(q.view(n, nh, hd).transpose(0, 1), pos)         # (nh, n, hd)
+                s.kv[i, 0, :, start:end] = self._rope(k.view(n, nkv, hd).transpose(0, 1), pos)
+                s.kv[i, 1, :, start:end] = v.view(n, nkv, hd).transpose(0, 1)
+                y = F.scaled_dot_product_attention(q, s.kv[i, 0, :, :end], s.kv[i, 1, :, :end],
+                                                   attn_mask=attn_mask, is_causal=causal,
+                                                   enable_gqa=nh != nkv)        # (nh, n, hd)
+                ys.append(y.transpose(0, 1).reshape(n, nh * hd))
+            x = x + F.linear(ys[0] if len(ys) == 1 else torch.cat(ys), L["o"])
             h = self._rms(x, L["ln2"])
             gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, L["down"])
-        s.length = end
-        x = self._rms(x[-1:] if last_only else x, self.norm)
-        return F.linear(x, self.lm_head).float()
+        for s, n, start, end, *_ in plans:
+            s.length = end
+        if last_only:
+            x = x[torch.tensor(sizes, device=self.device).cumsum(0) - 1]      # each session's last row
+            sizes = [1] * len(sizes)
+        logits = F.linear(self._rms(x, self.norm), self.lm_head).float()
+        return list(logits.split(sizes))
 
 
 class LeanSession:

@@ -11,6 +11,7 @@
       node_budget: 16          #   a dynamic tree of this many nodes ...
       max_depth: 6             #   ... and this depth
       top_k: 4
+    adaptive: true             # depth per cycle from measured acceptance and costs (false: always K)
 
 Read from YAML or TOML (`specd up --speculative-config FILE`) or flags; every
 error names the key and the value. Requests may override method, K and tree
@@ -18,6 +19,7 @@ within the service's limits (GenerateRequest.speculative_method, ...).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import tomllib
 from dataclasses import dataclass, field
@@ -41,6 +43,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     tree: dict = field(default_factory=dict)
+    # Draft depth per cycle from measured acceptance and costs, up to K (or the
+    # tree's depth), 0 included (orchestrator/adaptive.py); false = always K.
+    adaptive: bool = True
     max_num_speculative_tokens: int = 16    # limits that requests cannot exceed
     max_tree_nodes: int = 64
 
@@ -51,6 +56,8 @@ class SpeculativeConfig:
                     "max_num_speculative_tokens", "max_tree_nodes"):
             if not isinstance(getattr(self, key), int) or isinstance(getattr(self, key), bool):
                 raise ConfigError(f"speculative_config.{key}: must be an integer, got {getattr(self, key)!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_config.adaptive: must be true or false, got {self.adaptive!r}")
         k = self.num_speculative_tokens
         if not (0 <= k <= self.max_num_speculative_tokens):
             raise ConfigError(f"speculative_config.num_speculative_tokens: {k} is outside "
@@ -118,6 +125,8 @@ def add_speculative_flags(parser) -> None:
     g.add_argument("--tree-paths", type=tree_paths_arg,
                    help="static draft tree node by node: rank paths separated by ';', e.g. '0;1;0,0;0,0,0'")
     g.add_argument("--tree-budget", type=int, help="dynamic draft tree (EAGLE-2 style) of this many nodes")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose the draft depth per cycle from measured acceptance and costs (default: on)")
     g.add_argument("--tree-depth", type=int, help="depth limit of the dynamic tree (default 6)")
 
 
@@ -140,7 +149,7 @@ def tree_paths_arg(text: str) -> list[list[int]]:  # argparse type, also used by
 def speculative_config_from_args(args) -> SpeculativeConfig:
     base = load(args.speculative_config) if args.speculative_config else SpeculativeConfig()
     changes = {k: getattr(args, k) for k in ("method", "num_speculative_tokens", "prompt_lookup_max",
-                                              "prompt_lookup_min") if getattr(args, k) is not None}
+                                              "prompt_lookup_min", "adaptive") if getattr(args, k, None) is not None}
     if args.tree:
         changes["tree"] = {"branching": args.tree}
     elif getattr(args, "tree_paths", None):

@@ -45,3 +45,34 @@ def test_runner_picks_an_engine(pairs):
     assert Runner(model).engine == "lean" and Runner(model, "hf").engine == "hf"
     with pytest.raises(ValueError):
         Runner(model, "fast")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batched_forward_equals_one_session_at_a_time(family, pairs):
+    """forward_batch over sessions of different lengths - a prefill, a decode
+    step, a causal chain after a past, a tree with its own mask - gives each
+    session the logits and cache of its own forward."""
+    model = LeanModel(load_model(pairs[family][0], "cpu"))
+    solo = [model.new_session() for _ in range(4)]
+    batched = [model.new_session() for _ in range(4)]
+    for group in (solo, batched):
+        group[1].forward(list(range(30, 45)))
+        group[2].forward(list(range(50, 58)))
+        group[3].forward(list(range(60, 66)))
+    past = 6
+    mask = torch.zeros(3, past + 3)
+    mask[0, past + 1:] = torch.finfo(torch.float32).min
+    mask[1, past + 2] = mask[2, past + 1] = torch.finfo(torch.float32).min
+    pos = torch.tensor([past, past + 1, past + 1])
+    work = [([5, 6, 7, 8], None, None), ([9], None, None), ([10, 11, 12], None, None), ([13, 14, 15], pos, mask)]
+    want = [s.forward(ids, positions=p, mask=m) for s, (ids, p, m) in zip(solo, work)]
+    got = model.forward_batch([(s, ids, p, m) for s, (ids, p, m) in zip(batched, work)])
+    for w, g in zip(want, got):
+        assert w.shape == g.shape and torch.allclose(w, g, atol=1e-4), (w - g).abs().max()
+    # The caches agree too: the next step of each session is the same.
+    for a, b in zip(solo, batched):
+        assert a.length == b.length
+        assert torch.allclose(a.forward([3]), b.forward([3]), atol=1e-4)
+    last = model.forward_batch([(s, [4, 5], None, None) for s in batched], last_only=True)
+    assert [t.shape[0] for t in last] == [1] * 4
+    assert torch.allclose(last[0][0], solo[0].forward([4, 5])[-1], atol=1e-4)

@@ -101,8 +101,9 @@ def test_metrics_count_the_request_stats(metered_stack):
     for pos, n in sum((per_pos(m) for m in stats), collections.Counter()).items():
         assert value(verifier, "specdec:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == n
     cycles = sum(s.cycles for s in every)
-    assert value(verifier, "specdec:verify_batch_size_count") == cycles
-    assert value(verifier, "specdec:verify_batch_size_sum") == cycles            # one session per forward
+    # Every session-cycle is in exactly one forward; concurrent ones may share it.
+    assert value(verifier, "specdec:verify_batch_size_sum") == cycles
+    assert 0 < value(verifier, "specdec:verify_batch_size_count") <= cycles
     assert value(verifier, "specdec:verify_forward_tokens_sum") == cycles + sum(s.drafted_tokens for s in every)
 
     # Drafter: only draft_model requests reach it; it counts what it proposed.

@@ -17,3 +17,7 @@ class VerifierConfig:
     engine: str = "auto"             # auto (lean forward where supported) | lean | hf
     torch_threads: int = 0           # 0 = torch default
     grpc_workers: int = 8
+    # Verify calls of concurrent sessions share one forward (lean engine; the HF
+    # engine runs a batch's calls one after another), up to this many sessions.
+    # 1 = one session per forward.
+    max_batch_sessions: int = 32

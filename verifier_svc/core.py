@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.acceptance import dense_q
-from specd.errors import CapacityExceeded, InvalidRequest
+from specd.errors import CapacityExceeded, InvalidRequest, UnknownSession
 from specd.model_core import ModelCore
 from specd.phases import Phases
 from specd.sampling import SamplingParams, logits_to_probs, sample
@@ -31,12 +31,23 @@ from .config import VerifierConfig
 class VerifyResult:
     path: list[int]            # accepted node indices, root-down
     tokens: list[int]          # path tokens + correction or bonus
-    compute_ms: float          # forward + acceptance + compaction
+    compute_ms: float          # forward + acceptance + compaction (of the whole batch it ran in)
     phases: list = field(default_factory=list)   # (name, start_ns, end_ns): forward, accept, compact
+    batch_sessions: int = 1    # sessions verified in the same forward
+    batch_tokens: int = 0      # rows of that forward (every session's pending token + nodes)
 
     @property
     def num_accepted(self) -> int:
         return len(self.path)
+
+
+@dataclass
+class VerifyJob:
+    """A checked verify call, ready to join a batch."""
+    session_id: str
+    session: "_Session"
+    tree: TokenTree
+    q: torch.Tensor | None       # dense per-row q when children were sampled
 
 
 @dataclass
@@ -85,6 +96,12 @@ class Verifier(ModelCore):
         parents: None/empty = a chain. row_dists: per row (N+1; 0 = root), the
         truncated q that row's children were sampled from (empty rows for
         childless nodes); None = children chosen without sampling."""
+        return self.verify_batch([self.prepare(session_id, draft_ids, parents, row_dists)])[0]
+
+    def prepare(self, session_id: str, draft_ids: list[int], parents: list[int] | None = None,
+                row_dists: list[tuple[list[int], list[float]]] | None = None) -> VerifyJob:
+        """Check one verify call (no lock, no forward): a bad call fails here,
+        alone, before it could join a batch."""
         s = self._get(session_id)
         n = len(draft_ids)
         parents = list(parents) if parents else list(range(-1, n - 1))
@@ -96,27 +113,58 @@ class Verifier(ModelCore):
             raise InvalidRequest(f"a draft of depth {deepest} after {len(s.tokens)} committed tokens "
                                  f"would pass the context length {self.context_length}")
         q = self._dense_q(tree, row_dists) if row_dists else None
+        return VerifyJob(session_id, s, tree, q)
+
+    def verify_batch(self, jobs: list[VerifyJob]) -> list[VerifyResult | Exception]:
+        """Verify several sessions' drafts in ONE forward (lean engine; the HF
+        engine runs them one after another). Each job gets its result, or the
+        exception that stopped it (a session closed meanwhile)."""
         with self._lock:
             start, phases = time.perf_counter(), Phases()
-            base = s.cache.length                       # == len(tokens) - 1
-            positions = mask = None
-            if not is_chain(tree):                      # a chain's mask is the causal one
-                mask4, pos2 = tree_attention(tree, base)
-                mask, positions = mask4[0, 0], pos2[0]
-            logits = s.cache.forward([s.tokens[-1]] + list(tree.tokens), positions=positions, mask=mask)
-            phases.mark("forward")
-            if s.params.greedy:
-                result = accept_tree_greedy(logits, tree)
+            live = [j for j in jobs if self._sessions.get(j.session_id) is j.session]
+            items = []
+            for j in live:
+                s, base = j.session, j.session.cache.length          # base == len(tokens) - 1
+                positions = mask = None
+                if not is_chain(j.tree):                                # a chain's mask is the causal one
+                    mask4, pos2 = tree_attention(j.tree, base)
+                    mask, positions = mask4[0, 0], pos2[0]
+                items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), positions, mask))
+            if self.runner.lean is not None:
+                logits = self.runner.lean.forward_batch(items) if items else []
             else:
-                p = logits_to_probs(logits, s.params)
-                result = (accept_tree_sampled(p, tree, q, s.generator) if q is not None
-                          else accept_tree_deterministic(p, tree, s.generator))
+                logits = [c.forward(ids, positions=p, mask=m) for c, ids, p, m in items]
+            phases.mark("forward")
+            accepted = [self._accept(j, lg) for j, lg in zip(live, logits)]
             phases.mark("accept")
-            # Keep the root and the accepted path; the new last token is pending.
-            s.cache.compact(base, compaction_indices(result.path))
-            s.tokens += result.tokens
+            results = {}
+            for j, r in zip(live, accepted):
+                # Keep the root and the accepted path; the new last token is pending.
+                j.session.cache.compact(len(j.session.tokens) - 1, compaction_indices(r.path))
+                j.session.tokens += r.tokens
+                results[id(j)] = r
             phases.mark("compact")
-            return VerifyResult(result.path, result.tokens, (time.perf_counter() - start) * 1e3, phases.spans)
+            ms = (time.perf_counter() - start) * 1e3
+            out = []
+            for j in jobs:
+                r = results.get(id(j))
+                if r is None:
+                    out.append(UnknownSession(f"session {j.session_id!r} was closed during its verify call"))
+                    continue
+                r.compute_ms, r.phases, r.batch_sessions = ms, phases.spans, len(live)
+                r.batch_tokens = sum(len(ids) for _, ids, _, _ in items)
+                out.append(r)
+            return out
+
+    def _accept(self, job: VerifyJob, logits: torch.Tensor) -> VerifyResult:
+        s, tree = job.session, job.tree
+        if s.params.greedy:
+            result = accept_tree_greedy(logits, tree)
+        else:
+            p = logits_to_probs(logits, s.params)
+            result = (accept_tree_sampled(p, tree, job.q, s.generator) if job.q is not None
+                      else accept_tree_deterministic(p, tree, s.generator))
+        return VerifyResult(result.path, result.tokens, 0.0)
 
     def _dense_q(self, tree: TokenTree, rows: list[tuple[list[int], list[float]]]) -> torch.Tensor:
         """Check the sparse per-row q and densify it to (N+1, V)."""

@@ -12,7 +12,7 @@ class VerifierMetrics:
     def __init__(self, core):
         self.spec = SpecDecodeCounters()
         self.batch_size = metric(Histogram, "specdec:verify_batch_size",
-                                 "Sessions per verify forward (1: sessions are not batched yet).",
+                                 "Sessions per verify forward (their calls batched together).",
                                  buckets=COUNT_BUCKETS)
         self.forward_tokens = metric(Histogram, "specdec:verify_forward_tokens",
                                      "Tokens per verify forward: the pending token plus the draft's nodes.",
@@ -26,5 +26,7 @@ class VerifierMetrics:
 
     def observe_verify(self, draft_tokens: int, result) -> None:
         self.spec.observe(draft_tokens, result.num_accepted)
-        self.batch_size.observe(1)
-        self.forward_tokens.observe(draft_tokens + 1)
+
+    def observe_batch(self, jobs) -> None:
+        self.batch_size.observe(len(jobs))
+        self.forward_tokens.observe(sum(len(j.tree.tokens) + 1 for j in jobs))

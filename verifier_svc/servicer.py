@@ -1,12 +1,17 @@
 """Thin gRPC shell: proto <-> core calls, errors -> status (specd.grpc_util)."""
 from __future__ import annotations
 
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 from specd import telemetry
 from specd.grpc_util import grpc_errors, stream_call
 from specd.wire import dists_from_proto, sampling_from_proto
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
+from .batcher import VerifyBatcher
 from .core import Verifier
 from .metrics import VerifierMetrics
 
@@ -17,6 +22,7 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
     def __init__(self, core: Verifier):
         self.core = core
         self.metrics = VerifierMetrics(core)
+        self.batcher = VerifyBatcher(core, core.config.max_batch_sessions, self.metrics.observe_batch)
 
     @grpc_errors
     def OpenSession(self, request, context):
@@ -29,26 +35,55 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
 
     def _verify(self, request) -> pb.VerifyResponse:
         with telemetry.server_span("verifier.verify", request.traceparent) as span:
-            result = self.core.verify(request.session_id, list(request.draft_token_ids),
-                                      list(request.draft_parents),
-                                      dists_from_proto(request.draft_distributions) or None)
+            job = self.core.prepare(request.session_id, list(request.draft_token_ids),
+                                    list(request.draft_parents),
+                                    dists_from_proto(request.draft_distributions) or None)
+            result = self.batcher.submit(job).result()
             if span is not None:
                 telemetry.add_phases(span, "verifier", result.phases)
                 span.set_attributes({"specdec.session_id": request.session_id,
                                      "specdec.draft.nodes": len(request.draft_token_ids),
                                      "specdec.accepted_length": result.num_accepted,
-                                     "specdec.compute_ms": result.compute_ms})
+                                     "specdec.compute_ms": result.compute_ms,
+                                     "specdec.batch_sessions": result.batch_sessions})
         self.metrics.observe_verify(len(request.draft_token_ids), result)
         return pb.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.tokens,
-                                 accepted_path=result.path, compute_ms=result.compute_ms)
+                                 accepted_path=result.path, compute_ms=result.compute_ms,
+                                 batch_sessions=result.batch_sessions, batch_tokens=result.batch_tokens)
 
     @grpc_errors
     def Verify(self, request, context):
         return self._verify(request)
 
     def VerifyStream(self, request_iterator, context):
-        for request in request_iterator:
-            yield stream_call(self._verify, request, pb.VerifyResponse)
+        """Messages of many sessions, answered as they finish (any order, by
+        request_id): each waits for its batch on a thread of its own, so the
+        calls of concurrent sessions reach the batcher together."""
+        out: queue.Queue = queue.Queue()
+        workers = ThreadPoolExecutor(self.core.config.max_batch_sessions + 1, thread_name_prefix="verify")
+
+        def read():
+            n = 0
+            try:
+                for request in request_iterator:
+                    workers.submit(lambda r=request: out.put(stream_call(self._verify, r, pb.VerifyResponse)))
+                    n += 1
+            except Exception:  # noqa: BLE001 - the client went away: answer what is in flight, then end
+                pass
+            out.put(n)                                   # the count of answers to send
+
+        threading.Thread(target=read, daemon=True, name="verify-stream-reader").start()
+        sent, total = 0, None
+        try:
+            while total is None or sent < total:
+                item = out.get()
+                if isinstance(item, int):
+                    total = item
+                    continue
+                yield item
+                sent += 1
+        finally:
+            workers.shutdown(wait=False)
 
     @grpc_errors
     def CloseSession(self, request, context):

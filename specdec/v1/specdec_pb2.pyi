@@ -145,23 +145,27 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "token_ids", "accepted_path", "compute_ms", "request_id", "error")
+    __slots__ = ("num_accepted", "token_ids", "accepted_path", "compute_ms", "request_id", "error", "batch_sessions", "batch_tokens")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
     compute_ms: float
     request_id: int
     error: CallError
-    def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_path: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+    batch_sessions: int
+    batch_tokens: int
+    def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_path: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method", "adaptive_speculation")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +177,7 @@ class GenerateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: PromptTokenIds
     max_new_tokens: int
@@ -184,7 +189,8 @@ class GenerateRequest(_message.Message):
     num_speculative_tokens: int
     tree: DraftShape
     speculative_method: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ...) -> None: ...
+    adaptive_speculation: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ..., adaptive_speculation: _Optional[bool] = ...) -> None: ...
 
 class PromptTokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -193,7 +199,7 @@ class PromptTokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position")
+    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position", "adaptive")
     CYCLES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +214,7 @@ class GenerationStats(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     cycles: int
     drafted_tokens: int
     accepted_tokens: int
@@ -222,7 +229,8 @@ class GenerationStats(_message.Message):
     method: str
     drafts: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    adaptive: bool
+    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., adaptive: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
