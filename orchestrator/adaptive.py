@@ -2,9 +2,13 @@
 
 A verify forward over R rows (every batched session's pending token and draft
 nodes) costs about a + b*R ms; drafting costs about d ms per depth level. A
-session drafting k tokens commits E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens
-per cycle on average (alpha: its measured per-token acceptance). The server's
-goodput with this session at depth k, the batch's other sessions as they are:
+session drafting k tokens commits E(k) = 1 + r1 + r1*r2 + ... + r1*...*rk tokens
+per cycle on average, where ri is the chance that level i is kept given that
+level i-1 was: r1 is the session's own (how well the drafter knows this text),
+the deeper ones are measured over all sessions. Acceptances are correlated
+(after a kept token the next is likelier kept), so one per-token rate, the
+i.i.d. (1 - a^(k+1)) / (1 - a), would undervalue depth. The server's goodput
+with this session at depth k, the batch's other sessions as they are:
 
     G(k) = (E(k) + E_rest) / (d*k + a + b*(R_rest + k + 1))
 
@@ -18,17 +22,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens per cycle with k draft tokens, each kept with probability alpha."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_tokens(rates: list[float], k: int) -> float:
+    """Tokens per cycle with k draft tokens; rates[i]: level i+1 kept given level i was."""
+    total, reach = 1.0, 1.0
+    for r in rates[:k]:
+        reach *= r
+        total += reach
+    return total
 
 
-def best_depth(alpha: float, k_max: int, a: float, b: float, d: float,
+def best_depth(rates: list[float], k_max: int, a: float, b: float, d: float,
                rest_rows: float = 0.0, rest_tokens: float = 0.0) -> int:
     def goodput(k: int) -> float:
-        return (expected_tokens(alpha, k) + rest_tokens) / (d * k + a + b * (rest_rows + k + 1))
+        return (expected_tokens(rates, k) + rest_tokens) / (d * k + a + b * (rest_rows + k + 1))
     return max(range(k_max + 1), key=lambda k: (goodput(k), -k))
 
 
@@ -51,7 +57,15 @@ class CostModel:
     _xy: float = 0.0
     draft_ms_per_level: float = 0.0
     tokens_per_cycle: float = 1.0      # per session-cycle, over all sessions
+    # Per draft level: kept given the level above was kept, over all sessions.
+    level_rates: list[float] = field(default_factory=lambda: [0.7] * 16)
     _seen_draft: bool = field(default=False, repr=False)
+
+    def observe_levels(self, drafted_depth: int, accepted: int) -> None:
+        """Levels 1..accepted were kept, level accepted+1 (if drafted) was not;
+        deeper ones were never tried."""
+        for i in range(min(drafted_depth, accepted + 1, len(self.level_rates))):
+            self.level_rates[i] = 0.98 * self.level_rates[i] + 0.02 * (1.0 if i < accepted else 0.0)
 
     def observe_verify(self, rows: int, ms: float) -> None:
         g = self.decay
@@ -84,25 +98,27 @@ class CostModel:
 
 @dataclass
 class SessionDepth:
-    """One session's adaptive depth: its acceptance (a moving average over the
-    draft tokens it sent), and a probe at depth 1 now and then while it runs at
-    0, so that its acceptance is not frozen by the choice to stop drafting."""
+    """One session's adaptive depth: its first-level acceptance (a moving
+    average, starting from all sessions'), and a probe at depth 1 now and then
+    while it runs at 0, so that its acceptance is not frozen by the choice to
+    stop drafting."""
     k_max: int
-    alpha: float = 0.6                 # before any evidence
+    first: float | None = None         # level 1 kept; None: take all sessions' rate
     probe_every: int = 8
     _zeros: int = 0
 
-    def observe(self, drafted_depth: int, accepted: int) -> None:
-        for i in range(drafted_depth):           # each level: kept (1) or not (0); past a miss, unseen
-            if i > accepted:
-                break
-            self.alpha = 0.9 * self.alpha + 0.1 * (1.0 if i < accepted else 0.0)
+    def observe(self, drafted_depth: int, accepted: int, costs: CostModel) -> None:
+        costs.observe_levels(drafted_depth, accepted)
+        if drafted_depth:
+            prior = costs.level_rates[0] if self.first is None else self.first
+            self.first = 0.85 * prior + 0.15 * (1.0 if accepted else 0.0)
 
     def choose(self, costs: CostModel, rest_rows: float, rest_sessions: int) -> int:
         if not costs.ready:
             return self.k_max
         a, b = costs.line()
-        k = best_depth(self.alpha, self.k_max, a, b, costs.draft_ms_per_level, rest_rows,
+        rates = [costs.level_rates[0] if self.first is None else self.first] + costs.level_rates[1:]
+        k = best_depth(rates, self.k_max, a, b, costs.draft_ms_per_level, rest_rows,
                        rest_sessions * costs.tokens_per_cycle)
         if k == 0:
             self._zeros += 1

@@ -1,6 +1,7 @@
 """The orchestrator core: validates a request, routes it to replicas, runs the loop."""
 from __future__ import annotations
 
+import collections
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -70,7 +71,9 @@ class Orchestrator:
         self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
         self.metrics = OrchestratorMetrics()
         self.active_requests = 0
-        self.costs = CostModel()          # verify / draft costs, learnt from every cycle (adaptive depth)
+        # Verify / draft costs and acceptance per level, learnt from every cycle
+        # (adaptive depth); per method, since ngram and a drafter differ.
+        self.costs = collections.defaultdict(CostModel)
 
     def client_for(self, spec: ReplicaSpec):
         cls = GrpcVerifier if spec.kind == "verifier" else GrpcDrafter
@@ -98,7 +101,7 @@ class Orchestrator:
                 used.append(self.pools["drafter"].acquire())
                 drafter = used[1].client
             async for chunk in run_generation(spec, session_id, verifier, drafter, tracker,
-                                              self.target_ctx, self.drafter_ctx, trace, self.costs):
+                                              self.target_ctx, self.drafter_ctx, trace, self.costs[spec.method]):
                 metrics.observe(chunk, spec.method)
                 yield chunk
         except BaseException as exc:   # also the client leaving (GeneratorExit, CancelledError)

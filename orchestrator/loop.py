@@ -218,7 +218,9 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                 costs.observe_draft(cycle.depth, draft.compute_ms)
                 costs.observe_tokens(len(verdict.tokens))
                 if depth:
-                    depth.observe(cycle.depth, cycle.accepted)
+                    depth.observe(cycle.depth, cycle.accepted, costs)
+                elif cycle.depth:
+                    costs.observe_levels(cycle.depth, cycle.accepted)   # fixed-K sessions teach the rates too
                 rest_rows = max(0, verdict.batch_tokens - rows)
                 rest_sessions = max(0, verdict.batch_sessions - 1)
             stats.completion_tokens = len(tracker.ids)

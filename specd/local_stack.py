@@ -63,13 +63,15 @@ class Stack:
     """Verifier + drafter + orchestrator processes for one model pair.
 
     env: extra environment variables for all three (e.g. OTEL_EXPORTER_OTLP_ENDPOINT);
-    metrics: serve Prometheus /metrics on free ports (each process's `metrics_address`)."""
+    metrics: serve Prometheus /metrics on free ports (each process's `metrics_address`);
+    verifier_args: flags for the verifier only (e.g. --max-batch-sessions 1)."""
 
     def __init__(self, target: str, drafter: str | None, service_args: tuple[str, ...] = (),
-                 env: dict | None = None, metrics: bool = False):
+                 env: dict | None = None, metrics: bool = False, verifier_args: tuple[str, ...] = ()):
         self.target, self.drafter = target, drafter
         extra = ("--metrics-port", "0") if metrics else ()
-        self.verifier = ServiceProcess("verifier_svc", "--model", target, *service_args, *extra, env=env)
+        self.verifier = ServiceProcess("verifier_svc", "--model", target, *service_args, *verifier_args, *extra,
+                                       env=env)
         self.drafter_proc = ServiceProcess("drafter_svc", "--model", drafter, *service_args, *extra,
                                            env=env) if drafter else None
         args = ["--target", target, "--verifier-address", self.verifier.address, *extra]

@@ -22,15 +22,19 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--max-draft-tokens", type=int, default=config_cls.max_draft_tokens)
     parser.add_argument("--torch-threads", type=int, default=0)
+    if hasattr(config_cls, "max_batch_sessions"):
+        parser.add_argument("--max-batch-sessions", type=int, default=config_cls.max_batch_sessions,
+                            help="sessions whose verify calls may share one forward (1 = no batching)")
     parser.add_argument("--metrics-port", type=int,
                         help="serve Prometheus /metrics on this port (0 = any free port; default: off)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
     telemetry.setup(name.removesuffix("_svc"))
+    extra = {"max_batch_sessions": args.max_batch_sessions} if hasattr(args, "max_batch_sessions") else {}
     config = config_cls(model_dir=args.model, host=args.host, port=args.port, device=args.device,
                         dtype=args.dtype, max_draft_tokens=args.max_draft_tokens,
-                        torch_threads=args.torch_threads)
+                        torch_threads=args.torch_threads, **extra)
     server, port = start(config)
     if args.metrics_port is not None:
         # Printed before the "listening on" line, which tests and scripts wait for.

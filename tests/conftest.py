@@ -36,3 +36,12 @@ def stacks(pairs):
     finally:
         for s in running.values():
             s.stop()
+
+
+@pytest.fixture(scope="session")
+def metered(pairs):
+    """A llama Stack with Prometheus endpoints (batching and memory tests)."""
+    target, drafter = pairs["llama"]
+    stack = Stack(target, drafter, metrics=True)
+    yield stack
+    stack.stop()

@@ -5,24 +5,25 @@ from orchestrator.adaptive import CostModel, SessionDepth, best_depth, expected_
 
 
 def test_expected_tokens():
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens([0.0] * 5, 5) == 1.0
+    assert expected_tokens([1.0] * 4, 4) == 5.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_tokens([0.7, 0.9, 0.9], 2) == pytest.approx(1 + 0.7 + 0.63)
 
 
 def test_depth_follows_acceptance_and_load():
     # Batch 1, weight-bound forwards (a row costs 2% of a step), cheap drafting: draft deep
     # when drafts are kept, shallow when not.
-    assert best_depth(0.9, 8, a=40, b=0.8, d=1.0) >= 6
-    assert best_depth(0.3, 8, a=40, b=0.8, d=1.0) <= 2
+    assert best_depth([0.9] * 8, 8, a=40, b=0.8, d=1.0) >= 6
+    assert best_depth([0.3] * 8, 8, a=40, b=0.8, d=1.0) <= 2
     # The same pair at batch 16, compute bound: 15 other sessions' rows and tokens in the
     # forward. A draft row now costs what a whole session's token earns: no drafting.
     busy = dict(a=40, b=8.0, d=1.0, rest_rows=60, rest_tokens=15 * 1.5)
-    assert best_depth(0.35, 8, **busy) == 0
+    assert best_depth([0.35] * 8, 8, **busy) == 0
     # A rule blind to the rest of the batch (batch-1 view with the same costs) would still draft.
-    assert best_depth(0.35, 8, a=40, b=8.0, d=1.0) > 0
+    assert best_depth([0.35] * 8, 8, a=40, b=8.0, d=1.0) > 0
     # Very likely drafts are worth a row even then.
-    assert best_depth(0.98, 8, **busy) > 0
+    assert best_depth([0.98] * 8, 8, **busy) > 0
 
 
 def test_cost_line_is_learnt_from_varied_batches():
@@ -42,14 +43,17 @@ def test_cost_line_is_learnt_from_varied_batches():
 
 
 def test_session_acceptance_and_probing():
-    s = SessionDepth(k_max=4, alpha=0.5)
-    for _ in range(30):
-        s.observe(4, 4)                   # every draft token kept
-    assert s.alpha > 0.95
-    for _ in range(60):
-        s.observe(4, 0)                   # first token rejected each time: only that level is evidence
-    assert s.alpha < 0.05
     costs = CostModel()
+    s = SessionDepth(k_max=4)
+    for _ in range(300):
+        s.observe(4, 4, costs)            # every draft token kept
+    assert s.first > 0.95 and min(costs.level_rates[:4]) > 0.95 and costs.level_rates[4] == 0.7
+    for _ in range(300):
+        s.observe(4, 1, costs)            # level 1 kept, level 2 not; 3 and 4 never tried
+    assert s.first > 0.95 and costs.level_rates[1] < 0.05 and costs.level_rates[2] > 0.95
+    for _ in range(60):
+        s.observe(4, 0, costs)            # first token rejected each time
+    assert s.first < 0.05
     for _ in range(20):
         costs.observe_verify(1, 40.0)
     costs.observe_draft(1, 30.0)          # drafting costs nearly a verify step

@@ -1,0 +1,176 @@
+"""Throughput under load: 1 ... 32 concurrent Generate streams through the same
+services, for speculation off, fixed K and adaptive depth; and the same fixed K
+with batching off (one session per verify forward) to show what batching buys.
+
+    python -m benchmarks.load                # demo pair, cost-scaled target, bf16
+    python -m benchmarks.load --quick        # 1, 4 streams, fewer tokens
+
+Per setting and concurrency: total tokens/s over the run, time to first token
+(p50) and inter-token latency (p50, p99; a message of n tokens counts as n
+gaps of its wait / n). Only ratios within one run are results. Writes
+benchmarks/results/load.json and load.png and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from specd.local_stack import Stack
+from specd.models import load_tokenizer
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+from .speedup import ROOT, RESULTS, cost_scaled_target, pct
+
+SETTINGS = {                      # GenerateRequest fields per setting
+    "off": dict(num_speculative_tokens=0),
+    "fixed K=2": dict(num_speculative_tokens=2),
+    "fixed K=4": dict(num_speculative_tokens=4),
+    "adaptive (K<=4)": dict(num_speculative_tokens=4, adaptive_speculation=True),
+}
+UNBATCHED = "fixed K=4, unbatched"
+
+
+def run_level(address: str, prompts, fields: dict, n: int, max_new: int) -> dict:
+    """n concurrent streams (prompts round-robin); their timings."""
+    ttft, itl, tokens, errors = [], [], [0], []
+    lock = threading.Lock()
+
+    def one(i):
+        start = last = time.perf_counter()
+        got = 0
+        try:
+            with grpc.insecure_channel(address) as ch:
+                for r in pb_grpc.OrchestratorServiceStub(ch).Generate(pb.GenerateRequest(
+                        prompt_token_ids=pb.PromptTokenIds(ids=prompts[i % len(prompts)]),
+                        max_new_tokens=max_new, **fields), timeout=1800):
+                    now = time.perf_counter()
+                    with lock:
+                        if got == 0:
+                            ttft.append(now - start)
+                        elif r.token_ids:
+                            itl.extend([(now - last) / len(r.token_ids)] * len(r.token_ids))
+                    got += len(r.token_ids)
+                    last = now
+        except grpc.RpcError as e:
+            errors.append(f"{e.code().name}: {e.details()}")
+        with lock:
+            tokens[0] += got
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"{len(errors)} streams failed, e.g. {errors[0]}")
+    return dict(streams=n, tokens=tokens[0], seconds=round(wall, 3), tokens_per_s=round(tokens[0] / wall, 2),
+                ttft_ms_p50=round(1e3 * pct(ttft, 0.5), 1), itl_ms_p50=round(1e3 * pct(itl, 0.5), 2),
+                itl_ms_p99=round(1e3 * pct(itl, 0.99), 2))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        pts = [(r["streams"], r["tokens_per_s"], r["itl_ms_p50"]) for r in rows if r["setting"] == setting]
+        xs = [p[0] for p in pts]
+        style = "--" if "unbatched" in setting else "-"
+        ax.plot(xs, [p[1] for p in pts], style, marker="o", label=setting)
+        ax2.plot(xs, [p[2] for p in pts], style, marker="o", label=setting)
+    for a, title, ylabel in ((ax, "total throughput", "tokens/s (all streams)"),
+                             (ax2, "inter-token latency p50", "ms")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrent streams")
+        a.set_ylabel(ylabel)
+        a.set_title(title)
+        a.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle("specd under load (cost-scaled demo target, bf16, 2-core CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    from training.evaluate_pair import make_prompts
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
+    ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/drafter")
+    ap.add_argument("--min-params", type=int, default=100_000_000)
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--unbatched-levels", type=int, nargs="*", default=[1, 4, 16],
+                    help="levels run again with one session per verify forward")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS / "load.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.levels, args.max_new_tokens, args.unbatched_levels = [1, 4], 24, [4]
+
+    target = cost_scaled_target(args.target, args.min_params)
+    tok = load_tokenizer(str(args.target))
+    prompts = [p.tolist() for p in make_prompts(tok, 32, args.prompt_tokens, args.max_new_tokens)]
+    service_args = ("--dtype", args.dtype)
+    rows = []
+    runs = [("batched", (), list(SETTINGS))]
+    if args.unbatched_levels:
+        runs.append(("unbatched", ("--max-batch-sessions", "1"), ["fixed K=4"]))
+    for kind, verifier_args, settings in runs:
+        stack = Stack(str(target), str(args.drafter), service_args, verifier_args=verifier_args)
+        try:
+            run_level(stack.orchestrator.address, prompts, SETTINGS["fixed K=2"], 2, 8)    # warm-up
+            for setting in settings:
+                levels = args.levels if kind == "batched" else args.unbatched_levels
+                for n in levels:
+                    row = run_level(stack.orchestrator.address, prompts, SETTINGS[setting], n, args.max_new_tokens)
+                    row["setting"] = setting if kind == "batched" else UNBATCHED
+                    rows.append(row)
+                    print(f"{row['setting']:>22} x{n:<3} {row['tokens_per_s']:7.1f} tok/s  ttft p50 "
+                          f"{row['ttft_ms_p50']:7.1f} ms  itl p50/p99 {row['itl_ms_p50']}/{row['itl_ms_p99']} ms",
+                          flush=True)
+        finally:
+            stack.stop()
+
+    # Goals: adaptive vs the best of off / fixed K per level; batching gain.
+    summary = []
+    for n in args.levels:
+        at = {r["setting"]: r for r in rows if r["streams"] == n}
+        best = max((s for s in at if s in ("off", "fixed K=2", "fixed K=4")), key=lambda s: at[s]["tokens_per_s"])
+        d = dict(streams=n, best_fixed=best, best_fixed_tokens_per_s=at[best]["tokens_per_s"],
+                 adaptive_tokens_per_s=at["adaptive (K<=4)"]["tokens_per_s"],
+                 adaptive_vs_best=round(at["adaptive (K<=4)"]["tokens_per_s"] / at[best]["tokens_per_s"], 3))
+        if UNBATCHED in at:
+            d["batching_gain_fixed_K4"] = round(at["fixed K=4"]["tokens_per_s"] / at[UNBATCHED]["tokens_per_s"], 3)
+        summary.append(d)
+    meta = dict(machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}",
+                target=str(target), drafter=str(args.drafter), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                prompt_tokens=args.prompt_tokens, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=rows, summary=summary), indent=2))
+    plot(rows, args.out.with_suffix(".png"))
+    print("\n| streams | best of off / fixed | its tok/s | adaptive tok/s | adaptive / best | batching gain (K=4) |")
+    print("|---|---|---|---|---|---|")
+    for d in summary:
+        print(f"| {d['streams']} | {d['best_fixed']} | {d['best_fixed_tokens_per_s']} | {d['adaptive_tokens_per_s']} "
+              f"| {d['adaptive_vs_best']} | {d.get('batching_gain_fixed_K4', '')} |")
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
