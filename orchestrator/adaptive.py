@@ -1,25 +1,34 @@
 """Choosing each cycle's draft depth from what is measured (pure; no grpc).
 
-A verify forward over R rows (every batched session's pending token and draft
-nodes) costs about a + b*R ms; drafting costs about d ms per depth level. A
-session drafting k tokens commits E(k) = 1 + r1 + r1*r2 + ... + r1*...*rk tokens
-per cycle on average, where ri is the chance that level i is kept given that
-level i-1 was: r1 is the session's own (how well the drafter knows this text),
-the deeper ones are measured over all sessions. Acceptances are correlated
-(after a kept token the next is likelier kept), so one per-token rate, the
-i.i.d. (1 - a^(k+1)) / (1 - a), would undervalue depth. The server's goodput
-with this session at depth k, the batch's other sessions as they are:
+A verify forward of S sessions and R rows (each session's pending token and
+draft nodes) costs about V = a + b*R + c*S ms: b is what a row costs (FLOPs,
+once the forward is compute bound), c what a session costs however long its
+draft (its attention, acceptance, compaction, messages). Drafting costs about
+d ms per level. A session drafting k tokens commits E(k) = 1 + r1 + r1*r2 +
+... + r1*...*rk tokens per cycle, where ri is the chance that level i is kept
+given that level i-1 was: r1 is the session's own (how well the drafter knows
+this text), the deeper ones are measured over all sessions. Acceptances are
+correlated (after a kept token the next is likelier kept), so one i.i.d. rate,
+(1 - a^(k+1)) / (1 - a), would undervalue depth.
 
-    G(k) = (E(k) + E_rest) / (d*k + a + b*(R_rest + k + 1))
+With this session at depth k and the forward's other sessions as they are
+(R_rest rows, S_rest sessions, E_rest tokens, L_rest draft levels), a round
+costs T = max(V, D) + min(V, D) / n: alone (n = 1) drafting and verifying
+follow each other; with n sessions the drafter drafts some while the verifier
+verifies others, so mostly the busier of the two counts. The server's goodput
 
-so k = argmax G(k) over 0..k_max. At batch 1 (E_rest = R_rest = 0) that is the
-classic speculative optimum; when the batch is full of other sessions' tokens
-(compute bound, b*R_rest large) a draft token must be likely to be kept to pay
-for its row, and k falls - to 0, plain decoding, when none would.
+    G(k) = (E(k) + E_rest) / T(k),  V = a + b*(R_rest + k + 1) + c*(S_rest + 1),  D = d*(L_rest + k)
+
+and k = argmax G(k) over 0..k_max. At batch 1 that is the classic speculative
+optimum; when rows are what costs and the forward is full of other sessions'
+rows, a draft token must be likely kept to pay for its row, down to k = 0
+(plain decoding) when none would.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -31,46 +40,57 @@ def expected_tokens(rates: list[float], k: int) -> float:
     return total
 
 
-def best_depth(rates: list[float], k_max: int, a: float, b: float, d: float,
-               rest_rows: float = 0.0, rest_tokens: float = 0.0) -> int:
+@dataclass(frozen=True)
+class Load:
+    """The rest of the verify forward a session shares (none: batch 1)."""
+    rows: float = 0.0        # R_rest
+    sessions: int = 0        # S_rest
+    tokens: float = 0.0      # E_rest: what those sessions commit per cycle
+    levels: float = 0.0      # L_rest: their draft levels (drafter work)
+
+
+def round_ms(k: int, a: float, b: float, c: float, d: float, load: Load) -> float:
+    v = a + b * (load.rows + k + 1) + c * (load.sessions + 1)
+    dr = d * (load.levels + k)
+    return max(v, dr) + min(v, dr) / (load.sessions + 1)
+
+
+def best_depth(rates: list[float], k_max: int, a: float, b: float, c: float, d: float,
+               load: Load = Load()) -> int:
     def goodput(k: int) -> float:
-        return (expected_tokens(rates, k) + rest_tokens) / (d * k + a + b * (rest_rows + k + 1))
+        return (expected_tokens(rates, k) + load.tokens) / round_ms(k, a, b, c, d, load)
     return max(range(k_max + 1), key=lambda k: (goodput(k), -k))
 
 
 @dataclass
 class CostModel:
-    """verify_ms ~ a + b * rows by least squares over recent forwards (an
-    exponential window), and draft_ms per depth level as a moving average;
-    shared by every session of the orchestrator.
+    """verify_ms ~ a + b * rows + c * sessions by least squares over recent
+    forwards (an exponential window), draft_ms per level and tokens per
+    session-cycle as moving averages, acceptance per level; shared by the
+    sessions of one method in the orchestrator.
 
-    Until the forwards have seen a range of row counts, the slope leans on a
-    prior (b = prior_slope * a: a small forward is bound by reading weights,
-    so a few more rows cost little); data replace it as rows vary."""
+    Until forwards have seen rows vary apart from sessions, b and c lean on a
+    weak prior (a row costs 2% and a session 10% of a one-row forward: small
+    forwards are bound by reading the weights); data take over as they vary."""
     decay: float = 0.98                # weight of the past per observation (~50-forward window)
-    prior_slope: float = 0.05
-    prior_weight: float = 4.0
+    prior: tuple[float, float] = (0.02, 0.10)
+    prior_weight: float = 2.0
+    _m: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 3, dtype=torch.float64), repr=False)
+    _v: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64), repr=False)
     _w: float = 0.0
-    _x: float = 0.0
     _y: float = 0.0
-    _xx: float = 0.0
-    _xy: float = 0.0
     draft_ms_per_level: float = 0.0
-    tokens_per_cycle: float = 1.0      # per session-cycle, over all sessions
-    # Per draft level: kept given the level above was kept, over all sessions.
+    tokens_per_cycle: float = 1.0      # per session-cycle
+    # Per draft level: kept given the level above was kept.
     level_rates: list[float] = field(default_factory=lambda: [0.7] * 16)
     _seen_draft: bool = field(default=False, repr=False)
 
-    def observe_levels(self, drafted_depth: int, accepted: int) -> None:
-        """Levels 1..accepted were kept, level accepted+1 (if drafted) was not;
-        deeper ones were never tried."""
-        for i in range(min(drafted_depth, accepted + 1, len(self.level_rates))):
-            self.level_rates[i] = 0.98 * self.level_rates[i] + 0.02 * (1.0 if i < accepted else 0.0)
-
-    def observe_verify(self, rows: int, ms: float) -> None:
+    def observe_verify(self, rows: int, sessions: int, ms: float) -> None:
+        x = torch.tensor([1.0, rows, sessions], dtype=torch.float64)
         g = self.decay
-        self._w, self._x, self._y = g * self._w + 1, g * self._x + rows, g * self._y + ms
-        self._xx, self._xy = g * self._xx + rows * rows, g * self._xy + rows * ms
+        self._m = g * self._m + torch.outer(x, x)
+        self._v = g * self._v + x * ms
+        self._w, self._y = g * self._w + 1, g * self._y + ms
 
     def observe_draft(self, depth: int, ms: float) -> None:
         if depth > 0:
@@ -81,19 +101,28 @@ class CostModel:
     def observe_tokens(self, committed: int) -> None:
         self.tokens_per_cycle = 0.95 * self.tokens_per_cycle + 0.05 * committed
 
+    def observe_levels(self, drafted_depth: int, accepted: int) -> None:
+        """Levels 1..accepted were kept, level accepted+1 (if drafted) was not;
+        deeper ones were never tried."""
+        for i in range(min(drafted_depth, accepted + 1, len(self.level_rates))):
+            self.level_rates[i] = 0.98 * self.level_rates[i] + 0.02 * (1.0 if i < accepted else 0.0)
+
     @property
     def ready(self) -> bool:
         return self._w >= 1.0
 
-    def line(self) -> tuple[float, float]:
-        """(a, b) of verify_ms ~ a + b * rows."""
-        mx, my = self._x / self._w, self._y / self._w
-        var, cov = self._xx / self._w - mx * mx, self._xy / self._w - mx * my
-        # Shrink the slope toward the prior; with no spread in rows the prior decides.
-        prior_b = self.prior_slope * max(my, 1e-6) / (1 + self.prior_slope * mx)
-        b = (cov * self._w + prior_b * self.prior_weight) / (var * self._w + self.prior_weight)
-        b = max(b, 0.0)
-        return max(my - b * mx, 1e-6), b
+    def line(self) -> tuple[float, float, float]:
+        """(a, b, c) of verify_ms ~ a + b * rows + c * sessions."""
+        # Ridge toward the prior on b and c (scaled by the typical cost), so
+        # that rows always moving with sessions (fixed K) leave them defined.
+        scale = self._y / self._w
+        lam = self.prior_weight
+        m, v = self._m.clone(), self._v.clone()
+        for i, frac in ((1, self.prior[0]), (2, self.prior[1])):
+            m[i, i] += lam
+            v[i] += lam * frac * scale
+        a, b, c = torch.linalg.solve(m + 1e-9 * torch.eye(3, dtype=torch.float64), v).tolist()
+        return max(a, 0.0), max(b, 0.0), max(c, 0.0)
 
 
 @dataclass
@@ -116,10 +145,10 @@ class SessionDepth:
     def choose(self, costs: CostModel, rest_rows: float, rest_sessions: int) -> int:
         if not costs.ready:
             return self.k_max
-        a, b = costs.line()
+        a, b, c = costs.line()
         rates = [costs.level_rates[0] if self.first is None else self.first] + costs.level_rates[1:]
-        k = best_depth(rates, self.k_max, a, b, costs.draft_ms_per_level, rest_rows,
-                       rest_sessions * costs.tokens_per_cycle)
+        load = Load(rest_rows, rest_sessions, rest_sessions * costs.tokens_per_cycle, rest_rows - rest_sessions)
+        k = best_depth(rates, self.k_max, a, b, c, costs.draft_ms_per_level, load)
         if k == 0:
             self._zeros += 1
             if self._zeros >= self.probe_every:

@@ -214,7 +214,7 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                 cycle = stats.observe_cycle(draft, verdict, (time.perf_counter() - start) * 1e3)
                 trace.annotate(span, cycle)
                 rows = len(draft.tokens) + 1
-                costs.observe_verify(verdict.batch_tokens or rows, verdict.compute_ms)
+                costs.observe_verify(verdict.batch_tokens or rows, verdict.batch_sessions or 1, verdict.compute_ms)
                 costs.observe_draft(cycle.depth, draft.compute_ms)
                 costs.observe_tokens(len(verdict.tokens))
                 if depth:

@@ -1,7 +1,7 @@
 """orchestrator/adaptive.py: the depth rule, the cost fit, a session's acceptance."""
 import pytest
 
-from orchestrator.adaptive import CostModel, SessionDepth, best_depth, expected_tokens
+from orchestrator.adaptive import CostModel, Load, SessionDepth, best_depth, expected_tokens
 
 
 def test_expected_tokens():
@@ -14,32 +14,40 @@ def test_expected_tokens():
 def test_depth_follows_acceptance_and_load():
     # Batch 1, weight-bound forwards (a row costs 2% of a step), cheap drafting: draft deep
     # when drafts are kept, shallow when not.
-    assert best_depth([0.9] * 8, 8, a=40, b=0.8, d=1.0) >= 6
-    assert best_depth([0.3] * 8, 8, a=40, b=0.8, d=1.0) <= 2
-    # The same pair at batch 16, compute bound: 15 other sessions' rows and tokens in the
-    # forward. A draft row now costs what a whole session's token earns: no drafting.
-    busy = dict(a=40, b=8.0, d=1.0, rest_rows=60, rest_tokens=15 * 1.5)
-    assert best_depth([0.35] * 8, 8, **busy) == 0
-    # A rule blind to the rest of the batch (batch-1 view with the same costs) would still draft.
-    assert best_depth([0.35] * 8, 8, a=40, b=8.0, d=1.0) > 0
+    assert best_depth([0.9] * 8, 8, a=40, b=0.8, c=0, d=1.0) >= 6
+    assert best_depth([0.3] * 8, 8, a=40, b=0.8, c=0, d=1.0) <= 2
+    # Batch 16, compute bound: every row costs 8 ms and the forward holds 15 other sessions'
+    # 60 rows and 22.5 tokens. A draft row now costs what a token earns: no drafting.
+    busy = Load(rows=60, sessions=15, tokens=15 * 1.5, levels=45)
+    assert best_depth([0.35] * 8, 8, a=40, b=8.0, c=0, d=1.0, load=busy) == 0
+    # A rule blind to the rest of the batch (the batch-1 view, same costs) would still draft.
+    assert best_depth([0.35] * 8, 8, a=40, b=8.0, c=0, d=1.0) > 0
     # Very likely drafts are worth a row even then.
-    assert best_depth([0.98] * 8, 8, **busy) > 0
+    assert best_depth([0.98] * 8, 8, a=40, b=8.0, c=0, d=1.0, load=busy) > 0
+    # When what costs is the session, not the row (c large, b small), load does not stop drafting.
+    assert best_depth([0.7] * 8, 8, a=20, b=0.3, c=10, d=1.0, load=busy) >= 4
+    # Drafting alongside verification: with many sessions the drafter's time mostly hides
+    # behind the verifier's, so a slow drafter stops deep drafting at batch 1 only.
+    assert best_depth([0.6] * 8, 8, a=30, b=0.3, c=0, d=25) <= 1
+    assert best_depth([0.6] * 8, 8, a=30, b=0.3, c=10, d=1, load=Load(rows=45, sessions=15, tokens=30,
+                                                                        levels=30)) >= 3
 
 
 def test_cost_line_is_learnt_from_varied_batches():
     costs = CostModel()
     assert not costs.ready
     for i in range(300):
-        rows = 1 + (i * 7) % 40
-        costs.observe_verify(rows, 10.0 + 2.0 * rows)
-    a, b = costs.line()
-    assert a == pytest.approx(10.0, rel=0.05) and b == pytest.approx(2.0, rel=0.05)
-    # No spread in rows (batch 1, fixed K): the slope comes from the prior, a small fraction of a.
+        sessions = 1 + i % 16
+        rows = sessions * (1 + (i * 7) % 5)
+        costs.observe_verify(rows, sessions, 10.0 + 2.0 * rows + 3.0 * sessions)
+    a, b, c = costs.line()
+    assert a == pytest.approx(10.0, rel=0.05) and b == pytest.approx(2.0, rel=0.05) and c == pytest.approx(3.0, rel=0.05)
+    # Batch 1 with a fixed K: rows never vary; b and c come from the prior, small parts of a.
     flat = CostModel()
     for _ in range(50):
-        flat.observe_verify(5, 30.0)
-    a, b = flat.line()
-    assert a + 5 * b == pytest.approx(30.0, rel=0.01) and 0 < b < 0.1 * a
+        flat.observe_verify(5, 1, 30.0)
+    a, b, c = flat.line()
+    assert a + 5 * b + c == pytest.approx(30.0, rel=0.02) and 0 < b < 0.1 * a
 
 
 def test_session_acceptance_and_probing():
@@ -55,7 +63,7 @@ def test_session_acceptance_and_probing():
         s.observe(4, 0, costs)            # first token rejected each time
     assert s.first < 0.05
     for _ in range(20):
-        costs.observe_verify(1, 40.0)
+        costs.observe_verify(1, 1, 40.0)
     costs.observe_draft(1, 30.0)          # drafting costs nearly a verify step
     picks = [s.choose(costs, rest_rows=0, rest_sessions=0) for _ in range(16)]
     assert picks.count(0) == 14 and picks.count(1) == 2   # a probe every 8th cycle keeps alpha fresh
