@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
+import threading
 from concurrent import futures
 
 import grpc
@@ -60,6 +62,39 @@ def stream_call(handler, request, response_cls):
         response.error.code, response.error.message = code.value[0], msg
     response.request_id = request.request_id
     return response
+
+
+def concurrent_stream(handler, request_iterator, response_cls, workers: int):
+    """Serve a multiplexed bidi stream whose messages belong to many sessions:
+    each message is handled on a thread of its own (so calls of concurrent
+    sessions reach a batcher together) and answered when done, in any order,
+    matched by request_id (stream_call). Ends once the client has closed its
+    side and every message has its answer."""
+    out: queue.Queue = queue.Queue()
+    pool = futures.ThreadPoolExecutor(workers, thread_name_prefix=getattr(handler, "__name__", "stream"))
+
+    def read():
+        n = 0
+        try:
+            for request in request_iterator:
+                pool.submit(lambda r=request: out.put(stream_call(handler, r, response_cls)))
+                n += 1
+        except Exception:  # noqa: BLE001 - the client went away: answer what is in flight, then end
+            pass
+        out.put(n)                                   # the count of answers to send
+
+    threading.Thread(target=read, daemon=True, name="stream-reader").start()
+    sent, total = 0, None
+    try:
+        while total is None or sent < total:
+            item = out.get()
+            if isinstance(item, int):
+                total = item
+                continue
+            yield item
+            sent += 1
+    finally:
+        pool.shutdown(wait=False)
 
 
 def add_health_and_reflection(server, service_names: list[str]) -> health.HealthServicer:

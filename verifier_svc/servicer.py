@@ -1,17 +1,13 @@
 """Thin gRPC shell: proto <-> core calls, errors -> status (specd.grpc_util)."""
 from __future__ import annotations
 
-import queue
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 from specd import telemetry
-from specd.grpc_util import grpc_errors, stream_call
+from specd.batcher import Batcher
+from specd.grpc_util import concurrent_stream, grpc_errors
 from specd.wire import dists_from_proto, sampling_from_proto
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
-from .batcher import VerifyBatcher
 from .core import Verifier
 from .metrics import VerifierMetrics
 
@@ -22,7 +18,7 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
     def __init__(self, core: Verifier):
         self.core = core
         self.metrics = VerifierMetrics(core)
-        self.batcher = VerifyBatcher(core, core.config.max_batch_sessions, self.metrics.observe_batch)
+        self.batcher = Batcher(core.verify_batch, core.config.max_batch_sessions, "verify", self.metrics.observe_batch)
 
     @grpc_errors
     def OpenSession(self, request, context):
@@ -56,34 +52,9 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
         return self._verify(request)
 
     def VerifyStream(self, request_iterator, context):
-        """Messages of many sessions, answered as they finish (any order, by
-        request_id): each waits for its batch on a thread of its own, so the
-        calls of concurrent sessions reach the batcher together."""
-        out: queue.Queue = queue.Queue()
-        workers = ThreadPoolExecutor(self.core.config.max_batch_sessions + 1, thread_name_prefix="verify")
-
-        def read():
-            n = 0
-            try:
-                for request in request_iterator:
-                    workers.submit(lambda r=request: out.put(stream_call(self._verify, r, pb.VerifyResponse)))
-                    n += 1
-            except Exception:  # noqa: BLE001 - the client went away: answer what is in flight, then end
-                pass
-            out.put(n)                                   # the count of answers to send
-
-        threading.Thread(target=read, daemon=True, name="verify-stream-reader").start()
-        sent, total = 0, None
-        try:
-            while total is None or sent < total:
-                item = out.get()
-                if isinstance(item, int):
-                    total = item
-                    continue
-                yield item
-                sent += 1
-        finally:
-            workers.shutdown(wait=False)
+        """Messages of many sessions, answered as they finish (by request_id)."""
+        yield from concurrent_stream(self._verify, request_iterator, pb.VerifyResponse,
+                                     self.core.config.max_batch_sessions + 1)
 
     @grpc_errors
     def CloseSession(self, request, context):
