@@ -5,7 +5,8 @@ with batching off (one session per verify forward) to show what batching buys.
     python -m benchmarks.load                # demo pair, cost-scaled target, bf16
     python -m benchmarks.load --quick        # 1, 4 streams, fewer tokens
 
-Per setting and concurrency: total tokens/s over the run, time to first token
+Per setting and concurrency (n streams at a time; at low n each worker runs
+several streams in a row, 8 or more in all): total tokens/s, time to first token
 (p50) and inter-token latency (p50, p99; a message of n tokens counts as n
 gaps of its wait / n). Only ratios within one run are results. Writes
 benchmarks/results/load.json and load.png and prints a table.
@@ -38,10 +39,18 @@ SETTINGS = {                      # GenerateRequest fields per setting
 UNBATCHED = "fixed K=4, unbatched"
 
 
-def run_level(address: str, prompts, fields: dict, n: int, max_new: int) -> dict:
-    """n concurrent streams (prompts round-robin); their timings."""
+def run_level(address: str, prompts, fields: dict, n: int, max_new: int, min_streams: int = 8) -> dict:
+    """n concurrent workers, each running streams one after another until at
+    least min_streams have run in all (so a low level is not one short, noisy
+    stream); prompts round-robin; their timings."""
     ttft, itl, tokens, errors = [], [], [0], []
     lock = threading.Lock()
+
+    repeat = max(1, -(-min_streams // n))
+
+    def worker(w):
+        for r in range(repeat):
+            one(w * repeat + r)
 
     def one(i):
         start = last = time.perf_counter()
@@ -64,7 +73,7 @@ def run_level(address: str, prompts, fields: dict, n: int, max_new: int) -> dict
         with lock:
             tokens[0] += got
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(n)]
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -73,7 +82,7 @@ def run_level(address: str, prompts, fields: dict, n: int, max_new: int) -> dict
     wall = time.perf_counter() - start
     if errors:
         raise RuntimeError(f"{len(errors)} streams failed, e.g. {errors[0]}")
-    return dict(streams=n, tokens=tokens[0], seconds=round(wall, 3), tokens_per_s=round(tokens[0] / wall, 2),
+    return dict(streams=n, requests=n * repeat, tokens=tokens[0], seconds=round(wall, 3), tokens_per_s=round(tokens[0] / wall, 2),
                 ttft_ms_p50=round(1e3 * pct(ttft, 0.5), 1), itl_ms_p50=round(1e3 * pct(itl, 0.5), 2),
                 itl_ms_p99=round(1e3 * pct(itl, 0.99), 2))
 
@@ -133,7 +142,7 @@ def main(argv=None) -> int:
     for kind, verifier_args, settings in runs:
         stack = Stack(str(target), str(args.drafter), service_args, verifier_args=verifier_args)
         try:
-            run_level(stack.orchestrator.address, prompts, SETTINGS["fixed K=2"], 2, 8)    # warm-up
+            run_level(stack.orchestrator.address, prompts, SETTINGS["fixed K=2"], 2, 8, 2)    # warm-up
             for setting in settings:
                 levels = args.levels if kind == "batched" else args.unbatched_levels
                 for n in levels:

@@ -20,3 +20,6 @@ class DrafterConfig:
     engine: str = "auto"             # auto (lean forward where supported) | lean | hf
     torch_threads: int = 0
     grpc_workers: int = 8
+    # Propose calls of concurrent sessions share forwards (lean engine; chains
+    # level by level, trees one session at a time), up to this many sessions.
+    max_batch_sessions: int = 32

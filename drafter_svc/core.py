@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.draft_shape import DraftShape
-from specd.errors import InvalidRequest
+from specd.errors import InvalidRequest, UnknownSession
 from specd.model_core import ModelCore
 from specd.phases import Phases
-from specd.sampling import SamplingParams
+from specd.sampling import SamplingParams, logits_to_probs, truncate_top
 from specd.validation import check_token_ids
 
 from .config import DrafterConfig
@@ -32,6 +32,17 @@ class Proposal:
     # (name, start_ns, end_ns): forward (keep the accepted rows, forward the newly
     # committed tokens), tree (grow the draft tree, one forward per depth)
     phases: list = field(default_factory=list)
+    batch_sessions: int = 1      # sessions drafted together
+
+
+@dataclass
+class ProposeJob:
+    """A checked Propose call, ready to join a batch."""
+    session_id: str
+    session: "_Session"
+    accepted_path: list[int]
+    committed: list[int]
+    shape: DraftShape
 
 
 @dataclass
@@ -67,6 +78,12 @@ class Drafter(ModelCore):
 
     def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
                 shape: DraftShape) -> Proposal:
+        return self.propose_batch([self.prepare(session_id, accepted_path, committed, shape)])[0]
+
+    def prepare(self, session_id: str, accepted_path: list[int], committed: list[int],
+                shape: DraftShape) -> ProposeJob:
+        """Check one Propose call (no lock, no forward): a bad call fails here,
+        alone, before it could join a batch."""
         s = self._get(session_id)
         shape.validate(self.config.max_tree_nodes, self.config.max_draft_tokens)
         self._check_outcome(s, accepted_path, committed)
@@ -74,22 +91,83 @@ class Drafter(ModelCore):
         if len(s.tokens) + len(committed) + shape.depth - 1 > self.context_length:
             raise InvalidRequest(f"a tree of depth {shape.depth} would pass the drafter's context "
                                  f"length {self.context_length}")
+        return ProposeJob(session_id, s, list(accepted_path), list(committed), shape)
+
+    def propose_batch(self, jobs: list[ProposeJob]) -> list[Proposal | Exception]:
+        """Draft for several sessions at once: the newly committed tokens of all of
+        them in ONE forward, then chains level by level, one forward per level
+        for all the sessions still drafting (lean engine). Trees grow per session."""
         with self._lock:
             start, phases = time.perf_counter(), Phases()
-            # Keep the rows of the accepted path's forwarded nodes (ancestors are
-            # forwarded first, so the offsets ascend), drop the rest of the tree.
-            on_path = set(accepted_path)
-            keep = [i for i, n in enumerate(s.last.forwarded) if n in on_path]
-            if s.cache.length > s.base:
-                s.cache.compact(s.base, keep) if keep else s.cache.rollback(s.base)
-            s.tokens += committed
-            root_logits = s.cache.forward(s.tokens[s.cache.length:], last_only=True)[0]
-            s.base = s.cache.length                 # == len(s.tokens): root is cached
+            live = [j for j in jobs if self._sessions.get(j.session_id) is j.session]
+            for j in live:
+                s = j.session
+                # Keep the rows of the accepted path's forwarded nodes (ancestors are
+                # forwarded first, so the offsets ascend), drop the rest of the tree.
+                on_path = set(j.accepted_path)
+                keep = [i for i, n in enumerate(s.last.forwarded) if n in on_path]
+                if s.cache.length > s.base:
+                    s.cache.compact(s.base, keep) if keep else s.cache.rollback(s.base)
+                s.tokens += j.committed
+            roots = self._forward([(j.session.cache, j.session.tokens[j.session.cache.length:]) for j in live],
+                                  last_only=True)
+            for j in live:
+                j.session.base = j.session.cache.length          # == len(tokens): the root is cached
             phases.mark("forward")
-            tree = build_tree(s.cache, root_logits, shape, s.params, self.config.draft_top_n, s.generator)
-            s.last = tree
+            chains = [(j, r) for j, r in zip(live, roots) if j.shape.is_chain and self.runner.lean is not None]
+            trees = {id(j): build_tree(j.session.cache, r[0], j.shape, j.session.params, self.config.draft_top_n,
+                                       j.session.generator)
+                     for j, r in zip(live, roots) if not (j.shape.is_chain and self.runner.lean is not None)}
+            trees.update(self._grow_chains(chains))
             phases.mark("tree")
-            return Proposal(tree, (time.perf_counter() - start) * 1e3, phases.spans)
+            ms = (time.perf_counter() - start) * 1e3
+            out = []
+            for j in jobs:
+                tree = trees.get(id(j))
+                if tree is None:
+                    out.append(UnknownSession(f"session {j.session_id!r} was closed during its Propose call"))
+                    continue
+                j.session.last = tree
+                out.append(Proposal(tree, ms, phases.spans, len(live)))
+            return out
+
+    def _forward(self, items: list[tuple[object, list[int]]], last_only: bool = False) -> list[torch.Tensor]:
+        if self.runner.lean is not None:
+            return self.runner.lean.forward_batch([(c, ids, None, None) for c, ids in items], last_only)
+        return [c.forward(ids, last_only=last_only) for c, ids in items]
+
+    def _grow_chains(self, chains) -> dict[int, DraftTree]:
+        """Chains of several sessions, one batched forward per level: each
+        level picks every session's next token (top-1, or a draw from its
+        truncated q when sampled) and forwards them together."""
+        grown = {id(j): DraftTree() for j, _ in chains}
+        active = [(j, r[0]) for j, r in chains]
+        level = 0
+        while active:
+            forward = []
+            for j, logits in active:
+                tree, s = grown[id(j)], j.session
+                if s.params.greedy:
+                    token = int(logits.argmax())
+                else:
+                    ids, probs = truncate_top(logits_to_probs(logits, s.params), self.config.draft_top_n)
+                    tree.row_dists.append((ids.tolist(), probs.tolist()))
+                    token = int(ids[int(torch.multinomial(probs, 1, generator=s.generator))])
+                tree.tokens.append(token)
+                tree.parents.append(level - 1)
+                if level + 1 < j.shape.depth:
+                    tree.forwarded.append(level)
+                    forward.append(j)
+            level += 1
+            if not forward:
+                break
+            logits = self._forward([(j.session.cache, [grown[id(j)].tokens[-1]]) for j in forward])
+            active = [(j, lg[0]) for j, lg in zip(forward, logits)]
+        for j, _ in chains:
+            tree = grown[id(j)]
+            if tree.row_dists:                    # the leaf's own row has no children: empty
+                tree.row_dists.append(([], []))
+        return grown
 
     @staticmethod
     def _check_outcome(s: _Session, path: list[int], committed: list[int]) -> None:

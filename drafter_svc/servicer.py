@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from specd import telemetry
-from specd.grpc_util import grpc_errors, stream_call
+from specd.batcher import Batcher
+from specd.grpc_util import concurrent_stream, grpc_errors
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specd.draft_shape import DraftShape
@@ -18,6 +19,7 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
     def __init__(self, core: Drafter):
         self.core = core
         self.metrics = DrafterMetrics(core)
+        self.batcher = Batcher(core.propose_batch, core.config.max_batch_sessions, "propose")
 
     @grpc_errors
     def OpenSession(self, request, context):
@@ -32,14 +34,16 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
         with telemetry.server_span("drafter.propose", request.traceparent) as span:
             shape = (shape_from_proto(request.shape) if request.HasField("shape")
                      else DraftShape.chain(request.num_draft_tokens))
-            proposal = self.core.propose(request.session_id, list(request.accepted_path),
-                                         list(request.committed_token_ids), shape)
+            job = self.core.prepare(request.session_id, list(request.accepted_path),
+                                    list(request.committed_token_ids), shape)
+            proposal = self.batcher.submit(job).result()
             if span is not None:
                 telemetry.add_phases(span, "drafter", proposal.phases)
                 span.set_attributes({"specdec.session_id": request.session_id,
                                      "specdec.draft.depth": shape.depth,
                                      "specdec.draft.nodes": len(proposal.tree.tokens),
-                                     "specdec.compute_ms": proposal.compute_ms})
+                                     "specdec.compute_ms": proposal.compute_ms,
+                                     "specdec.batch_sessions": proposal.batch_sessions})
         self.metrics.observe_proposal(proposal)
         tree = proposal.tree
         return pb.ProposeResponse(
@@ -52,8 +56,9 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
         return self._propose(request)
 
     def ProposeStream(self, request_iterator, context):
-        for request in request_iterator:
-            yield stream_call(self._propose, request, pb.ProposeResponse)
+        """Messages of many sessions, answered as they finish (by request_id)."""
+        yield from concurrent_stream(self._propose, request_iterator, pb.ProposeResponse,
+                                     self.core.config.max_batch_sessions + 1)
 
     @grpc_errors
     def CloseSession(self, request, context):

@@ -30,6 +30,11 @@ class DraftShape:
         return DraftShape(branching=(1,) * k)
 
     @property
+    def is_chain(self) -> bool:
+        """One child per node: the shape every level of which is one token."""
+        return not self.dynamic and all(n == 1 for n in self.children().values())
+
+    @property
     def dynamic(self) -> bool:
         return self.node_budget > 0
 

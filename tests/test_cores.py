@@ -117,3 +117,35 @@ def test_compacted_cache_equals_fresh_prefill(cores, temperature):
     finally:
         verifier.close_session("c")
         drafter.close_session("c")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_drafter_batch_equals_one_session_at_a_time(cores, temperature):
+    """Propose for several sessions in one batch (catch-up forwards together,
+    chains level by level, a tree on its own) drafts what each session's own
+    Propose drafts, over several cycles, q and all."""
+    _, drafter = cores
+    params = SamplingParams(temperature=temperature, seed=5)
+    prompts = {"x": [40, 41, 42], "y": [50, 51, 52, 53, 54, 55], "z": [60, 61]}
+    shapes = {"x": DraftShape.chain(3), "y": DraftShape.chain(5), "z": DraftShape(branching=(2, 1))}
+    for tag in ("solo", "batch"):
+        for k, p in prompts.items():
+            drafter.open_session(f"{tag}-{k}", p, params)
+    try:
+        outcome = {k: ([], [p[-1] + 100]) for k, p in prompts.items()}   # (accepted path, committed)
+        for cycle in range(4):
+            solo = {k: drafter.propose(f"solo-{k}", *outcome[k], shapes[k]).tree for k in prompts}
+            jobs = [drafter.prepare(f"batch-{k}", *outcome[k], shapes[k]) for k in prompts]
+            batch = dict(zip(prompts, (p.tree for p in drafter.propose_batch(jobs))))
+            for k in prompts:
+                a, b = solo[k], batch[k]
+                assert (a.tokens, a.parents, a.forwarded) == (b.tokens, b.parents, b.forwarded), (cycle, k)
+                assert len(a.row_dists) == len(b.row_dists)
+                for (ia, pa), (ib, pb_) in zip(a.row_dists, b.row_dists):
+                    assert ia == ib and torch.allclose(torch.tensor(pa), torch.tensor(pb_), atol=1e-5)
+                # Next cycle: the first node kept, then a token of our own choosing.
+                outcome[k] = ([0], [a.tokens[0], 30 + cycle])
+    finally:
+        for tag in ("solo", "batch"):
+            for k in prompts:
+                drafter.close_session(f"{tag}-{k}")
