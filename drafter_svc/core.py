@@ -33,6 +33,7 @@ class Proposal:
     # committed tokens), tree (grow the draft tree, one forward per depth)
     phases: list = field(default_factory=list)
     batch_sessions: int = 1      # sessions drafted together
+    batch_tokens: int = 0        # draft nodes of the whole batch
 
 
 @dataclass
@@ -128,7 +129,8 @@ class Drafter(ModelCore):
                     out.append(UnknownSession(f"session {j.session_id!r} was closed during its Propose call"))
                     continue
                 j.session.last = tree
-                out.append(Proposal(tree, ms, phases.spans, len(live)))
+                out.append(Proposal(tree, ms, phases.spans, len(live),
+                                    sum(len(t.tokens) for t in trees.values())))
             return out
 
     def _forward(self, items: list[tuple[object, list[int]]], last_only: bool = False) -> list[torch.Tensor]:

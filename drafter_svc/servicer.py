@@ -49,6 +49,7 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
         return pb.ProposeResponse(
             draft_token_ids=tree.tokens, draft_parents=tree.parents,
             draft_distributions=dists_to_proto(tree.row_dists), compute_ms=proposal.compute_ms,
+            batch_sessions=proposal.batch_sessions, batch_tokens=proposal.batch_tokens,
         )
 
     @grpc_errors

@@ -79,7 +79,7 @@ class CostModel:
     _v: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64), repr=False)
     _w: float = 0.0
     _y: float = 0.0
-    draft_ms_per_level: float = 0.0
+    draft_ms_per_level: float = 0.0    # drafter time per draft token, over its batches
     tokens_per_cycle: float = 1.0      # per session-cycle
     # Per draft level: kept given the level above was kept.
     level_rates: list[float] = field(default_factory=lambda: [0.7] * 16)
@@ -92,9 +92,10 @@ class CostModel:
         self._v = g * self._v + x * ms
         self._w, self._y = g * self._w + 1, g * self._y + ms
 
-    def observe_draft(self, depth: int, ms: float) -> None:
-        if depth > 0:
-            per = ms / depth
+    def observe_draft(self, nodes: int, ms: float) -> None:
+        """A drafter batch drafted `nodes` tokens (all its sessions') in ms."""
+        if nodes > 0:
+            per = ms / nodes
             self.draft_ms_per_level = per if not self._seen_draft else 0.9 * self.draft_ms_per_level + 0.1 * per
             self._seen_draft = True
 

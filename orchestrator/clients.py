@@ -170,4 +170,4 @@ class GrpcDrafter(_Client):
             session_id=session_id, accepted_path=accepted_path, committed_token_ids=committed,
             shape=shape_to_proto(shape)), "specdec.draft", "ProposeStream")
         return Draft(list(r.draft_token_ids), list(r.draft_parents), dists_from_proto(r.draft_distributions),
-                     r.compute_ms)
+                     r.compute_ms, r.batch_tokens)

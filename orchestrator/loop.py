@@ -31,7 +31,8 @@ class Draft:
     tokens: list[int] = field(default_factory=list)     # tree nodes (a chain: parents i-1)
     parents: list[int] = field(default_factory=list)
     row_dists: list = field(default_factory=list)        # sampled children only: q per tree row
-    compute_ms: float = 0.0
+    compute_ms: float = 0.0   # of the drafter batch it ran in
+    batch_tokens: int = 0     # draft nodes of that batch (0: unknown, this draft alone)
 
 
 @dataclass
@@ -215,7 +216,7 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                 trace.annotate(span, cycle)
                 rows = len(draft.tokens) + 1
                 costs.observe_verify(verdict.batch_tokens or rows, verdict.batch_sessions or 1, verdict.compute_ms)
-                costs.observe_draft(cycle.depth, draft.compute_ms)
+                costs.observe_draft(draft.batch_tokens or len(draft.tokens), draft.compute_ms)
                 costs.observe_tokens(len(verdict.tokens))
                 if depth:
                     depth.observe(cycle.depth, cycle.accepted, costs)
