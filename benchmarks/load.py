@@ -28,7 +28,7 @@ from specd.models import load_tokenizer
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
-from .speedup import ROOT, RESULTS, cost_scaled_target, pct
+from .speedup import RESULTS, add_pair_args, cost_scaled_target, pct
 
 SETTINGS = {                      # GenerateRequest fields per setting
     "off": dict(num_speculative_tokens=0),
@@ -116,9 +116,7 @@ def main(argv=None) -> int:
     from training.evaluate_pair import make_prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
-    ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/drafter")
-    ap.add_argument("--min-params", type=int, default=100_000_000)
+    add_pair_args(ap)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=96)

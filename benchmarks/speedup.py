@@ -345,13 +345,18 @@ def plot(summary: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def add_pair_args(ap) -> None:
+    """The model pair of a benchmark: the demo pair, the target cost-scaled."""
+    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
+    ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/drafter")
+    ap.add_argument("--min-params", type=int, default=100_000_000, help="cost-scaled target size")
+
+
 def main(argv=None) -> int:
     from training.evaluate_pair import make_prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
-    ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/drafter")
-    ap.add_argument("--min-params", type=int, default=100_000_000, help="cost-scaled target size")
+    add_pair_args(ap)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--max-new-tokens", type=int, default=96)

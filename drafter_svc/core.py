@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.draft_shape import DraftShape
-from specd.errors import InvalidRequest, UnknownSession
+from specd.errors import InvalidRequest
 from specd.model_core import ModelCore
 from specd.phases import Phases
-from specd.sampling import SamplingParams, logits_to_probs, truncate_top
+from specd.sampling import SamplingParams
 from specd.validation import check_token_ids
 
 from .config import DrafterConfig
-from .tree_builder import DraftTree, build_tree
+from .tree_builder import DraftTree, build_tree, grow_chains
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Drafter(ModelCore):
         for all the sessions still drafting (lean engine). Trees grow per session."""
         with self._lock:
             start, phases = time.perf_counter(), Phases()
-            live = [j for j in jobs if self._sessions.get(j.session_id) is j.session]
+            live = self._live(jobs)
             for j in live:
                 s = j.session
                 # Keep the rows of the accepted path's forwarded nodes (ancestors are
@@ -110,66 +110,27 @@ class Drafter(ModelCore):
                 if s.cache.length > s.base:
                     s.cache.compact(s.base, keep) if keep else s.cache.rollback(s.base)
                 s.tokens += j.committed
-            roots = self._forward([(j.session.cache, j.session.tokens[j.session.cache.length:]) for j in live],
-                                  last_only=True)
+            roots = self.runner.forward_batch(
+                [(j.session.cache, j.session.tokens[j.session.cache.length:], None, None) for j in live], last_only=True)
             for j in live:
                 j.session.base = j.session.cache.length          # == len(tokens): the root is cached
             phases.mark("forward")
-            chains = [(j, r) for j, r in zip(live, roots) if j.shape.is_chain and self.runner.lean is not None]
-            trees = {id(j): build_tree(j.session.cache, r[0], j.shape, j.session.params, self.config.draft_top_n,
-                                       j.session.generator)
-                     for j, r in zip(live, roots) if not (j.shape.is_chain and self.runner.lean is not None)}
-            trees.update(self._grow_chains(chains))
+            # Chains grow together level by level on the lean engine; the rest one by one.
+            batched = self.runner.lean is not None
+            chains = [(j, r) for j, r in zip(live, roots) if batched and j.shape.is_chain]
+            trees = dict(zip((id(j) for j, _ in chains), grow_chains(
+                self.runner, [(j.session.cache, j.session.params, j.session.generator, j.shape.depth, r[0])
+                              for j, r in chains], self.config.draft_top_n)))
+            for j, r in zip(live, roots):
+                if id(j) not in trees:
+                    trees[id(j)] = build_tree(j.session.cache, r[0], j.shape, j.session.params,
+                                              self.config.draft_top_n, j.session.generator)
             phases.mark("tree")
-            ms = (time.perf_counter() - start) * 1e3
-            out = []
-            for j in jobs:
-                tree = trees.get(id(j))
-                if tree is None:
-                    out.append(UnknownSession(f"session {j.session_id!r} was closed during its Propose call"))
-                    continue
-                j.session.last = tree
-                out.append(Proposal(tree, ms, phases.spans, len(live),
-                                    sum(len(t.tokens) for t in trees.values())))
-            return out
-
-    def _forward(self, items: list[tuple[object, list[int]]], last_only: bool = False) -> list[torch.Tensor]:
-        if self.runner.lean is not None:
-            return self.runner.lean.forward_batch([(c, ids, None, None) for c, ids in items], last_only)
-        return [c.forward(ids, last_only=last_only) for c, ids in items]
-
-    def _grow_chains(self, chains) -> dict[int, DraftTree]:
-        """Chains of several sessions, one batched forward per level: each
-        level picks every session's next token (top-1, or a draw from its
-        truncated q when sampled) and forwards them together."""
-        grown = {id(j): DraftTree() for j, _ in chains}
-        active = [(j, r[0]) for j, r in chains]
-        level = 0
-        while active:
-            forward = []
-            for j, logits in active:
-                tree, s = grown[id(j)], j.session
-                if s.params.greedy:
-                    token = int(logits.argmax())
-                else:
-                    ids, probs = truncate_top(logits_to_probs(logits, s.params), self.config.draft_top_n)
-                    tree.row_dists.append((ids.tolist(), probs.tolist()))
-                    token = int(ids[int(torch.multinomial(probs, 1, generator=s.generator))])
-                tree.tokens.append(token)
-                tree.parents.append(level - 1)
-                if level + 1 < j.shape.depth:
-                    tree.forwarded.append(level)
-                    forward.append(j)
-            level += 1
-            if not forward:
-                break
-            logits = self._forward([(j.session.cache, [grown[id(j)].tokens[-1]]) for j in forward])
-            active = [(j, lg[0]) for j, lg in zip(forward, logits)]
-        for j, _ in chains:
-            tree = grown[id(j)]
-            if tree.row_dists:                    # the leaf's own row has no children: empty
-                tree.row_dists.append(([], []))
-        return grown
+            ms, nodes = (time.perf_counter() - start) * 1e3, sum(len(t.tokens) for t in trees.values())
+            for j in live:
+                j.session.last = trees[id(j)]
+            return self._in_order(jobs, {id(j): Proposal(trees[id(j)], ms, phases.spans, len(live), nodes)
+                                         for j in live}, "Propose")
 
     @staticmethod
     def _check_outcome(s: _Session, path: list[int], committed: list[int]) -> None:

@@ -94,6 +94,15 @@ def build_tree(session, root_logits: torch.Tensor, shape: DraftShape, params: Sa
     return g.tree
 
 
+def _choose(logits: torch.Tensor, n: int, params, top_n: int, gen):
+    """A node's n children: the drafter's top n (greedy), or n draws without
+    replacement from its truncated q, returned with them (sampled)."""
+    if params.greedy:
+        return torch.topk(logits, n).indices.tolist(), None
+    ids, probs = truncate_top(logits_to_probs(logits, params), top_n)
+    return _sample_without_replacement(ids, probs, n, gen), (ids.tolist(), probs.tolist())
+
+
 def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen) -> None:
     """children: how many children each node path has (DraftShape.children);
     the k-th child of a node is the drafter's k-th choice there."""
@@ -103,13 +112,9 @@ def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen) ->
     while frontier:
         level = []
         for path, node, logits in frontier:
-            b = children[path]
-            if sampled:
-                ids, probs = truncate_top(logits_to_probs(logits, params), top_n)
-                dists[node + 1] = (ids.tolist(), probs.tolist())
-                chosen = _sample_without_replacement(ids, probs, b, gen)
-            else:
-                chosen = torch.topk(logits, b).indices.tolist()
+            chosen, dist = _choose(logits, children[path], params, top_n, gen)
+            if dist:
+                dists[node + 1] = dist
             level += [(path + (k,), g.add(t, node)) for k, t in enumerate(chosen)]
         # Only nodes with children of their own go through the model.
         level = [(p, n) for p, n in level if p in children]
@@ -119,6 +124,39 @@ def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen) ->
         frontier = [(p, n, row) for (p, n), row in zip(level, logits)]
     if sampled:
         g.tree.row_dists = [dists.get(r, ([], [])) for r in range(len(g.tree.tokens) + 1)]
+
+
+def grow_chains(runner, chains: list, top_n: int) -> list[DraftTree]:
+    """Chains of several sessions with one batched forward per level (what
+    _grow_static does for one chain): chains are (cache, params, generator,
+    depth, root logits); each level picks every session's next token and
+    forwards those still drafting together. The caches must hold exactly the
+    committed tokens."""
+    grown = [DraftTree() for _ in chains]
+    active = [(i, root) for i, (*_, root) in enumerate(chains)]
+    level = 0
+    while active:
+        forward = []
+        for i, logits in active:
+            cache, params, gen, depth, _ = chains[i]
+            (token,), dist = _choose(logits, 1, params, top_n, gen)
+            tree = grown[i]
+            if dist:
+                tree.row_dists.append(dist)
+            tree.tokens.append(token)
+            tree.parents.append(level - 1)
+            if level + 1 < depth:
+                tree.forwarded.append(level)
+                forward.append(i)
+        level += 1
+        if not forward:
+            break
+        logits = runner.forward_batch([(chains[i][0], [grown[i].tokens[-1]], None, None) for i in forward])
+        active = [(i, lg[0]) for i, lg in zip(forward, logits)]
+    for tree in grown:
+        if tree.row_dists:                          # the leaf's own row has no children
+            tree.row_dists.append(([], []))
+    return grown
 
 
 def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:

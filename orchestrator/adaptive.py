@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 
 def expected_tokens(rates: list[float], k: int) -> float:
     """Tokens per cycle with k draft tokens; rates[i]: level i+1 kept given level i was."""
@@ -75,8 +73,10 @@ class CostModel:
     decay: float = 0.98                # weight of the past per observation (~50-forward window)
     prior: tuple[float, float] = (0.02, 0.10)
     prior_weight: float = 2.0
-    _m: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 3, dtype=torch.float64), repr=False)
-    _v: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64), repr=False)
+    # Weighted sums x x^T and x y over forwards, x = (1, rows, sessions): plain
+    # floats, since every cycle of every session updates them.
+    _m: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)], repr=False)
+    _v: list[float] = field(default_factory=lambda: [0.0] * 3, repr=False)
     _w: float = 0.0
     _y: float = 0.0
     draft_ms_per_level: float = 0.0    # drafter time per draft token, over its batches
@@ -86,10 +86,11 @@ class CostModel:
     _seen_draft: bool = field(default=False, repr=False)
 
     def observe_verify(self, rows: int, sessions: int, ms: float) -> None:
-        x = torch.tensor([1.0, rows, sessions], dtype=torch.float64)
-        g = self.decay
-        self._m = g * self._m + torch.outer(x, x)
-        self._v = g * self._v + x * ms
+        x, g = (1.0, float(rows), float(sessions)), self.decay
+        for i in range(3):
+            self._v[i] = g * self._v[i] + x[i] * ms
+            for j in range(3):
+                self._m[i][j] = g * self._m[i][j] + x[i] * x[j]
         self._w, self._y = g * self._w + 1, g * self._y + ms
 
     def observe_draft(self, nodes: int, ms: float) -> None:
@@ -118,12 +119,28 @@ class CostModel:
         # that rows always moving with sessions (fixed K) leave them defined.
         scale = self._y / self._w
         lam = self.prior_weight
-        m, v = self._m.clone(), self._v.clone()
+        m, v = [row[:] for row in self._m], self._v[:]
         for i, frac in ((1, self.prior[0]), (2, self.prior[1])):
-            m[i, i] += lam
+            m[i][i] += lam
             v[i] += lam * frac * scale
-        a, b, c = torch.linalg.solve(m + 1e-9 * torch.eye(3, dtype=torch.float64), v).tolist()
+        a, b, c = _solve(m, v)
         return max(a, 0.0), max(b, 0.0), max(c, 0.0)
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float]:
+    """m x = v for a small symmetric positive definite m (Gaussian elimination;
+    m and v are overwritten)."""
+    n = len(v)
+    for k in range(n):
+        for i in range(k + 1, n):
+            f = m[i][k] / m[k][k]
+            v[i] -= f * v[k]
+            for j in range(k, n):
+                m[i][j] -= f * m[k][j]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (v[i] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x
 
 
 @dataclass

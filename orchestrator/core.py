@@ -10,11 +10,11 @@ from transformers import AutoConfig
 
 from specd.models import context_length, load_tokenizer
 
+from .adaptive import CostModel
 from .clients import GrpcDrafter, GrpcVerifier
 from .config import OrchestratorConfig
 from .detok import OutputTracker
 from .loop import Chunk, run_generation
-from .adaptive import CostModel
 from .metrics import OrchestratorMetrics
 from .ngram_drafter import NgramDrafter
 from .pool import Pool, ReplicaSpec

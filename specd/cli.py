@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from . import cluster
-from .spec_config import (METHODS, ConfigError, _branching, add_speculative_flags, speculative_config_from_args,
-                          tree_paths_arg)
+from .spec_config import (METHODS, ConfigError, add_draft_shape_flags, add_speculative_flags,
+                          speculative_config_from_args)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models/demo/target"
@@ -237,13 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = gen.add_argument_group("per-request speculation (default: the service's config)")
     g.add_argument("--method", choices=METHODS, help="draft_model | ngram | off")
     g.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
-    g.add_argument("--tree", type=_branching, help="static draft tree: children per depth, e.g. 3,2,2,1")
-    g.add_argument("--tree-paths", type=tree_paths_arg,
-                   help="static draft tree node by node: rank paths separated by ';', e.g. '0;1;0,0;0,0,0'")
-    g.add_argument("--tree-budget", type=int, help="dynamic draft tree of this many nodes")
-    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="depth per cycle from measured costs (default: on unless K or a tree is given)")
-    g.add_argument("--tree-depth", type=int, help="depth limit of the dynamic tree (default 6)")
+    add_draft_shape_flags(g)
     gen.set_defaults(func=cmd_generate)
     status = sub.add_parser("status", help="pools, replicas, their nodes, addresses, sessions")
     status.add_argument("--address", help="orchestrator address (default: the one `specd up` printed)")

@@ -51,6 +51,18 @@ class ModelCore:
             if self._sessions.pop(session_id, None) is None:
                 raise UnknownSession(f"unknown session id {session_id!r}")
 
+    def _live(self, jobs: list) -> list:
+        """The jobs (checked calls) whose session is still the one they were
+        checked against: not closed while they waited for their batch."""
+        return [j for j in jobs if self._sessions.get(j.session_id) is j.session]
+
+    @staticmethod
+    def _in_order(jobs: list, done: dict, call: str) -> list:
+        """Each job's result (done: id(job) -> result), or UnknownSession for a job
+        whose session was closed during its call."""
+        return [done[id(j)] if id(j) in done else
+                UnknownSession(f"session {j.session_id!r} was closed during its {call} call") for j in jobs]
+
     def _get(self, session_id: str):
         s = self._sessions.get(session_id)
         if s is None:

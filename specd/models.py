@@ -68,6 +68,13 @@ class Runner:
     def new_session(self):
         return self.lean.new_session() if self.lean else SessionCache(self.model)
 
+    def forward_batch(self, items: list, last_only: bool = False) -> list:
+        """items: (session, token_ids, positions | None, mask | None). One forward
+        for all of them on the lean engine; one after another on Hugging Face's."""
+        if self.lean is not None:
+            return self.lean.forward_batch(items, last_only) if items else []
+        return [c.forward(ids, last_only=last_only, positions=p, mask=m) for c, ids, p, m in items]
+
 
 class SessionCache:
     """One session's KV cache (Hugging Face DynamicCache), rolled back in place.

@@ -121,13 +121,19 @@ def add_speculative_flags(parser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, help="K: chain length / tree depth limit")
     g.add_argument("--prompt-lookup-max", type=int)
     g.add_argument("--prompt-lookup-min", type=int)
+    add_draft_shape_flags(g)
+
+
+def add_draft_shape_flags(g) -> None:
+    """Tree and adaptive-depth flags: the service's (`specd up`) and a request's (`specd generate`)."""
     g.add_argument("--tree", type=_branching, help="static draft tree: children per depth, e.g. 3,2,2,1")
     g.add_argument("--tree-paths", type=tree_paths_arg,
                    help="static draft tree node by node: rank paths separated by ';', e.g. '0;1;0,0;0,0,0'")
     g.add_argument("--tree-budget", type=int, help="dynamic draft tree (EAGLE-2 style) of this many nodes")
-    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="choose the draft depth per cycle from measured acceptance and costs (default: on)")
     g.add_argument("--tree-depth", type=int, help="depth limit of the dynamic tree (default 6)")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose the draft depth per cycle from measured acceptance and costs (default: on, "
+                        "but a request that names its own K or tree gets exactly that)")
 
 
 def _branching(text: str) -> list[int]:  # argparse type, also used by the CLI

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.acceptance import dense_q
-from specd.errors import CapacityExceeded, InvalidRequest, UnknownSession
+from specd.errors import CapacityExceeded, InvalidRequest
 from specd.model_core import ModelCore
 from specd.phases import Phases
 from specd.sampling import SamplingParams, logits_to_probs, sample
@@ -121,7 +121,7 @@ class Verifier(ModelCore):
         exception that stopped it (a session closed meanwhile)."""
         with self._lock:
             start, phases = time.perf_counter(), Phases()
-            live = [j for j in jobs if self._sessions.get(j.session_id) is j.session]
+            live = self._live(jobs)
             items = []
             for j in live:
                 s, base = j.session, j.session.cache.length          # base == len(tokens) - 1
@@ -130,31 +130,19 @@ class Verifier(ModelCore):
                     mask4, pos2 = tree_attention(j.tree, base)
                     mask, positions = mask4[0, 0], pos2[0]
                 items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), positions, mask))
-            if self.runner.lean is not None:
-                logits = self.runner.lean.forward_batch(items) if items else []
-            else:
-                logits = [c.forward(ids, positions=p, mask=m) for c, ids, p, m in items]
+            logits = self.runner.forward_batch(items)
             phases.mark("forward")
             accepted = [self._accept(j, lg) for j, lg in zip(live, logits)]
             phases.mark("accept")
-            results = {}
             for j, r in zip(live, accepted):
                 # Keep the root and the accepted path; the new last token is pending.
                 j.session.cache.compact(len(j.session.tokens) - 1, compaction_indices(r.path))
                 j.session.tokens += r.tokens
-                results[id(j)] = r
             phases.mark("compact")
-            ms = (time.perf_counter() - start) * 1e3
-            out = []
-            for j in jobs:
-                r = results.get(id(j))
-                if r is None:
-                    out.append(UnknownSession(f"session {j.session_id!r} was closed during its verify call"))
-                    continue
-                r.compute_ms, r.phases, r.batch_sessions = ms, phases.spans, len(live)
-                r.batch_tokens = sum(len(ids) for _, ids, _, _ in items)
-                out.append(r)
-            return out
+            ms, rows = (time.perf_counter() - start) * 1e3, sum(len(ids) for _, ids, _, _ in items)
+            for r in accepted:
+                r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases.spans, len(live), rows
+            return self._in_order(jobs, {id(j): r for j, r in zip(live, accepted)}, "verify")
 
     def _accept(self, job: VerifyJob, logits: torch.Tensor) -> VerifyResult:
         s, tree = job.session, job.tree
