@@ -6,6 +6,12 @@ knows of; the cache holds a prefix of them followed by the tree nodes it
 forwarded last time (`last.forwarded`). On each Propose the cache keeps only the
 accepted path's rows (in place), the committed tokens not yet cached are
 forwarded, and a new tree grows below the last committed token.
+
+Pipelined drafting (PEARL's post-verify, Liu et al. 2024): an `ahead` call
+arrives while the verifier checks the last chain. It commits that chain plus the
+drafter's own guess of the verifier's bonus token and drafts the next chain from
+there, keeping a checkpoint (token count, cache length, the chain) so that a
+`rewind` call can undo it by truncation alone when the guess was wrong.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ class Proposal:
     phases: list = field(default_factory=list)
     batch_sessions: int = 1      # sessions drafted together
     batch_tokens: int = 0        # draft nodes of the whole batch
+    guess: int | None = None     # ahead calls: the bonus token assumed
 
 
 @dataclass
@@ -44,6 +51,17 @@ class ProposeJob:
     accepted_path: list[int]
     committed: list[int]
     shape: DraftShape
+    ahead: bool = False
+    rewind: bool = False
+
+
+@dataclass
+class _Checkpoint:
+    """A session's state before an `ahead` call: what `rewind` restores."""
+    tokens: int                  # len(tokens)
+    cache_length: int
+    base: int
+    last: "DraftTree"
 
 
 @dataclass
@@ -54,6 +72,7 @@ class _Session:
     tokens: list[int]
     last: DraftTree = field(default_factory=DraftTree)
     base: int = 0                # cache rows before the last tree's nodes
+    checkpoint: _Checkpoint | None = None    # set while an ahead proposal is unconfirmed
 
 
 class Drafter(ModelCore):
@@ -78,21 +97,27 @@ class Drafter(ModelCore):
             self._sessions[session_id] = s
 
     def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
-                shape: DraftShape) -> Proposal:
-        return self.propose_batch([self.prepare(session_id, accepted_path, committed, shape)])[0]
+                shape: DraftShape, ahead: bool = False, rewind: bool = False) -> Proposal:
+        return self.propose_batch([self.prepare(session_id, accepted_path, committed, shape, ahead, rewind)])[0]
 
     def prepare(self, session_id: str, accepted_path: list[int], committed: list[int],
-                shape: DraftShape) -> ProposeJob:
+                shape: DraftShape, ahead: bool = False, rewind: bool = False) -> ProposeJob:
         """Check one Propose call (no lock, no forward): a bad call fails here,
         alone, before it could join a batch."""
         s = self._get(session_id)
         shape.validate(self.config.max_tree_nodes, self.config.max_draft_tokens)
-        self._check_outcome(s, accepted_path, committed)
+        if rewind and s.checkpoint is None:
+            raise InvalidRequest("rewind: there is no ahead proposal to undo")
+        last = s.checkpoint.last if rewind else s.last
+        self._check_outcome(last, accepted_path, committed)
         check_token_ids(committed, self.vocab_size, None, "committed_token_ids", allow_empty=True)
-        if len(s.tokens) + len(committed) + shape.depth - 1 > self.context_length:
+        known = s.checkpoint.tokens if rewind else len(s.tokens)
+        if ahead:
+            self._check_ahead(last, accepted_path, committed, shape)
+        if known + len(committed) + ahead + shape.depth - 1 > self.context_length:
             raise InvalidRequest(f"a tree of depth {shape.depth} would pass the drafter's context "
                                  f"length {self.context_length}")
-        return ProposeJob(session_id, s, list(accepted_path), list(committed), shape)
+        return ProposeJob(session_id, s, list(accepted_path), list(committed), shape, ahead, rewind)
 
     def propose_batch(self, jobs: list[ProposeJob]) -> list[Proposal | Exception]:
         """Draft for several sessions at once: the newly committed tokens of all of
@@ -103,6 +128,15 @@ class Drafter(ModelCore):
             live = self._live(jobs)
             for j in live:
                 s = j.session
+                if j.rewind:
+                    # The guess failed: back to the state before the ahead call.
+                    # Everything it added sits past these lengths, so truncating is enough.
+                    c = s.checkpoint
+                    del s.tokens[c.tokens:]
+                    s.cache.rollback(c.cache_length)
+                    s.base, s.last = c.base, c.last
+                s.checkpoint = (_Checkpoint(len(s.tokens), s.cache.length, s.base, s.last)
+                                if j.ahead else None)   # any other call confirms an earlier ahead
                 # Keep the rows of the accepted path's forwarded nodes (ancestors are
                 # forwarded first, so the offsets ascend), drop the rest of the tree.
                 on_path = set(j.accepted_path)
@@ -112,6 +146,7 @@ class Drafter(ModelCore):
                 s.tokens += j.committed
             roots = self.runner.forward_batch(
                 [(j.session.cache, j.session.tokens[j.session.cache.length:], None, None) for j in live], last_only=True)
+            guesses = self._guess_bonus(live, roots)
             for j in live:
                 j.session.base = j.session.cache.length          # == len(tokens): the root is cached
             phases.mark("forward")
@@ -129,13 +164,43 @@ class Drafter(ModelCore):
             ms, nodes = (time.perf_counter() - start) * 1e3, sum(len(t.tokens) for t in trees.values())
             for j in live:
                 j.session.last = trees[id(j)]
-            return self._in_order(jobs, {id(j): Proposal(trees[id(j)], ms, phases.spans, len(live), nodes)
+            return self._in_order(jobs, {id(j): Proposal(trees[id(j)], ms, phases.spans, len(live), nodes,
+                                                          guesses.get(id(j)))
                                          for j in live}, "Propose")
 
+    def _guess_bonus(self, live: list[ProposeJob], roots: list) -> dict[int, int]:
+        """Ahead jobs: the logits after the last chain token are the drafter's
+        prediction of the verifier's bonus token; its top choice is the guess.
+        Commit it and forward it (one batched forward for all ahead jobs), so
+        the next chain grows below it; roots[i] becomes the logits after it."""
+        ahead = [i for i, j in enumerate(live) if j.ahead]
+        guesses = {}
+        for i in ahead:
+            j = live[i]
+            guesses[id(j)] = int(torch.argmax(roots[i][0]))
+            j.session.tokens.append(guesses[id(j)])
+        if ahead:
+            after = self.runner.forward_batch([(live[i].session.cache, [live[i].session.tokens[-1]], None, None)
+                                               for i in ahead], last_only=True)
+            for i, logits in zip(ahead, after):
+                roots[i] = logits
+        return guesses
+
     @staticmethod
-    def _check_outcome(s: _Session, path: list[int], committed: list[int]) -> None:
+    def _check_ahead(last: DraftTree, path: list[int], committed: list[int], shape: DraftShape) -> None:
+        """An ahead call follows a chain and assumes all of it kept: its path is
+        the whole chain, `committed` exactly its tokens (the bonus is the guess)."""
+        if not last.tokens or last.parents != list(range(-1, len(last.tokens) - 1)):
+            raise InvalidRequest("ahead: the last draft must be a non-empty chain")
+        if path != list(range(len(last.tokens))) or committed != last.tokens:
+            raise InvalidRequest("ahead: accepted_path must be the whole last chain and committed_token_ids "
+                                 "its tokens (the bonus token is the drafter's guess)")
+        if not shape.is_chain:
+            raise InvalidRequest("ahead: only chains are drafted ahead")
+
+    @staticmethod
+    def _check_outcome(t: DraftTree, path: list[int], committed: list[int]) -> None:
         """The path must run root-down through the last tree and start `committed`."""
-        t = s.last
         parent = -1
         for n in path:
             if not (0 <= n < len(t.tokens)) or t.parents[n] != parent:
@@ -143,6 +208,6 @@ class Drafter(ModelCore):
             parent = n
         if committed[:len(path)] != [t.tokens[n] for n in path]:
             raise InvalidRequest("committed_token_ids do not start with the accepted path's tokens")
-        if not committed and s.last.tokens:
+        if not committed and t.tokens:
             raise InvalidRequest("committed_token_ids is empty but a draft is outstanding")
 

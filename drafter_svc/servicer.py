@@ -35,7 +35,7 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
             shape = (shape_from_proto(request.shape) if request.HasField("shape")
                      else DraftShape.chain(request.num_draft_tokens))
             job = self.core.prepare(request.session_id, list(request.accepted_path),
-                                    list(request.committed_token_ids), shape)
+                                    list(request.committed_token_ids), shape, request.ahead, request.rewind)
             proposal = self.batcher.submit(job).result()
             if span is not None:
                 telemetry.add_phases(span, "drafter", proposal.phases)
@@ -43,13 +43,16 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                                      "specdec.draft.depth": shape.depth,
                                      "specdec.draft.nodes": len(proposal.tree.tokens),
                                      "specdec.compute_ms": proposal.compute_ms,
-                                     "specdec.batch_sessions": proposal.batch_sessions})
+                                     "specdec.batch_sessions": proposal.batch_sessions,
+                                     "specdec.draft.ahead": request.ahead,
+                                     "specdec.draft.rewind": request.rewind})
         self.metrics.observe_proposal(proposal)
         tree = proposal.tree
         return pb.ProposeResponse(
             draft_token_ids=tree.tokens, draft_parents=tree.parents,
             draft_distributions=dists_to_proto(tree.row_dists), compute_ms=proposal.compute_ms,
             batch_sessions=proposal.batch_sessions, batch_tokens=proposal.batch_tokens,
+            guessed_token_id=proposal.guess,
         )
 
     @grpc_errors

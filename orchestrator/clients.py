@@ -165,9 +165,9 @@ class GrpcDrafter(_Client):
             session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
             "specdec.draft_prefill", "OpenSession")
 
-    async def propose(self, session_id, accepted_path, committed, shape) -> Draft:
+    async def propose(self, session_id, accepted_path, committed, shape, *, ahead=False, rewind=False) -> Draft:
         r = await self._stream(pb.ProposeRequest(
             session_id=session_id, accepted_path=accepted_path, committed_token_ids=committed,
-            shape=shape_to_proto(shape)), "specdec.draft", "ProposeStream")
+            shape=shape_to_proto(shape), ahead=ahead, rewind=rewind), "specdec.draft", "ProposeStream")
         return Draft(list(r.draft_token_ids), list(r.draft_parents), dists_from_proto(r.draft_distributions),
-                     r.compute_ms, r.batch_tokens)
+                     r.compute_ms, r.batch_tokens, r.guessed_token_id if r.HasField("guessed_token_id") else None)

@@ -6,6 +6,14 @@
         kept  = verifier.verify(draft)             # ONE target forward, lossless rule
         stream kept tokens
 
+Pipelined drafting (spec.pipeline; PEARL's post-verify, Liu et al. 2024): while
+the verifier checks a chain, the drafter already drafts the next one assuming
+the whole chain is kept and the bonus token is its own guess. When the verdict
+bears that out the next cycle verifies that draft at once; otherwise it is
+dropped (the drafter rewinds) and a fresh draft is made. Output is exact either
+way: a pre-draft is used only when its assumed prefix is the committed one, and
+its tokens were drawn independently of the verifier's randomness.
+
 The clients are injected (grpc in production, anything with the same async
 methods in a unit test); this module never imports grpc. So are the trace hooks
 (orchestrator/tracing.py; no-ops by default): the loop only produces data, a
@@ -33,6 +41,10 @@ class Draft:
     row_dists: list = field(default_factory=list)        # sampled children only: q per tree row
     compute_ms: float = 0.0   # of the drafter batch it ran in
     batch_tokens: int = 0     # draft nodes of that batch (0: unknown, this draft alone)
+    guess: int | None = None  # an ahead draft: the bonus token it assumed
+    call_ms: float = 0.0      # the Propose call's wall time, as the orchestrator saw it
+    wait_ms: float = 0.0      # of the cycle's wall time, spent waiting for this draft
+    ahead: bool = False       # drafted during the previous verify (pipelined)
 
 
 @dataclass
@@ -53,7 +65,7 @@ class VerifierClient(Protocol):
 class DrafterClient(Protocol):
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None: ...
     async def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
-                      shape: DraftShape) -> Draft: ...
+                      shape: DraftShape, *, ahead: bool = False, rewind: bool = False) -> Draft: ...
     async def close(self, session_id: str) -> None: ...
 
 
@@ -84,7 +96,9 @@ class CycleRecord:
 
     @property
     def overhead_ms(self) -> float:
-        return self.wall_ms - self.draft.compute_ms - self.verdict.compute_ms
+        # A pipelined draft's compute ran during the previous cycle, not in this wall time.
+        draft_ms = 0.0 if self.draft.ahead else self.draft.compute_ms
+        return self.wall_ms - draft_ms - self.verdict.compute_ms
 
 
 @dataclass
@@ -105,6 +119,9 @@ class Stats:
     # Per draft position (0 = depth 1): cycles whose accepted path reached it.
     accepted_per_position: list[int] = field(default_factory=list)
     adaptive: bool = False     # the depth was chosen per cycle
+    pipelined_drafts: int = 0  # cycles that verified a draft made during the previous verify
+    draft_wait_ms: float = 0.0   # of the cycles' wall time, waiting for drafts
+    draft_call_ms: float = 0.0   # the used drafts' Propose calls' own wall time
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
@@ -127,8 +144,17 @@ class Stats:
         self.draft_compute_ms += draft.compute_ms
         self.verify_compute_ms += verdict.compute_ms
         self.cycles_wall_ms += wall_ms
-        self.cycle_overhead_ms.append(wall_ms - draft.compute_ms - verdict.compute_ms)
-        return CycleRecord(self.cycles - 1, draft, verdict, wall_ms)
+        self.pipelined_drafts += draft.ahead
+        self.draft_wait_ms += draft.wait_ms
+        self.draft_call_ms += draft.call_ms
+        record = CycleRecord(self.cycles - 1, draft, verdict, wall_ms)
+        self.cycle_overhead_ms.append(record.overhead_ms)
+        return record
+
+    @property
+    def draft_hidden(self) -> float:
+        """The share of the draft calls' time the cycles did not wait for."""
+        return 1.0 - self.draft_wait_ms / self.draft_call_ms if self.draft_call_ms else 0.0
 
 
 @dataclass
@@ -165,6 +191,18 @@ def draft_budget(k: int, remaining: int, committed: int, target_ctx: int, drafte
     return max(0, min(k, remaining - 1, target_ctx - committed - 1, drafter_ctx - committed + 1))
 
 
+def ahead_holds(draft: Draft, verdict: Verdict, ahead: Draft) -> bool:
+    """The ahead draft assumed all of `draft` (a chain) kept and its guess as the bonus."""
+    return len(verdict.path) == len(draft.tokens) and verdict.tokens[-1:] == [ahead.guess]
+
+
+async def timed_propose(drafter: DrafterClient, *args, **kwargs) -> Draft:
+    start = time.perf_counter()
+    draft = await drafter.propose(*args, **kwargs)
+    draft.call_ms = (time.perf_counter() - start) * 1e3
+    return draft
+
+
 async def run_generation(spec: GenerationSpec, session_id: str, verifier: VerifierClient,
                          drafter: DrafterClient | None, tracker: OutputTracker,
                          target_ctx: int, drafter_ctx: int, trace: NoTrace = NO_TRACE,
@@ -178,7 +216,7 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
     costs = costs or CostModel()
     depth = SessionDepth(shape.depth) if spec.adaptive and use_drafter else None
     rest_rows, rest_sessions = 0, 0        # the other sessions of this session's last verify forward
-    opened = []
+    opened, ahead = [], None              # ahead: a task, the next cycle's draft made during this verify
     try:
         opens = [verifier.open(session_id, spec.prompt_ids, spec.sampling)]
         if use_drafter:
@@ -194,20 +232,41 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
         stats.completion_tokens = len(tracker.ids)
         yield Chunk(emit, stats)
         # What the drafter has not heard of yet: tokens committed since its last
-        # proposal, and the path of that proposal that was kept.
-        unsent, kept_path = [results[0]], []
+        # proposal, and the path of that proposal that was kept; `rewind`: its
+        # last (ahead) proposal guessed wrong and is to be undone.
+        unsent, kept_path, rewind = [results[0]], [], False
+        draft = verdict = None
+
+        def next_shape(committed: int, remaining: int) -> DraftShape | None:
+            k = depth.choose(costs, rest_rows, rest_sessions) if depth else shape.depth
+            return shape.truncated(draft_budget(k, remaining, committed, target_ctx, drafter_ctx))
+
         while emit.finish_reason is None:
             with trace.cycle() as span:     # the draft and verify calls nest under it
                 start = time.perf_counter()
-                k = depth.choose(costs, rest_rows, rest_sessions) if depth else (shape.depth if shape else 0)
-                cycle_shape = shape.truncated(draft_budget(k, tracker.remaining, committed, target_ctx,
-                                                           drafter_ctx)) if use_drafter else None
-                draft = Draft()
-                if cycle_shape is not None:
-                    draft = await drafter.propose(session_id, kept_path, unsent, cycle_shape)
-                    unsent = []
+                pre = None
+                if ahead is not None:
+                    pre, ahead = await ahead, None
+                    if ahead_holds(draft, verdict, pre):
+                        pre.ahead, unsent = True, []      # the drafter already has those tokens
+                    else:
+                        pre, rewind = None, True
+                if pre is not None:
+                    draft = pre
+                elif use_drafter and (cycle_shape := next_shape(committed, tracker.remaining)) is not None:
+                    draft = await timed_propose(drafter, session_id, kept_path, unsent, cycle_shape, rewind=rewind)
+                    unsent, rewind = [], False
+                else:
+                    draft = Draft()
+                draft.wait_ms = (time.perf_counter() - start) * 1e3 if draft.tokens else 0.0
+                if spec.pipeline and draft.tokens:
+                    # Assume every draft token kept plus a bonus: what the next cycle would start from.
+                    n = len(draft.tokens) + 1
+                    if (shape_after := next_shape(committed + n, tracker.remaining - n)) is not None:
+                        ahead = asyncio.ensure_future(timed_propose(
+                            drafter, session_id, list(range(n - 1)), draft.tokens, shape_after, ahead=True))
                 verdict = await verifier.verify(session_id, draft)
-                if cycle_shape is not None:
+                if draft.tokens:
                     kept_path = verdict.path
                 unsent += verdict.tokens
                 committed += len(verdict.tokens)
@@ -227,6 +286,9 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
             stats.completion_tokens = len(tracker.ids)
             yield Chunk(emit, stats, cycle)
     finally:
+        if ahead is not None:           # the stream ended during a verify: drop the pre-draft
+            ahead.cancel()
+            await asyncio.gather(ahead, return_exceptions=True)
         # Free the session everywhere, also when the client went away mid-stream.
         with trace.scope():
             await asyncio.gather(*(c.close(session_id) for c in opened), return_exceptions=True)

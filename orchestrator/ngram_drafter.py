@@ -24,7 +24,9 @@ class NgramDrafter:
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None:
         self.contexts[session_id] = list(prompt_ids)
 
-    async def propose(self, session_id: str, accepted_path: list[int], committed: list[int], shape) -> Draft:
+    async def propose(self, session_id: str, accepted_path: list[int], committed: list[int], shape,
+                      *, ahead: bool = False, rewind: bool = False) -> Draft:
+        # Never ahead / rewind: build_spec pipelines draft_model chains only.
         start = time.perf_counter()
         context = self.contexts[session_id]
         context += committed

@@ -28,6 +28,7 @@ class GenerationSpec:
     shape: DraftShape | None      # the draft each cycle; None = plain decoding
     stop: tuple[str, ...] = ()
     adaptive: bool = False        # choose the depth per cycle (orchestrator/adaptive.py), up to shape's
+    pipeline: bool = False        # draft the next chain during each verify (orchestrator/loop.py)
 
 
 def build_spec(req, config: OrchestratorConfig, tokenizer, vocab_size: int, context_length: int,
@@ -60,7 +61,20 @@ def build_spec(req, config: OrchestratorConfig, tokenizer, vocab_size: int, cont
         adaptive = req.adaptive_speculation
     else:   # a request that names its own K or tree gets exactly that
         adaptive = config.speculative.adaptive and not (req.HasField("num_speculative_tokens") or req.HasField("tree"))
-    return GenerationSpec(prompt_ids, max_new, sampling, method, shape, tuple(req.stop), adaptive and shape is not None)
+    return GenerationSpec(prompt_ids, max_new, sampling, method, shape, tuple(req.stop), adaptive and shape is not None,
+                          pipelining(req, config.speculative, method, shape))
+
+
+def pipelining(req, sc: SpeculativeConfig, method: str, shape: DraftShape | None) -> bool:
+    """Pipelined drafting needs a drafter service drafting chains: the drafter
+    guesses the bonus token after the last chain token, a single position."""
+    able = method == "draft_model" and shape is not None and shape.is_chain
+    if req.HasField("pipeline_drafting"):
+        if req.pipeline_drafting and not able:
+            raise InvalidRequest("pipeline_drafting needs speculative_method draft_model with a chain "
+                                 f"(got method {method!r}{' and a tree' if shape is not None and not shape.is_chain else ''})")
+        return req.pipeline_drafting
+    return sc.pipeline and able
 
 
 def speculation(req, sc: SpeculativeConfig, has_drafter: bool) -> tuple[str, DraftShape | None]:

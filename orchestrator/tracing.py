@@ -32,6 +32,11 @@ def cycle_attributes(c: CycleRecord, method: str) -> dict:
         "specdec.verify_ms": c.verdict.compute_ms,
         "specdec.wall_ms": c.wall_ms,
         "specdec.overhead_ms": c.overhead_ms,
+        # Pipelined drafting: this cycle's draft was made during the previous
+        # verify; the Propose call's wall time and how much of it the cycle waited.
+        "specdec.draft.pipelined": c.draft.ahead,
+        "specdec.draft.call_ms": c.draft.call_ms,
+        "specdec.draft.wait_ms": c.draft.wait_ms,
     }
 
 

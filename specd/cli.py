@@ -105,6 +105,8 @@ def cmd_generate(args) -> int:
         req.speculative_method = args.method
     if getattr(args, "adaptive", None) is not None:
         req.adaptive_speculation = args.adaptive
+    if getattr(args, "pipeline", None) is not None:
+        req.pipeline_drafting = args.pipeline
     if args.tree or args.tree_budget or args.tree_paths:
         req.tree.CopyFrom(pb.DraftShape(branching=args.tree or [], node_budget=args.tree_budget or 0,
                                         max_depth=args.tree_depth or (6 if args.tree_budget else 0),

@@ -12,6 +12,7 @@
       max_depth: 6             #   ... and this depth
       top_k: 4
     adaptive: true             # depth per cycle from measured acceptance and costs (false: always K)
+    pipeline: false            # draft the next chain during each verify (draft_model chains)
 
 Read from YAML or TOML (`specd up --speculative-config FILE`) or flags; every
 error names the key and the value. Requests may override method, K and tree
@@ -46,6 +47,11 @@ class SpeculativeConfig:
     # Draft depth per cycle from measured acceptance and costs, up to K (or the
     # tree's depth), 0 included (orchestrator/adaptive.py); false = always K.
     adaptive: bool = True
+    # Pipelined drafting: draft the next chain while the verifier checks this
+    # one (draft_model chains). Pays when drafter and verifier run on separate
+    # hardware and the drafter has spare time; off by default because each
+    # failed guess is drafting thrown away (see README, "Pipelined drafting").
+    pipeline: bool = False
     max_num_speculative_tokens: int = 16    # limits that requests cannot exceed
     max_tree_nodes: int = 64
 
@@ -56,8 +62,9 @@ class SpeculativeConfig:
                     "max_num_speculative_tokens", "max_tree_nodes"):
             if not isinstance(getattr(self, key), int) or isinstance(getattr(self, key), bool):
                 raise ConfigError(f"speculative_config.{key}: must be an integer, got {getattr(self, key)!r}")
-        if not isinstance(self.adaptive, bool):
-            raise ConfigError(f"speculative_config.adaptive: must be true or false, got {self.adaptive!r}")
+        for key in ("adaptive", "pipeline"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"speculative_config.{key}: must be true or false, got {getattr(self, key)!r}")
         k = self.num_speculative_tokens
         if not (0 <= k <= self.max_num_speculative_tokens):
             raise ConfigError(f"speculative_config.num_speculative_tokens: {k} is outside "
@@ -134,6 +141,8 @@ def add_draft_shape_flags(g) -> None:
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose the draft depth per cycle from measured acceptance and costs (default: on, "
                         "but a request that names its own K or tree gets exactly that)")
+    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                   help="pipelined drafting: draft the next chain while the verifier checks this one")
 
 
 def _branching(text: str) -> list[int]:  # argparse type, also used by the CLI
@@ -155,7 +164,7 @@ def tree_paths_arg(text: str) -> list[list[int]]:  # argparse type, also used by
 def speculative_config_from_args(args) -> SpeculativeConfig:
     base = load(args.speculative_config) if args.speculative_config else SpeculativeConfig()
     changes = {k: getattr(args, k) for k in ("method", "num_speculative_tokens", "prompt_lookup_max",
-                                              "prompt_lookup_min", "adaptive") if getattr(args, k, None) is not None}
+                                              "prompt_lookup_min", "adaptive", "pipeline") if getattr(args, k, None) is not None}
     if args.tree:
         changes["tree"] = {"branching": args.tree}
     elif getattr(args, "tree_paths", None):

@@ -1,0 +1,146 @@
+"""Issue 8, pipelined drafting: the drafter drafts cycle n+1 while the verifier
+checks cycle n, assuming the whole chain kept and its own guess as the bonus.
+
+- Drafter core: an ahead proposal followed by a rewind leaves the drafter
+  exactly where it would be without the ahead call (same next draft, same
+  cache length); a confirmed ahead equals an ordinary proposal from the same
+  committed tokens; malformed ahead / rewind calls are refused.
+- Through the services: greedy streams with pipelining equal target-only
+  greedy decoding, and both outcomes (pre-draft used, pre-draft dropped) occur.
+- Sampling stays lossless (the exact-joint check of test_sampling_lossless).
+"""
+import grpc
+import pytest
+
+from drafter_svc.config import DrafterConfig
+from drafter_svc.core import Drafter
+from specd.draft_shape import DraftShape
+from specd.errors import InvalidRequest
+from specd.models import load_model, load_tokenizer
+from specd.sampling import SamplingParams
+from tests.test_greedy_exact import assert_same_or_near_tie, prompts, reference
+from tests.test_sampling_lossless import exact_joint, null_threshold, tv
+
+GREEDY = SamplingParams()
+CHAIN = DraftShape.chain(3)
+
+
+@pytest.fixture(scope="module", params=["lean", "hf"])
+def drafter_pair(request, pairs):
+    """Two drafters on the same model: one pipelined, one not."""
+    _, drafter_dir = pairs["llama"]
+    model = load_model(drafter_dir, "cpu")
+    return [Drafter(DrafterConfig(drafter_dir, device="cpu", engine=request.param), model) for _ in range(2)]
+
+
+def _open_both(drafters, prompt, sid):
+    for d in drafters:
+        d.open_session(sid, prompt, GREEDY)
+    return [d.propose(sid, [], [prompt[-1] + 1], CHAIN) for d in drafters]
+
+
+def test_rewound_ahead_leaves_no_trace(drafter_pair):
+    plain, piped = drafter_pair
+    prompt = [5, 9, 14, 3, 7, 21]
+    first, _ = _open_both(drafter_pair, prompt, "rw")
+    chain = first.tree.tokens
+    ahead = piped.propose("rw", [0, 1, 2], chain, CHAIN, ahead=True)
+    assert ahead.guess is not None and len(ahead.tree.tokens) == 3
+    # The verifier kept one token and corrected the second: a miss.
+    outcome = ([0], [chain[0], (chain[1] + 1) % 100])
+    want = plain.propose("rw", *outcome, CHAIN)
+    got = piped.propose("rw", *outcome, CHAIN, rewind=True)
+    assert got.tree.tokens == want.tree.tokens
+    assert piped._sessions["rw"].tokens == plain._sessions["rw"].tokens
+    assert piped._sessions["rw"].cache.length == plain._sessions["rw"].cache.length
+    # And the cycle after that still agrees (the rolled-back rows were really gone).
+    nxt = ([0, 1, 2], got.tree.tokens + [4])
+    assert piped.propose("rw", *nxt, CHAIN).tree.tokens == plain.propose("rw", *nxt, CHAIN).tree.tokens
+
+
+def test_confirmed_ahead_equals_an_ordinary_proposal(drafter_pair):
+    plain, piped = drafter_pair
+    prompt = [11, 2, 8, 30, 4]
+    first, _ = _open_both(drafter_pair, prompt, "ok")
+    chain = first.tree.tokens
+    ahead = piped.propose("ok", [0, 1, 2], chain, CHAIN, ahead=True)
+    want = plain.propose("ok", [0, 1, 2], chain + [ahead.guess], CHAIN)
+    assert ahead.tree.tokens == want.tree.tokens
+    # Confirmed by the next ordinary call (no rewind); it continues from there.
+    nxt = ([0], [ahead.tree.tokens[0], 17])
+    assert piped.propose("ok", *nxt, CHAIN).tree.tokens == plain.propose("ok", *nxt, CHAIN).tree.tokens
+    assert piped._sessions["ok"].checkpoint is None
+    with pytest.raises(InvalidRequest, match="no ahead proposal"):
+        piped.prepare("ok", [], [], CHAIN, rewind=True)
+
+
+def test_malformed_ahead_calls_are_refused(drafter_pair):
+    _, piped = drafter_pair
+    first = _open_both([piped], [3, 4, 5, 6], "bad")[0]
+    chain = first.tree.tokens
+    with pytest.raises(InvalidRequest, match="whole last chain"):
+        piped.prepare("bad", [0, 1], chain[:2], CHAIN, ahead=True)
+    with pytest.raises(InvalidRequest, match="whole last chain"):
+        piped.prepare("bad", [0, 1, 2], chain + [1], CHAIN, ahead=True)
+    with pytest.raises(InvalidRequest, match="only chains"):
+        piped.prepare("bad", [0, 1, 2], chain, DraftShape(branching=(2, 1)), ahead=True)
+    with pytest.raises(InvalidRequest, match="no ahead proposal"):
+        piped.prepare("bad", [0, 1, 2], chain + [1], CHAIN, rewind=True)
+
+
+def test_pipelined_greedy_equals_target_only(pairs, stacks):
+    target_dir, _ = pairs["llama"]
+    model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
+    used = dropped = 0
+    for n, p in enumerate(prompts(tok, 12)):
+        want, gaps = reference(model, p)
+        for k in (1, 3):
+            got, last = stacks["llama"].generate(prompt_token_ids={"ids": p}, max_new_tokens=len(want),
+                                                 num_speculative_tokens=k, pipeline_drafting=True)
+            assert_same_or_near_tie(got, want, gaps, f"pipelined prompt {n} K={k}")
+            s = last.stats
+            used += s.pipelined_drafts
+            dropped += s.drafts - s.pipelined_drafts - 1     # the first draft is never pipelined
+            assert s.draft_call_ms > 0
+    # Both branches of the rule ran: pre-drafts used and pre-drafts dropped.
+    assert used > 0 and dropped > 0, (used, dropped)
+
+
+def test_pipelining_needs_a_drafter_chain(stacks):
+    with pytest.raises(grpc.RpcError) as e:
+        stacks["llama"].generate(prompt="hello", max_new_tokens=4, speculative_method="ngram",
+                                 pipeline_drafting=True)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_model" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stacks["llama"].generate(prompt="hello", max_new_tokens=4, tree={"branching": [2, 1]},
+                                 pipeline_drafting=True)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree" in e.value.details()
+
+
+N = 2000
+
+
+@pytest.mark.parametrize("prompt,temperature,top_p,top_k", [([40, 41, 42, 43, 44], 1.0, 1.0, 3),
+                                                          ([100, 7, 9], 0.7, 0.8, 0)], ids=["T1k3", "T0.7p0.8"])
+def test_pipelined_sampling_matches_target(prompt, temperature, top_p, top_k, pairs, stacks):
+    """Chains of 1: token 1 comes from the prefill, tokens 2-3 from cycle 1, and
+    when cycle 1 kept its draft, token 4 from cycle 2, whose draft was made
+    ahead: used iff the bonus (token 3) equals the drafter's guess, else
+    dropped and redrafted. The joint of the first 4 tokens must be the target's."""
+    target_dir, drafter_dir = pairs["llama"]
+    params = SamplingParams(temperature, top_p, top_k)
+    joint = exact_joint(target_dir, prompt, params, length=4)
+    counts, used, dropped = {}, 0, 0
+    for seed in range(N):
+        ids, last = stacks["llama"].generate(
+            prompt_token_ids={"ids": prompt}, max_new_tokens=6, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, num_speculative_tokens=1, pipeline_drafting=True)
+        counts[tuple(ids[:4])] = counts.get(tuple(ids[:4]), 0) + 1
+        used += last.stats.pipelined_drafts > 0
+        dropped += last.stats.drafts - last.stats.pipelined_drafts > 1
+    threshold = null_threshold(joint, N)
+    assert used > 0.05 * N and dropped > 0.05 * N, (used, dropped)   # both outcomes are frequent
+    assert tv(joint, counts, N) < threshold, (tv(joint, counts, N), threshold)
+    # The threshold must be able to fail: the drafter's own joint is farther away.
+    drafter_joint = exact_joint(drafter_dir, prompt, params, length=4)
+    assert tv(joint, {k: v * N for k, v in drafter_joint.items()}, N) > threshold
