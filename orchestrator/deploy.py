@@ -74,6 +74,10 @@ class ModelServiceActor:
         """The Ray node id: several nodes may share one IP (tests, big hosts)."""
         return ray.get_runtime_context().get_node_id()
 
+    def pid(self) -> int:
+        """Its process (tests kill it to check the restart)."""
+        return os.getpid()
+
 
 @ray.remote(num_cpus=0, max_restarts=3)
 class OrchestratorActor:
