@@ -119,7 +119,15 @@ class FailoverVerifier:
 
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> int:
         self.sampling = sampling
-        self.lease.acquire()        # none serving at the start: CapacityExceeded, as without failover
+        try:
+            self.lease.acquire()
+        except CapacityExceeded:    # none deployed or all draining: RESOURCE_EXHAUSTED, as before
+            lost = [r.spec.name for r in self.lease.pool.lost()]
+            if not lost:
+                raise
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, (
+                f"no verifier is serving: {', '.join(lost)} lost (on Ray a restarted one serves again "
+                "once found)")) from None
         while True:
             try:
                 return await self.lease.client.open(session_id, prompt_ids, sampling)

@@ -60,7 +60,8 @@ class Pool:
         """The least-loaded serving replica, with one more session counted on it."""
         serving = self.serving()
         if not serving:
-            raise CapacityExceeded(f"no {self.kind} replica is serving (all are draining or none is deployed)")
+            raise CapacityExceeded(f"no {self.kind} replica is serving (all are draining or lost, or none "
+                                   "is deployed)")
         r = min(serving, key=lambda r: (r.sessions, r.added))
         r.client.active += 1
         return r

@@ -212,6 +212,18 @@ def test_verifier_none_left_fails_with_unavailable_and_a_reason():
     assert "no other verifier is serving" in err.value.message and "verifier-0" in err.value.message
 
 
+def test_new_request_with_every_verifier_lost_is_unavailable():
+    v = FakeVerifier(die_at=1)
+    with pytest.raises(ServiceError) as err:
+        run([v], [FakeDrafter(PROMPT)])
+    assert "no other verifier" in err.value.message
+    with pytest.raises(ServiceError) as err:          # the next request: the pool knows it is lost
+        vpool = pool_of("verifier", [v])
+        Pool.mark_lost(vpool.replicas["verifier-0"], v)
+        asyncio.run(FailoverVerifier(vpool, lambda: PROMPT).open("s2", PROMPT, SamplingParams()))
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and "verifier-0 lost" in err.value.message
+
+
 def test_verifier_failovers_are_bounded():
     with pytest.raises(ServiceError, match="lost 3 times") as err:
         run([FakeVerifier(die_at=3)] + [FakeVerifier(die_at=2) for _ in range(4)], [FakeDrafter(PROMPT)],
