@@ -192,6 +192,7 @@ class FailoverDrafter:
         self.sampling = None
         self.opened = False     # the leased replica holds the session
         self.fresh = False      # ... rebuilt from the committed tokens, no proposal yet
+        self.base = 0           # ... from that many of them (the rest go with its first proposal)
 
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None:
         self.sampling = sampling
@@ -211,7 +212,9 @@ class FailoverDrafter:
             if self.fresh:
                 if kw.get("ahead"):
                     return Draft()
-                accepted_path, committed = [], self.committed()[-1:]
+                # From base on: normally just the last token; more if tokens were
+                # committed since the rebuild (a concurrent, pipelined verify).
+                accepted_path, committed = [], self.committed()[self.base:]
                 kw.pop("rewind", None)
             try:
                 draft = await self.lease.client.propose(session_id, accepted_path, committed, shape, **kw)
@@ -246,6 +249,7 @@ class FailoverDrafter:
             if rebuild:
                 tokens = self.committed()
                 prompt_ids, sampling = tokens[:-1], reseeded(self.sampling, len(tokens))
+                self.base = len(prompt_ids)
             try:
                 await self.lease.client.open(session_id, prompt_ids, sampling)
             except ServiceError as exc:
