@@ -139,11 +139,12 @@ class GrpcVerifier(_Client):
         super().__init__(address, timeout_s)
         self.mux = StreamMux(self.stub.VerifyStream)
 
-    async def open(self, session_id, prompt_ids, sampling) -> int:
+    async def open(self, session_id, prompt_ids, sampling, resume: bool = False) -> int | None:
+        """resume: re-prefill all committed tokens, sample nothing (returns None)."""
         r = await self._unary(self.stub.OpenSession, pb.OpenVerifySessionRequest(
-            session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
-            "specdec.prefill", "OpenSession")
-        return r.first_token_id
+            session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling),
+            resume=resume), "specdec.prefill", "OpenSession")
+        return None if resume else r.first_token_id
 
     async def verify(self, session_id, draft: Draft) -> Verdict:
         r = await self._stream(pb.VerifyRequest(

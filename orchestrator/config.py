@@ -24,3 +24,6 @@ class OrchestratorConfig:
     # Method, K, tree, ngram settings and the limits requests cannot exceed.
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     rpc_timeout_s: float = 60.0            # per internal call
+    # Replacements of a lost verifier (and, apart, drafter) per request before
+    # it fails (verifier) or goes on without a drafter (orchestrator/failover.py).
+    max_failovers: int = 3

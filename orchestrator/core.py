@@ -14,6 +14,7 @@ from .adaptive import CostModel
 from .clients import GrpcDrafter, GrpcVerifier
 from .config import OrchestratorConfig
 from .detok import OutputTracker
+from .failover import FailoverDrafter, FailoverVerifier
 from .loop import Chunk, run_generation
 from .metrics import OrchestratorMetrics
 from .ngram_drafter import NgramDrafter
@@ -87,19 +88,25 @@ class Orchestrator:
         self.active_requests += 1
         chunk, used = None, []
         try:
+            # Lost drafters count: they may be back (restarted) before the session
+            # needs them, and without one it runs as plain decoding anyway.
             spec = build_spec(request, self.config, self.tokenizer, self.vocab_size, self.target_ctx,
-                              has_drafter=bool(self.pools["drafter"].serving()))
+                              has_drafter=any(not r.draining for r in self.pools["drafter"].replicas.values()))
             trace.describe(spec)
             tracker = OutputTracker(self.tokenizer, self.eos_ids, spec.max_new_tokens,
                                     self.target_ctx - len(spec.prompt_ids), spec.stop)
-            # Least-loaded replicas; the session keeps them to its end.
-            used.append(self.pools["verifier"].acquire())
-            verifier, drafter = used[0].client, None
+            # Least-loaded replicas; the session keeps them to its end, or until
+            # one is lost: then it moves, rebuilt from what was committed.
+            def committed() -> list[int]:
+                return spec.prompt_ids + tracker.ids
+            verifier = FailoverVerifier(self.pools["verifier"], committed, self.config.max_failovers)
+            used.append(verifier)
+            drafter = None
             if spec.method == "ngram":
                 drafter = self.ngram
             elif spec.method == "draft_model":
-                used.append(self.pools["drafter"].acquire())
-                drafter = used[1].client
+                drafter = FailoverDrafter(self.pools["drafter"], committed, self.config.max_failovers)
+                used.append(drafter)
             async for chunk in run_generation(spec, session_id, verifier, drafter, tracker,
                                               self.target_ctx, self.drafter_ctx, trace, self.costs[spec.method]):
                 metrics.observe(chunk, spec.method)
@@ -112,8 +119,8 @@ class Orchestrator:
         finally:
             metrics.done()
             self.active_requests -= 1
-            for replica in used:
-                Pool.release(replica)
+            for client in used:
+                client.release()
 
     async def scale(self, counts: dict[str, int]) -> None:
         """Bring each named pool to that many serving replicas (admin API)."""
@@ -126,7 +133,7 @@ class Orchestrator:
     def status(self) -> dict:
         return dict(
             replicas=[dict(kind=r.spec.kind, name=r.spec.name, address=r.spec.address, node=r.spec.node,
-                           sessions=r.sessions, draining=r.draining)
+                           sessions=r.sessions, draining=r.draining, lost=r.lost)
                       for pool in self.pools.values() for r in pool.replicas.values()],
             active_requests=self.active_requests, scalable=self.scaler is not None,
             autoscale={k: f"{p.min_replicas}:{p.max_replicas}:{p.target_sessions}"

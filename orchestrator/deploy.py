@@ -25,7 +25,7 @@ from verifier_svc.config import VerifierConfig
 
 from .config import OrchestratorConfig
 from .pool import ReplicaSpec
-from .scaling import AutoscalePolicy
+from .scaling import AutoscalePolicy, ReplicaGone
 
 log = logging.getLogger(__name__)
 NAMESPACE = "specd"
@@ -46,10 +46,12 @@ class DeploymentConfig:
     drafter_resource: str = "drafter"     # Ray custom resource of the drafter pool
     replica_gpus: float = 0.0             # GPUs each replica asks Ray for (1 on GPU pools)
     ready_timeout_s: float = 300.0        # a replica that does not serve by then is an error
+    replica_max_restarts: int = 3         # Ray restarts a dead replica this often (then it is gone)
+    locate_timeout_s: float = 2.0         # per scaler tick, asking a lost replica where it serves
     autoscale: dict[str, AutoscalePolicy] = field(default_factory=dict)   # per pool, optional
 
 
-@ray.remote(num_cpus=0, max_restarts=3)
+@ray.remote(num_cpus=0)
 class ModelServiceActor:
     """One drafter or verifier replica: loads its model, serves gRPC on this node."""
 
@@ -71,6 +73,10 @@ class ModelServiceActor:
     def node(self) -> str:
         """The Ray node id: several nodes may share one IP (tests, big hosts)."""
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        """Its process (tests kill it to check the restart)."""
+        return os.getpid()
 
 
 @ray.remote(num_cpus=0, max_restarts=3)
@@ -99,8 +105,10 @@ def _replica(cfg: DeploymentConfig, kind: str, name: str):
     model_dir = cfg.target_dir if kind == "verifier" else cfg.drafter_dir
     resource = cfg.verifier_resource if kind == "verifier" else cfg.drafter_resource
     fields = dict(model_dir=model_dir, host="0.0.0.0", port=0, device=cfg.device, dtype=cfg.dtype)
+    # Restarted with the same arguments after its process dies; its new server
+    # listens on a new port, which the orchestrator asks for (RayLauncher.locate).
     return ModelServiceActor.options(
-        name=name, namespace=NAMESPACE, lifetime="detached",
+        name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=cfg.replica_max_restarts,
         resources={resource: 1}, num_gpus=cfg.replica_gpus, **_tracing_options(),
     ).remote(kind, fields)
 
@@ -145,6 +153,26 @@ class RayLauncher:
             ray.kill(ray.get_actor(spec.name, namespace=NAMESPACE), no_restart=True)
         except ValueError:       # already gone
             pass
+
+    async def locate(self, spec: ReplicaSpec) -> ReplicaSpec | None:
+        """Ask a lost replica's actor where it serves: Ray restarts a dead actor
+        (max_restarts) and the new server has a new port. A call to a restarting
+        actor waits for it; a short wait here keeps the scaler's tick short, the
+        next tick asks again."""
+        try:
+            actor = ray.get_actor(spec.name, namespace=NAMESPACE)
+        except ValueError:
+            raise ReplicaGone(f"no actor named {spec.name}") from None
+        try:
+            address, node = await asyncio.wait_for(
+                asyncio.gather(_wait(actor.address.remote()), _wait(actor.node.remote())), self.cfg.locate_timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        except ray.exceptions.ActorDiedError as exc:       # out of restarts (or killed for good)
+            raise ReplicaGone(str(exc)) from None
+        except ray.exceptions.RayActorError:               # restarting, unreachable for now
+            return None
+        return ReplicaSpec(spec.kind, spec.name, address, node)
 
 
 def _wait(ref):

@@ -192,8 +192,11 @@ def draft_budget(k: int, remaining: int, committed: int, target_ctx: int, drafte
 
 
 def ahead_holds(draft: Draft, verdict: Verdict, ahead: Draft) -> bool:
-    """The ahead draft assumed all of `draft` (a chain) kept and its guess as the bonus."""
-    return len(verdict.path) == len(draft.tokens) and verdict.tokens[-1:] == [ahead.guess]
+    """The ahead draft assumed all of `draft` (a chain) kept and its guess as the
+    bonus. (An empty ahead draft - a drafter rebuilt elsewhere mid-call makes
+    none - holds nothing.)"""
+    return (bool(ahead.tokens) and len(verdict.path) == len(draft.tokens)
+            and verdict.tokens[-1:] == [ahead.guess])
 
 
 async def timed_propose(drafter: DrafterClient, *args, **kwargs) -> Draft:

@@ -3,7 +3,10 @@
 A pool routes each new session to its least-loaded serving replica; the session
 then stays on that replica to its end (the verifier holds its KV cache, the
 drafter its own). Scaling down drains: a draining replica takes no new
-sessions and is handed back (`reap`) once its last session has ended. Pure
+sessions and is handed back (`reap`) once its last session has ended. A lost
+replica (a call to it failed with UNAVAILABLE: orchestrator/failover.py) takes
+no new sessions until it is found serving again (`revive`: on Ray the actor
+restarts, often at a new port) or is known gone for good (`remove`). Pure
 bookkeeping, no grpc and no Ray: the scaler (orchestrator/scaling.py) starts
 and stops the replicas.
 """
@@ -29,6 +32,7 @@ class Replica:
     spec: ReplicaSpec
     client: Any                  # GrpcVerifier | GrpcDrafter (tests: anything with .active)
     draining: bool = False
+    lost: bool = False           # a call failed with UNAVAILABLE; not routed to until revived
     added: int = 0               # order of arrival: ties drain the newest first
 
     @property
@@ -50,20 +54,48 @@ class Pool:
         return r
 
     def serving(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if not r.draining]
+        return [r for r in self.replicas.values() if not r.draining and not r.lost]
 
     def acquire(self) -> Replica:
         """The least-loaded serving replica, with one more session counted on it."""
         serving = self.serving()
         if not serving:
-            raise CapacityExceeded(f"no {self.kind} replica is serving (all are draining or none is deployed)")
+            raise CapacityExceeded(f"no {self.kind} replica is serving (all are draining or lost, or none "
+                                   "is deployed)")
         r = min(serving, key=lambda r: (r.sessions, r.added))
         r.client.active += 1
         return r
 
     @staticmethod
-    def release(replica: Replica) -> None:
-        replica.client.active -= 1
+    def release(replica: Replica, client=None) -> None:
+        """client: the one the session was acquired on, if the replica's client
+        may have been swapped since (revive); its count is the one to lower."""
+        (client or replica.client).active -= 1
+
+    @staticmethod
+    def mark_lost(replica: Replica, client) -> bool:
+        """Stop routing to a replica whose call through `client` failed as lost.
+        A failure on a client already swapped by `revive` says nothing about the
+        revived replica. Returns whether it was newly marked."""
+        if replica.client is not client or replica.lost:
+            return False
+        replica.lost = True
+        return True
+
+    def lost(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.lost]
+
+    def revive(self, name: str, spec: ReplicaSpec, client):
+        """A lost replica serves again, maybe at a new address: route to it through
+        `client`. Returns the old client (sessions still holding it release on it,
+        then it can be closed)."""
+        r = self.replicas[name]
+        old, r.spec, r.client, r.lost = r.client, spec, client, False
+        return old
+
+    def remove(self, name: str) -> Replica:
+        """A replica gone for good (on Ray: out of restarts)."""
+        return self.replicas.pop(name)
 
     def drain(self, n: int) -> list[Replica]:
         """Stop routing to n serving replicas: the least loaded (newest first on

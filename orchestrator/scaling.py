@@ -5,7 +5,9 @@ draining replicas first, then starting new ones through a `Launcher` (on Ray:
 orchestrator.deploy.RayLauncher, one actor per replica asking for its pool's
 resource, so the Ray autoscaler adds nodes when they do not fit); down by
 draining. A background task hands drained replicas back to the launcher once
-their last session has ended, and applies the optional autoscaling policy.
+their last session has ended, re-discovers lost replicas (Ray restarts a dead
+replica's actor, whose server then listens on a new port: the launcher asks the
+actor where it serves now), and applies the optional autoscaling policy.
 """
 from __future__ import annotations
 
@@ -22,9 +24,16 @@ from .pool import Pool, ReplicaSpec
 log = logging.getLogger(__name__)
 
 
+class ReplicaGone(Exception):
+    """A lost replica will not come back (on Ray: the actor is out of restarts)."""
+
+
 class Launcher(Protocol):
     async def start(self, kind: str) -> ReplicaSpec: ...      # a new replica, serving
     async def stop(self, spec: ReplicaSpec) -> None: ...     # hand it back
+    # Where a lost replica serves now: its (maybe new) spec, None while it is
+    # not serving yet (restarting), ReplicaGone when it never will.
+    async def locate(self, spec: ReplicaSpec) -> ReplicaSpec | None: ...
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class Scaler:
         self.interval_s = interval_s
         self._lock = asyncio.Lock()          # one scale at a time: counts stay consistent
         self._task: asyncio.Task | None = None
+        self._retired: list = []             # clients of lost replicas, closed when unused
 
     def min_replicas(self, kind: str) -> int:
         return 1 if kind == "verifier" else 0   # no verifier, no output; no drafter = plain decoding
@@ -96,6 +106,26 @@ class Scaler:
                 await r.client.aclose()
                 await self.launcher.stop(r.spec)
 
+    async def rediscover(self) -> None:
+        """Route to lost replicas again once they serve (at their new address);
+        forget the ones gone for good (autoscaling may then start others)."""
+        for pool in self.pools.values():
+            for r in pool.lost():
+                try:
+                    spec = await self.launcher.locate(r.spec)
+                except ReplicaGone:
+                    log.warning("%s %s is gone for good", pool.kind, r.spec.name)
+                    pool.remove(r.spec.name)
+                    self._retired.append(r.client)
+                    continue
+                if spec is not None:
+                    self._retired.append(pool.revive(r.spec.name, spec, self.make_client(spec)))
+                    log.info("%s %s serving again at %s", pool.kind, spec.name, spec.address)
+        # Sessions that held an old client release on it; close it once they have.
+        for client in [c for c in self._retired if c.active <= 0]:
+            self._retired.remove(client)
+            await client.aclose()
+
     async def autoscale(self) -> None:
         for kind, policy in self.policies.items():
             pool = self.pools[kind]
@@ -110,6 +140,7 @@ class Scaler:
                 await asyncio.sleep(self.interval_s)
                 try:
                     await self.reap()
+                    await self.rediscover()
                     await self.autoscale()
                 except Exception:  # noqa: BLE001 - keep the loop alive; the next tick retries
                     log.exception("scaling tick failed")

@@ -142,12 +142,12 @@ def print_status(status) -> None:
     rows = [("POOL", "REPLICA", "ADDRESS", "NODE", "SESSIONS", "STATE")]
     for r in sorted(status.replicas, key=lambda r: (r.kind != "verifier", r.name)):
         rows.append((r.kind, r.name, r.address, r.node[:12] or "-", str(r.sessions),
-                     "draining" if r.draining else "serving"))
+                     "lost" if r.lost else "draining" if r.draining else "serving"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     for kind in ("verifier", "drafter"):
-        serving = sum(1 for r in status.replicas if r.kind == kind and not r.draining)
+        serving = sum(1 for r in status.replicas if r.kind == kind and not r.draining and not r.lost)
         policy = status.autoscale.get(kind)
         print(f"{kind}s: {serving} serving" + (f", autoscaling min:max:target_sessions {policy}" if policy else ""))
     print(f"active requests: {status.active_requests}" + ("" if status.scalable else "  (fixed pools: not on Ray)"))

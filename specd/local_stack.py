@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -64,19 +65,37 @@ class Stack:
 
     env: extra environment variables for all three (e.g. OTEL_EXPORTER_OTLP_ENDPOINT);
     metrics: serve Prometheus /metrics on free ports (each process's `metrics_address`);
-    verifier_args: flags for the verifier only (e.g. --max-batch-sessions 1)."""
+    verifier_args: flags for the verifier only (e.g. --max-batch-sessions 1);
+    verifiers / drafters: replicas of each, one process each (`verifiers`,
+    `drafters`; `verifier` and `drafter_proc` are the first), started in parallel."""
 
     def __init__(self, target: str, drafter: str | None, service_args: tuple[str, ...] = (),
-                 env: dict | None = None, metrics: bool = False, verifier_args: tuple[str, ...] = ()):
+                 env: dict | None = None, metrics: bool = False, verifier_args: tuple[str, ...] = (),
+                 verifiers: int = 1, drafters: int = 1):
         self.target, self.drafter = target, drafter
         extra = ("--metrics-port", "0") if metrics else ()
-        self.verifier = ServiceProcess("verifier_svc", "--model", target, *service_args, *verifier_args, *extra,
-                                       env=env)
-        self.drafter_proc = ServiceProcess("drafter_svc", "--model", drafter, *service_args, *extra,
-                                           env=env) if drafter else None
-        args = ["--target", target, "--verifier-address", self.verifier.address, *extra]
+        starts = [("verifier_svc", "--model", target, *service_args, *verifier_args, *extra)] * verifiers
+        starts += [("drafter_svc", "--model", drafter, *service_args, *extra)] * (drafters if drafter else 0)
+        with ThreadPoolExecutor(len(starts)) as pool:
+            futures = [pool.submit(ServiceProcess, *cmd, env=env) for cmd in starts]
+        procs = []
+        for f in futures:               # all waited for; on a failure stop the others, then raise
+            try:
+                procs.append(f.result())
+            except Exception:
+                for p in (g.result() for g in futures if g.exception() is None):
+                    p.stop()
+                raise
+        self.verifiers, self.drafters = procs[:verifiers], procs[verifiers:]
+        self.verifier = self.verifiers[0]
+        self.drafter_proc = self.drafters[0] if self.drafters else None
+        args = ["--target", target, *extra]
+        for v in self.verifiers:
+            args += ["--verifier-address", v.address]
         if drafter:
-            args += ["--drafter", drafter, "--drafter-address", self.drafter_proc.address]
+            args += ["--drafter", drafter]
+            for d in self.drafters:
+                args += ["--drafter-address", d.address]
         self.orchestrator = ServiceProcess("orchestrator", *args, env=env)
         self.channel = grpc.insecure_channel(self.orchestrator.address)
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
@@ -91,6 +110,5 @@ class Stack:
 
     def stop(self) -> None:
         self.channel.close()
-        for p in (self.orchestrator, self.drafter_proc, self.verifier):
-            if p:
-                p.stop()
+        for p in (self.orchestrator, *self.drafters, *self.verifiers):
+            p.stop()

@@ -6,7 +6,7 @@ import torch
 from drafter_svc.config import DrafterConfig
 from drafter_svc.core import Drafter
 from specd.draft_shape import DraftShape
-from specd.errors import CapacityExceeded
+from specd.errors import CapacityExceeded, InvalidRequest
 from specd.sampling import SamplingParams
 from specd.tree import TokenTree, path_to, paths_to_parents
 from verifier_svc.config import VerifierConfig
@@ -149,3 +149,38 @@ def test_drafter_batch_equals_one_session_at_a_time(cores, temperature):
         for tag in ("solo", "batch"):
             for k in prompts:
                 drafter.close_session(f"{tag}-{k}")
+
+
+def test_resumed_session_continues_exactly(cores):
+    """Issue 9: a session rebuilt from its committed tokens (verifier: resume,
+    nothing sampled; drafter: open on all but the last, then a first proposal
+    of the last) goes on exactly like the uninterrupted one."""
+    verifier, drafter = cores
+    prompt, shape = [40, 41, 42, 43], DraftShape.chain(3)
+    unsent, path = [verifier.open_session("a", prompt, GREEDY)], []
+    drafter.open_session("a", prompt, GREEDY)
+    try:
+        for _ in range(5):
+            tree = drafter.propose("a", path, unsent, shape).tree
+            result = verifier.verify("a", tree.tokens, tree.parents)
+            unsent, path = result.tokens, result.path
+        tokens = list(verifier._sessions["a"].tokens)
+        with pytest.raises(InvalidRequest, match="at least one generated token"):
+            verifier.open_session("b", tokens[:1], GREEDY, resume=True)
+        assert verifier.open_session("b", tokens, GREEDY, resume=True) is None
+        assert verifier._sessions["b"].tokens == tokens and verifier._sessions["b"].cache.length == len(tokens) - 1
+        drafter.open_session("b", tokens[:-1], GREEDY)
+        b_unsent, b_path = tokens[-1:], []
+        for _ in range(5):
+            tree = drafter.propose("a", path, unsent, shape).tree
+            b_tree = drafter.propose("b", b_path, b_unsent, shape).tree
+            assert (b_tree.tokens, b_tree.parents) == (tree.tokens, tree.parents)
+            result = verifier.verify("a", tree.tokens, tree.parents)
+            b_result = verifier.verify("b", tree.tokens, tree.parents)
+            assert (b_result.path, b_result.tokens) == (result.path, result.tokens)
+            unsent, path, b_unsent, b_path = result.tokens, result.path, b_result.tokens, b_result.path
+        assert verifier._sessions["b"].tokens == verifier._sessions["a"].tokens
+    finally:
+        for core in (verifier, drafter):
+            for sid in ("a", "b"):
+                core._sessions.pop(sid, None)

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from orchestrator.pool import Pool, ReplicaSpec
-from orchestrator.scaling import AutoscalePolicy, Scaler
+from orchestrator.scaling import AutoscalePolicy, ReplicaGone, Scaler
 from specd.errors import CapacityExceeded, InvalidRequest
 
 
@@ -111,4 +111,58 @@ def test_autoscale_policy():
             pools["drafter"].acquire()
         await scaler.autoscale()                # 5 sessions, 2 per replica -> 3
         assert len(pools["drafter"].serving()) == 3
+    asyncio.run(run())
+
+
+def test_lost_replicas_take_no_sessions_until_revived():
+    pool = pool_of(2)
+    r0 = pool.acquire()                                   # drafter-0 holds a session
+    old = r0.client
+    assert Pool.mark_lost(r0, old) and not Pool.mark_lost(r0, old)   # once
+    assert [r.spec.name for r in pool.serving()] == ["drafter-1"] and pool.lost() == [r0]
+    assert {pool.acquire().spec.name for _ in range(3)} == {"drafter-1"}
+    new_spec = ReplicaSpec("drafter", "drafter-0", "h:new")
+    assert pool.revive("drafter-0", new_spec, FakeClient(new_spec)) is old
+    assert not r0.lost and r0.spec.address == "h:new" and r0.sessions == 0
+    # A late failure seen through the old client says nothing about the revived replica.
+    assert not Pool.mark_lost(r0, old) and not r0.lost
+    Pool.release(r0, old)                                 # the old session leaves on its own client
+    assert old.active == 0 and r0.client.active == 0
+    assert pool.acquire() is r0                           # routed to again (least loaded)
+
+
+class LocatingLauncher(FakeLauncher):
+    """Where lost replicas serve now: name -> spec, None (restarting) or 'gone'."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+
+    async def locate(self, spec):
+        w = self.where.get(spec.name)
+        if w == "gone":
+            raise ReplicaGone(spec.name)
+        return w
+
+
+def test_scaler_rediscovers_restarted_replicas_at_their_new_address():
+    async def run():
+        pools = {"verifier": pool_of(1, "verifier"), "drafter": pool_of(3)}
+        d = pools["drafter"].replicas
+        busy = pools["drafter"].acquire()                 # drafter-0, with a session on its old client
+        old = busy.client
+        for name in ("drafter-0", "drafter-1", "drafter-2"):
+            Pool.mark_lost(d[name], d[name].client)
+        moved = ReplicaSpec("drafter", "drafter-0", "h:9999", "node-b")
+        launcher = LocatingLauncher({"drafter-0": moved, "drafter-1": None, "drafter-2": "gone"})
+        scaler = Scaler(pools, launcher, FakeClient)
+        await scaler.rediscover()
+        assert not d["drafter-0"].lost and d["drafter-0"].spec == moved and d["drafter-0"].client.spec == moved
+        assert d["drafter-1"].lost                        # still restarting: asked again next tick
+        assert "drafter-2" not in d                       # out of restarts: forgotten
+        assert [r.spec.name for r in pools["drafter"].serving()] == ["drafter-0"]
+        assert not old.closed                             # a session still holds it
+        Pool.release(busy, old)
+        await scaler.rediscover()
+        assert old.closed
     asyncio.run(run())

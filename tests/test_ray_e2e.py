@@ -57,6 +57,8 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
         assert [t for c in chunks for t in c.token_ids] == want
         assert chunks[-1].finish_reason in ("length", "stop") and chunks[-1].stats.cycles > 0
 
+        check_drafter_restart(ray_cluster, address, prompt, want)
+
         gen = run(["generate", "def add(a, b):", "--max-new-tokens", "12"], env, timeout=120)
         assert gen.returncode == 0, gen.stderr
         assert "finish=length" in gen.stderr and "completion_tokens=12" in gen.stderr
@@ -74,6 +76,41 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
         assert not [n for n in left if n.startswith("specd-")]
     finally:
         ray.shutdown()
+
+
+def check_drafter_restart(ray_cluster, address, prompt, want):
+    """Issue 9 on Ray: the drafter's process is killed; the next stream finds it
+    lost and runs as plain decoding (still exact); Ray restarts the actor
+    (max_restarts), its server on a new port, which the orchestrator re-discovers;
+    then streams speculate on it again."""
+    import signal
+    import time
+    ray.init(address=ray_cluster, namespace="specd", logging_level="WARNING")
+    try:
+        pid = ray.get(ray.get_actor("specd-drafter-0").pid.remote(), timeout=60)
+    finally:
+        ray.shutdown()
+    os.kill(pid, signal.SIGKILL)
+    with grpc.insecure_channel(address) as ch:
+        stub, admin = pb_grpc.OrchestratorServiceStub(ch), pb_grpc.AdminServiceStub(ch)
+        before = {r.name: r.address for r in admin.Status(pb.StatusRequest(), timeout=30).replicas}
+
+        def generate():
+            chunks = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokenIds(ids=prompt),
+                                        max_new_tokens=len(want), num_speculative_tokens=3), timeout=120))
+            assert [t for c in chunks for t in c.token_ids] == want
+            return chunks[-1].stats
+        # The drafter's process is gone (or restarting at a new port): found lost,
+        # the stream runs as plain decoding, still exact.
+        generate()
+        drafter = {r.name: r for r in admin.Status(pb.StatusRequest(), timeout=30).replicas}["specd-drafter-0"]
+        assert drafter.lost or drafter.address != before["specd-drafter-0"]
+        deadline = time.monotonic() + 120          # the restart loads the model again
+        while drafter.lost or drafter.address == before["specd-drafter-0"]:
+            assert time.monotonic() < deadline, f"drafter not re-discovered: {drafter}"
+            time.sleep(0.5)
+            drafter = {r.name: r for r in admin.Status(pb.StatusRequest(), timeout=30).replicas}["specd-drafter-0"]
+        assert generate().accepted_tokens > 0      # speculating on the restarted drafter
 
 
 def test_specd_demo_starts_and_stops_its_own_ray(pairs, tmp_path):

@@ -73,9 +73,20 @@ class Verifier(ModelCore):
         # list(): a metrics scrape reads this from another thread while sessions open.
         return sum(s.cache.length for s in list(self._sessions.values()))
 
-    def open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Prefill the prompt; return the first generated token (a plain decode step)."""
+    def open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                     resume: bool = False) -> int | None:
+        """Prefill the prompt; return the first generated token (a plain decode step).
+
+        resume: the session moves here from a lost verifier (orchestrator/failover.py):
+        prompt_ids are all its committed tokens, the last one pending. Prefill all
+        but the last and sample nothing (None), so the next verify continues
+        exactly where the lost replica stood. The generator restarts from
+        params.seed: the orchestrator sends a fresh seed for a resume, since
+        replaying draws that made the earlier tokens would correlate with them."""
         self._check_request(session_id, prompt_ids, params)
+        if resume and len(prompt_ids) < 2:
+            raise InvalidRequest("a resumed session needs the prompt and at least one generated token "
+                                 f"in prompt_token_ids, got {len(prompt_ids)} token(s)")
         with self._lock:
             self._check_room(session_id)
             if self.kv_tokens + len(prompt_ids) > self.config.max_kv_tokens:
@@ -83,6 +94,10 @@ class Verifier(ModelCore):
                     f"verifier KV budget full: {self.kv_tokens} of {self.config.max_kv_tokens} tokens in use")
             gen = torch.Generator().manual_seed(params.seed)
             s = _Session(self.runner.new_session(), params, gen, list(prompt_ids))
+            if resume:
+                s.cache.forward(prompt_ids[:-1], last_only=True)   # the invariant: all but the pending one
+                self._sessions[session_id] = s
+                return None
             logits = s.cache.forward(prompt_ids, last_only=True)[0]
             first = sample(logits_to_probs(logits, params), gen) if not params.greedy else int(logits.argmax())
             s.tokens.append(first)

@@ -26,8 +26,8 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
                 "specdec.session_id": request.session_id,
                 "specdec.prompt_tokens": len(request.prompt_token_ids)} if telemetry.ENABLED else None):
             first = self.core.open_session(request.session_id, list(request.prompt_token_ids),
-                                           sampling_from_proto(request.sampling))
-        return pb.OpenVerifySessionResponse(first_token_id=first)
+                                           sampling_from_proto(request.sampling), resume=request.resume)
+        return pb.OpenVerifySessionResponse(first_token_id=first or 0)
 
     def _verify(self, request) -> pb.VerifyResponse:
         with telemetry.server_span("verifier.verify", request.traceparent) as span:

@@ -123,14 +123,16 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenVerifySessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "resume")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    resume: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class OpenVerifySessionResponse(_message.Message):
     __slots__ = ("first_token_id",)
@@ -275,20 +277,22 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("kind", "name", "address", "node", "sessions", "draining")
+    __slots__ = ("kind", "name", "address", "node", "sessions", "draining", "lost")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     address: str
     node: str
     sessions: int
     draining: bool
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., sessions: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    lost: bool
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., lost: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("replicas", "active_requests", "scalable", "autoscale")
