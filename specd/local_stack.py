@@ -11,8 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
-
+from specd.grpc_util import open_channel
+from specd.security import TlsConfig
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -64,21 +64,24 @@ class Stack:
 
     env: extra environment variables for all three (e.g. OTEL_EXPORTER_OTLP_ENDPOINT);
     metrics: serve Prometheus /metrics on free ports (each process's `metrics_address`);
-    verifier_args: flags for the verifier only (e.g. --max-batch-sessions 1)."""
+    verifier_args: flags for the verifier only (e.g. --max-batch-sessions 1);
+    orchestrator_args: flags for the orchestrator only (e.g. --auth-tokens-file F);
+    client_tls: how `channel` reaches the orchestrator (None: plaintext)."""
 
     def __init__(self, target: str, drafter: str | None, service_args: tuple[str, ...] = (),
-                 env: dict | None = None, metrics: bool = False, verifier_args: tuple[str, ...] = ()):
+                 env: dict | None = None, metrics: bool = False, verifier_args: tuple[str, ...] = (),
+                 orchestrator_args: tuple[str, ...] = (), client_tls: TlsConfig | None = None):
         self.target, self.drafter = target, drafter
         extra = ("--metrics-port", "0") if metrics else ()
         self.verifier = ServiceProcess("verifier_svc", "--model", target, *service_args, *verifier_args, *extra,
                                        env=env)
         self.drafter_proc = ServiceProcess("drafter_svc", "--model", drafter, *service_args, *extra,
                                            env=env) if drafter else None
-        args = ["--target", target, "--verifier-address", self.verifier.address, *extra]
+        args = ["--target", target, "--verifier-address", self.verifier.address, *extra, *orchestrator_args]
         if drafter:
             args += ["--drafter", drafter, "--drafter-address", self.drafter_proc.address]
         self.orchestrator = ServiceProcess("orchestrator", *args, env=env)
-        self.channel = grpc.insecure_channel(self.orchestrator.address)
+        self.channel = open_channel(self.orchestrator.address, client_tls)
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
 
     def generate(self, metadata=None, **fields) -> tuple[list[int], pb.GenerateResponse]:
