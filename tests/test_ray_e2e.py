@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 
-import grpc
 import pytest
 import ray
 
