@@ -2,11 +2,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specd.grpc_util import MAX_MESSAGE_BYTES
+from specd.security import TlsConfig
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
     model_dir: str                   # HF causal LM directory (the drafter)
-    host: str = "0.0.0.0"
+    # Loopback by default: only the orchestrator talks to a replica, and on one
+    # machine it is local. On Ray, deploy binds the node's own IP (what the
+    # orchestrator on another node dials); see orchestrator/deploy.py.
+    host: str = "127.0.0.1"
     port: int = 50071                # 0 = pick a free port
     device: str = "auto"
     dtype: str = "float32"
@@ -23,3 +29,5 @@ class DrafterConfig:
     # Propose calls of concurrent sessions share forwards (lean engine; chains
     # level by level, trees one session at a time), up to this many sessions.
     max_batch_sessions: int = 32
+    tls: TlsConfig | None = None     # TLS / mTLS on this server (specd.security); None = plaintext
+    max_message_bytes: int = MAX_MESSAGE_BYTES   # per message, both ways; over it: RESOURCE_EXHAUSTED

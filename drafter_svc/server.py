@@ -12,4 +12,5 @@ def start(config: DrafterConfig, core: Drafter | None = None):
     """Load the model (unless given a core), start serving; return (server, port)."""
     core = core or Drafter(config)
     return start_sync_server(pb_grpc.add_DrafterServiceServicer_to_server, DrafterServicer(core),
-                             SERVICE_NAME, config.host, config.port, config.grpc_workers)
+                             SERVICE_NAME, config.host, config.port, config.grpc_workers,
+                             config.tls, config.max_message_bytes)

@@ -10,6 +10,9 @@ import logging
 import signal
 
 from specd import metrics, telemetry
+from specd.auth import tokens_from_env_and_file
+from specd.grpc_util import MAX_MESSAGE_BYTES
+from specd.security import SecurityConfigError, add_tls_flags, tls_from_args
 from specd.spec_config import add_speculative_flags, speculative_config_from_args
 
 from .config import OrchestratorConfig
@@ -26,28 +29,44 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = any free port; "
                    "default: off)")
+    p.add_argument("--auth-tokens-file", help="bearer tokens the public API accepts, one per line "
+                   "($SPECD_AUTH_TOKENS adds comma-separated ones); default: no authentication")
+    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+                   help="largest gRPC message on every link (over it: RESOURCE_EXHAUSTED)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds running streams get to finish after SIGTERM")
+    add_tls_flags(p, server=True)
     add_speculative_flags(p)
     args = p.parse_args(argv)
+    try:
+        tls = tls_from_args(args)
+        if tls:
+            tls.check(server=True)
+        tokens_from_env_and_file(args.auth_tokens_file)     # fail now, naming the file
+    except SecurityConfigError as exc:
+        p.exit(2, f"orchestrator: {exc}\n")
     logging.basicConfig(level=logging.INFO)
     telemetry.setup("orchestrator")            # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
     config = OrchestratorConfig(
         target_dir=args.target, drafter_dir=args.drafter, host=args.host, port=args.port,
         verifier_addresses=args.verifier_address, drafter_addresses=args.drafter_address,
-        speculative=speculative_config_from_args(args))
+        speculative=speculative_config_from_args(args), tls=tls, auth_tokens_file=args.auth_tokens_file,
+        max_message_bytes=args.max_message_bytes, shutdown_grace_s=args.shutdown_grace)
 
     async def serve():
         if args.metrics_port is not None:
             # Before the "listening on" line, which tests and scripts wait for.
             print(f"orchestrator metrics on {config.host}:{metrics.serve(args.metrics_port, config.host)}",
                   flush=True)
-        server, port = await start_async(config)
+        serving = await start_async(config)
+        port = serving.port
         print(f"orchestrator listening on {config.host}:{port}", flush=True)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
-        # Graceful: refuse new calls, give running streams a few seconds.
-        await server.stop(5)
+        print("orchestrator draining", flush=True)
+        await serving.drain_and_stop(config.shutdown_grace_s)
 
     asyncio.run(serve())
     telemetry.shutdown()                       # export the spans still queued

@@ -17,7 +17,8 @@ import itertools
 import grpc
 
 from specd import telemetry
-from specd.grpc_util import CHANNEL_OPTIONS
+from specd.grpc_util import MAX_MESSAGE_BYTES, open_channel
+from specd.security import TlsConfig
 from specd.wire import dists_from_proto, dists_to_proto, sampling_to_proto, shape_to_proto
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -99,10 +100,11 @@ class _Client:
     stub_cls = None
     service = ""     # the grpc service name, for span attributes
 
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, tls: TlsConfig | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.address = address
         self.timeout = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = open_channel(address, tls, max_message_bytes, aio=True)
         self.stub = self.stub_cls(self.channel)
         self.active = 0   # sessions this orchestrator has open here (for routing)
 
@@ -135,8 +137,8 @@ class GrpcVerifier(_Client):
     stub_cls = pb_grpc.VerifierServiceStub
     service = "specdec.v1.VerifierService"
 
-    def __init__(self, address: str, timeout_s: float):
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float, **channel):
+        super().__init__(address, timeout_s, **channel)
         self.mux = StreamMux(self.stub.VerifyStream)
 
     async def open(self, session_id, prompt_ids, sampling, resume: bool = False) -> int | None:
@@ -157,8 +159,8 @@ class GrpcDrafter(_Client):
     stub_cls = pb_grpc.DrafterServiceStub
     service = "specdec.v1.DrafterService"
 
-    def __init__(self, address: str, timeout_s: float):
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float, **channel):
+        super().__init__(address, timeout_s, **channel)
         self.mux = StreamMux(self.stub.ProposeStream)
 
     async def open(self, session_id, prompt_ids, sampling) -> None:

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specd.grpc_util import MAX_MESSAGE_BYTES
+from specd.security import TlsConfig
 from specd.spec_config import SpeculativeConfig
 
 from .pool import ReplicaSpec
@@ -27,3 +29,11 @@ class OrchestratorConfig:
     # Replacements of a lost verifier (and, apart, drafter) per request before
     # it fails (verifier) or goes on without a drafter (orchestrator/failover.py).
     max_failovers: int = 3
+    # TLS for the public server AND the channels to the replicas (the same
+    # cert/key/CA; see specd.security). None = plaintext everywhere.
+    tls: TlsConfig | None = None
+    # Bearer tokens for the public API (one per line; $SPECD_AUTH_TOKENS adds
+    # more). No file and no env tokens = no authentication.
+    auth_tokens_file: str | None = None
+    max_message_bytes: int = MAX_MESSAGE_BYTES   # per message, every link; over it: RESOURCE_EXHAUSTED
+    shutdown_grace_s: float = 30.0         # after SIGTERM: running streams get this long to finish

@@ -8,6 +8,7 @@ from typing import AsyncIterator
 
 from transformers import AutoConfig
 
+from specd.errors import ShuttingDown
 from specd.models import context_length, load_tokenizer
 
 from .adaptive import CostModel
@@ -72,16 +73,21 @@ class Orchestrator:
         self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
         self.metrics = OrchestratorMetrics()
         self.active_requests = 0
+        self.draining = False      # set on shutdown: new requests refused, running ones finish
         # Verify / draft costs and acceptance per level, learnt from every cycle
         # (adaptive depth); per method, since ngram and a drafter differ.
         self.costs = collections.defaultdict(CostModel)
 
     def client_for(self, spec: ReplicaSpec):
         cls = GrpcVerifier if spec.kind == "verifier" else GrpcDrafter
-        return cls(spec.address, self.config.rpc_timeout_s)
+        return cls(spec.address, self.config.rpc_timeout_s, tls=self.config.tls,
+                   max_message_bytes=self.config.max_message_bytes)
 
     async def generate(self, request, trace_context=None) -> AsyncIterator[Chunk]:
         """Run one request; trace_context: the caller's (from its gRPC metadata)."""
+        if self.draining:
+            raise ShuttingDown("the orchestrator is shutting down and takes no new requests; "
+                               "retry on another instance")
         session_id = uuid.uuid4().hex
         trace = request_trace(trace_context, self.model_name, session_id)   # no-op unless tracing is on
         metrics = self.metrics.request()

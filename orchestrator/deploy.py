@@ -20,6 +20,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from drafter_svc.config import DrafterConfig
 from specd import telemetry
+from specd.auth import TOKENS_ENV
+from specd.grpc_util import MAX_MESSAGE_BYTES
+from specd.security import TlsConfig
 from specd.spec_config import SpeculativeConfig
 from verifier_svc.config import VerifierConfig
 
@@ -49,6 +52,15 @@ class DeploymentConfig:
     replica_max_restarts: int = 3         # Ray restarts a dead replica this often (then it is gone)
     locate_timeout_s: float = 2.0         # per scaler tick, asking a lost replica where it serves
     autoscale: dict[str, AutoscalePolicy] = field(default_factory=dict)   # per pool, optional
+    # TLS on every link: the replicas' servers, the orchestrator's public server
+    # and its channels to the replicas. Paths must exist on every node.
+    tls: TlsConfig | None = None
+    auth_tokens_file: str | None = None   # bearer tokens of the public API (read on the head node)
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    # Where replicas listen: None = their Ray node's IP, the address the
+    # orchestrator (possibly on another node) dials; not 0.0.0.0, so a replica
+    # is not reachable on interfaces the cluster does not use.
+    replica_host: str | None = None
 
 
 @ray.remote(num_cpus=0)
@@ -58,6 +70,9 @@ class ModelServiceActor:
     def __init__(self, kind: str, config_fields: dict):
         logging.basicConfig(level=logging.INFO)
         telemetry.setup(kind)          # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
+        # The services default to loopback, which the orchestrator on another
+        # node could not reach: bind this node's IP unless told otherwise.
+        config_fields = dict(config_fields, host=config_fields.get("host") or ray.util.get_node_ip_address())
         if kind == "verifier":
             from verifier_svc.server import start
             config = VerifierConfig(**config_fields)
@@ -65,7 +80,9 @@ class ModelServiceActor:
             from drafter_svc.server import start
             config = DrafterConfig(**config_fields)
         self.server, self.port = start(config)
-        self.host = ray.util.get_node_ip_address()
+        # The address the orchestrator dials: the bound host, or this node's IP
+        # when bound to every interface.
+        self.host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -92,25 +109,30 @@ class OrchestratorActor:
         return f"{self.host}:{self.server.port}"
 
 
-def _tracing_options() -> dict:
-    """The deploying shell's OTEL_* settings for the actors: workers of an
-    attached cluster do not inherit this process's environment. Nothing when
-    none is set, so untraced deployments are unchanged."""
-    env = {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
+def _actor_env(extra_env: tuple[str, ...] = ()) -> dict:
+    """The deploying shell's OTEL_* settings (and the named variables) for the
+    actors: workers of an attached cluster do not inherit this process's
+    environment. Nothing when none is set, so untraced deployments are unchanged."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("OTEL_") or k in extra_env}
     return {"runtime_env": {"env_vars": env}} if env else {}
+
+
+def replica_fields(cfg: DeploymentConfig, kind: str) -> dict:
+    """The replica's service config fields (host None: the actor's node IP)."""
+    model_dir = cfg.target_dir if kind == "verifier" else cfg.drafter_dir
+    return dict(model_dir=model_dir, host=cfg.replica_host, port=0, device=cfg.device, dtype=cfg.dtype,
+                tls=cfg.tls, max_message_bytes=cfg.max_message_bytes)
 
 
 def _replica(cfg: DeploymentConfig, kind: str, name: str):
     """One replica actor, asking for one unit of its pool's resource."""
-    model_dir = cfg.target_dir if kind == "verifier" else cfg.drafter_dir
     resource = cfg.verifier_resource if kind == "verifier" else cfg.drafter_resource
-    fields = dict(model_dir=model_dir, host="0.0.0.0", port=0, device=cfg.device, dtype=cfg.dtype)
     # Restarted with the same arguments after its process dies; its new server
     # listens on a new port, which the orchestrator asks for (RayLauncher.locate).
     return ModelServiceActor.options(
         name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=cfg.replica_max_restarts,
-        resources={resource: 1}, num_gpus=cfg.replica_gpus, **_tracing_options(),
-    ).remote(kind, fields)
+        resources={resource: 1}, num_gpus=cfg.replica_gpus, **_actor_env(),
+    ).remote(kind, replica_fields(cfg, kind))
 
 
 def _not_ready(cfg: DeploymentConfig, kind: str) -> TimeoutError:
@@ -196,13 +218,15 @@ def deploy(cfg: DeploymentConfig) -> str:
         specs.append(ReplicaSpec(kind, name, address, node))
     orch_config = OrchestratorConfig(
         target_dir=cfg.target_dir, drafter_dir=cfg.drafter_dir, port=cfg.port, replicas=specs,
-        speculative=cfg.speculative, autoscale=cfg.autoscale)
+        speculative=cfg.speculative, autoscale=cfg.autoscale, tls=cfg.tls, auth_tokens_file=cfg.auth_tokens_file,
+        max_message_bytes=cfg.max_message_bytes)
     # Pinned to the node that runs `specd up` (the head, in deploy/cluster.yaml):
     # an actor asking for no resources could land anywhere, and clients are told
     # to reach Generate on the head.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     orch = OrchestratorActor.options(name=ORCHESTRATOR_NAME, namespace=NAMESPACE, lifetime="detached",
-                                     scheduling_strategy=here, **_tracing_options()).remote(orch_config, cfg)
+                                     scheduling_strategy=here, **_actor_env((TOKENS_ENV,)),
+                                     ).remote(orch_config, cfg)
     return ray.get(orch.address.remote(), timeout=cfg.ready_timeout_s)
 
 

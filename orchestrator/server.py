@@ -3,34 +3,70 @@ background event-loop thread (inside a Ray actor)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1.health import HealthServicer
 
 from specd import telemetry
-from specd.grpc_util import CHANNEL_OPTIONS, add_health_and_reflection
+from specd.auth import BearerTokenInterceptor, tokens_from_env_and_file
+from specd.grpc_util import add_health_and_reflection, bind, channel_options
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 from .config import OrchestratorConfig
 from .core import Orchestrator
 from .servicer import ADMIN_SERVICE_NAME, SERVICE_NAME, AdminServicer, OrchestratorServicer
 
+log = logging.getLogger(__name__)
 
-async def start_async(config: OrchestratorConfig, launcher=None):
-    """Start the aio server on the running loop; return (server, port).
+
+@dataclass
+class Serving:
+    """A started orchestrator server and what its shutdown needs."""
+    server: grpc.aio.Server
+    port: int
+    core: Orchestrator
+    health: HealthServicer
+
+    async def drain_and_stop(self, grace_s: float) -> None:
+        """Graceful shutdown: health NOT_SERVING (balancers stop sending), new
+        Generate calls refused with UNAVAILABLE (the core's `draining`), running
+        streams given up to grace_s to finish; then the server stops."""
+        self.health.enter_graceful_shutdown()
+        self.core.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        # Polled: streams end inside the core's generator, which knows no server.
+        while self.core.active_requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.core.active_requests:
+            log.warning("shutdown grace (%.1fs) over: cancelling %d running stream(s)", grace_s,
+                        self.core.active_requests)
+        await self.server.stop(max(0.5, deadline - loop.time()))
+
+
+async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
+    """Start the aio server on the running loop.
     launcher: starts and stops replicas (on Ray), which makes the pools scalable."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    if config.tls:
+        config.tls.check(server=True)    # before loading anything, naming the bad file
+    tokens = tokens_from_env_and_file(config.auth_tokens_file)
+    if not tokens and not config.host.startswith("127."):
+        log.warning("no auth tokens configured: anyone who reaches %s:%s can generate and scale",
+                    config.host, config.port)
+    server = grpc.aio.server(options=channel_options(config.max_message_bytes),
+                             interceptors=[BearerTokenInterceptor(tokens)] if tokens else None)
     core = Orchestrator(config, launcher)
     pb_grpc.add_OrchestratorServiceServicer_to_server(OrchestratorServicer(core), server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminServicer(core), server)
-    add_health_and_reflection(server, [SERVICE_NAME, ADMIN_SERVICE_NAME])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise RuntimeError(f"could not bind {config.host}:{config.port}")
+    health_servicer = add_health_and_reflection(server, [SERVICE_NAME, ADMIN_SERVICE_NAME])
+    port = bind(server, config.host, config.port, config.tls)
     await server.start()
     if core.scaler:
         core.scaler.start()
-    return server, port
+    return Serving(server, port, core, health_servicer)
 
 
 class BackgroundServer:
@@ -51,7 +87,8 @@ class BackgroundServer:
     def _run(self, config, launcher):
         asyncio.set_event_loop(self.loop)
         try:
-            self.server, self.port = self.loop.run_until_complete(start_async(config, launcher))
+            self.serving = self.loop.run_until_complete(start_async(config, launcher))
+            self.server, self.port = self.serving.server, self.serving.port
         except BaseException as exc:  # noqa: BLE001 - reported to the constructor
             self._error = exc
             self._ready.set()
@@ -60,6 +97,6 @@ class BackgroundServer:
         self.loop.run_until_complete(self.server.wait_for_termination())
 
     def stop(self, grace_s: float = 5.0) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop).result(grace_s + 5)
+        asyncio.run_coroutine_threadsafe(self.serving.drain_and_stop(grace_s), self.loop).result(grace_s + 5)
         self.thread.join(grace_s + 5)
         telemetry.flush()     # the process may live on (a Ray actor): flush, do not shut down

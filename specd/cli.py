@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 from . import cluster
+from .grpc_util import MAX_MESSAGE_BYTES, open_channel
+from .auth import CLIENT_TOKEN_ENV, bearer_metadata, tokens_from_env_and_file
+from .security import SecurityConfigError, add_tls_flags, tls_from_args
 from .spec_config import (METHODS, ConfigError, add_draft_shape_flags, add_speculative_flags,
                           speculative_config_from_args)
 
@@ -29,7 +32,13 @@ def cmd_up(args, print_address: bool = True) -> int:
         sc = speculative_config_from_args(args)
         autoscale = {kind: AutoscalePolicy.parse(text) for kind, text in
                      (("verifier", args.autoscale_verifiers), ("drafter", args.autoscale_drafters)) if text}
-    except (ConfigError, OSError, ValueError) as exc:
+        # Certificates and tokens are checked here, before Ray starts, with the file named.
+        tls = tls_from_args(args)
+        if tls:
+            tls.check(server=True)
+        tokens_file = str(Path(args.auth_tokens_file).resolve()) if args.auth_tokens_file else None
+        tokens_from_env_and_file(tokens_file)
+    except (ConfigError, SecurityConfigError, OSError, ValueError) as exc:
         print(f"specd up: {exc}", file=sys.stderr)
         return 2
     # The drafter: --drafter, else the config's `model`, else the demo drafter;
@@ -55,7 +64,8 @@ def cmd_up(args, print_address: bool = True) -> int:
             drafter_dir=str(Path(args.drafter).resolve()) if args.drafter else None,
             port=args.port, num_verifiers=args.verifiers, num_drafters=args.drafters,
             device=args.device, dtype=args.dtype, replica_gpus=args.replica_gpus, speculative=sc,
-            autoscale=autoscale, ready_timeout_s=args.ready_timeout))
+            autoscale=autoscale, ready_timeout_s=args.ready_timeout, tls=tls, auth_tokens_file=tokens_file,
+            max_message_bytes=args.max_message_bytes, replica_host=args.replica_host))
     except BaseException:
         if ray_pid:
             cluster.stop_local_ray(ray_pid)
@@ -111,9 +121,14 @@ def cmd_generate(args) -> int:
         req.tree.CopyFrom(pb.DraftShape(branching=args.tree or [], node_budget=args.tree_budget or 0,
                                         max_depth=args.tree_depth or (6 if args.tree_budget else 0),
                                         paths=[pb.TreePath(ranks=p) for p in args.tree_paths or []]))
-    with grpc.insecure_channel(address) as channel:
+    try:
+        channel = _client_channel(args, address)
+    except SecurityConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         try:
-            for r in pb_grpc.OrchestratorServiceStub(channel).Generate(req):
+            for r in pb_grpc.OrchestratorServiceStub(channel).Generate(req, metadata=_auth(args)):
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
                 if r.finish_reason:
@@ -128,14 +143,26 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _admin_call(args, method: str, request):
-    import grpc
+def _client_channel(args, address: str):
+    """The channel the client commands use: TLS when a --tls-* flag is given."""
+    tls = tls_from_args(args)
+    if tls:
+        tls.check(server=False)
+    return open_channel(address, tls)
 
+
+def _auth(args):
+    """--token, else $SPECD_TOKEN, as bearer metadata (nothing without one)."""
+    return bearer_metadata(args.token or os.environ.get(CLIENT_TOKEN_ENV))
+
+
+def _admin_call(args, method: str, request):
     from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
     address = args.address or (cluster.read_state() or {}).get("address") or "127.0.0.1:50051"
-    with grpc.insecure_channel(address) as channel:
-        return getattr(pb_grpc.AdminServiceStub(channel), method)(request, timeout=args.timeout)
+    with _client_channel(args, address) as channel:
+        return getattr(pb_grpc.AdminServiceStub(channel), method)(request, timeout=args.timeout,
+                                                                   metadata=_auth(args))
 
 
 def print_status(status) -> None:
@@ -159,6 +186,9 @@ def cmd_status(args) -> int:
     from specdec.v1 import specdec_pb2 as pb
     try:
         print_status(_admin_call(args, "Status", pb.StatusRequest()))
+    except SecurityConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -179,6 +209,9 @@ def cmd_scale(args) -> int:
         req.verifiers = args.verifiers
     try:
         print_status(_admin_call(args, "Scale", req))
+    except SecurityConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -213,10 +246,23 @@ def _add_deploy_flags(p) -> None:
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds a replica may take to serve (scaling onto a new GPU node takes minutes)")
     p.add_argument("--ray-address", help="attach to this Ray cluster (default: $RAY_ADDRESS, else start one)")
+    p.add_argument("--auth-tokens-file", help="bearer tokens the public API accepts, one per line "
+                   "($SPECD_AUTH_TOKENS adds comma-separated ones); default: no authentication")
+    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+                   help="largest gRPC message on every link (over it: RESOURCE_EXHAUSTED)")
+    p.add_argument("--replica-host", help="interface the replicas listen on (default: each one's Ray node IP)")
+    add_tls_flags(p, server=True)
+
+
+def _add_client_flags(p) -> None:
+    """How the client commands reach the orchestrator: TLS and the bearer token."""
+    p.add_argument("--token", help=f"bearer token for the public API (default: ${CLIENT_TOKEN_ENV})")
+    add_tls_flags(p, server=False)
 
 
 def _add_generate_flags(p) -> None:
     p.add_argument("--address", help="Generate address (default: the one `specd up` printed)")
+    p.add_argument("--token", help=f"bearer token for the public API (default: ${CLIENT_TOKEN_ENV})")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -236,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a completion")
     gen.add_argument("prompt")
     _add_generate_flags(gen)
+    add_tls_flags(gen, server=False)
     g = gen.add_argument_group("per-request speculation (default: the service's config)")
     g.add_argument("--method", choices=METHODS, help="draft_model | ngram | off")
     g.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
@@ -244,12 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="pools, replicas, their nodes, addresses, sessions")
     status.add_argument("--address", help="orchestrator address (default: the one `specd up` printed)")
     status.add_argument("--timeout", type=float, default=10.0)
+    _add_client_flags(status)
     status.set_defaults(func=cmd_status)
     scale = sub.add_parser("scale", help="resize the drafter and/or verifier pool live (down = drain)")
     scale.add_argument("--drafters", type=int, help="serving drafter replicas wanted")
     scale.add_argument("--verifiers", type=int, help="serving verifier replicas wanted")
     scale.add_argument("--address", help="orchestrator address (default: the one `specd up` printed)")
     scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for new replicas")
+    _add_client_flags(scale)
     scale.set_defaults(func=cmd_scale)
     down = sub.add_parser("down", help="stop what `specd up` started")
     down.set_defaults(func=cmd_down)

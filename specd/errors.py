@@ -12,3 +12,8 @@ class UnknownSession(InvalidRequest):
 
 class CapacityExceeded(RuntimeError):
     """A memory or session budget is full (maps to RESOURCE_EXHAUSTED)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is draining before it stops: new work is refused (UNAVAILABLE),
+    running work finishes."""

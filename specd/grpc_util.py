@@ -1,5 +1,7 @@
 """The gRPC edge shared by every service: error -> status mapping, server setup
-with health checking and reflection, message size limits."""
+with health checking and reflection, message size limits, and the one place
+where servers' ports and clients' channels are made (TLS when configured,
+specd.security; plaintext otherwise), so every link follows the same settings."""
 from __future__ import annotations
 
 import functools
@@ -12,15 +14,43 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .errors import CapacityExceeded, InvalidRequest
+from .errors import CapacityExceeded, InvalidRequest, ShuttingDown
+from .security import TlsConfig
 
 log = logging.getLogger(__name__)
 
+# A message over the limit fails its call with RESOURCE_EXHAUSTED (gRPC's own
+# check, before any of our code runs). 16 MiB is far above any request or
+# draft this system sends; the limit bounds what one call can make a server buffer.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+CHANNEL_OPTIONS = channel_options()
+
+
+def bind(server, host: str, port: int, tls: TlsConfig | None) -> int:
+    """Add the server's port (TLS when configured); return the bound port."""
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, tls.server_credentials()) if tls
+             else server.add_insecure_port(address))
+    if bound == 0:
+        raise RuntimeError(f"could not bind {address}")
+    return bound
+
+
+def open_channel(address: str, tls: TlsConfig | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 aio: bool = False):
+    """A channel to `address` (TLS when configured); grpc.aio's with aio=True."""
+    mod = grpc.aio if aio else grpc
+    options = channel_options(max_message_bytes)
+    if tls is None:
+        return mod.insecure_channel(address, options=options)
+    return mod.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -28,6 +58,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, CapacityExceeded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, ShuttingDown):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
@@ -106,13 +138,28 @@ def add_health_and_reflection(server, service_names: list[str]) -> health.Health
     return health_servicer
 
 
-def start_sync_server(add_fn, servicer, service_name: str, host: str, port: int, workers: int):
+class DrainingServer:
+    """A started sync grpc.Server whose stop() first reports NOT_SERVING on
+    every health service (so probes and balancers stop sending work), then
+    refuses new calls and gives running ones `grace` seconds."""
+
+    def __init__(self, server, health_servicer: health.HealthServicer):
+        self.server, self.health = server, health_servicer
+
+    def stop(self, grace: float | None):
+        self.health.enter_graceful_shutdown()
+        return self.server.stop(grace)
+
+    def __getattr__(self, name):
+        return getattr(self.server, name)
+
+
+def start_sync_server(add_fn, servicer, service_name: str, host: str, port: int, workers: int,
+                      tls: TlsConfig | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
     """Start a thread-pool gRPC server for one servicer; return (server, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_message_bytes))
     add_fn(servicer, server)
-    add_health_and_reflection(server, [service_name])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}")
+    health_servicer = add_health_and_reflection(server, [service_name])
+    bound = bind(server, host, port, tls)
     server.start()
-    return server, bound
+    return DrainingServer(server, health_servicer), bound

@@ -12,8 +12,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
-
+from specd.grpc_util import open_channel
+from specd.security import TlsConfig
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -67,11 +67,14 @@ class Stack:
     metrics: serve Prometheus /metrics on free ports (each process's `metrics_address`);
     verifier_args: flags for the verifier only (e.g. --max-batch-sessions 1);
     verifiers / drafters: replicas of each, one process each (`verifiers`,
-    `drafters`; `verifier` and `drafter_proc` are the first), started in parallel."""
+    `drafters`; `verifier` and `drafter_proc` are the first), started in parallel;
+    orchestrator_args: flags for the orchestrator only (e.g. --auth-tokens-file F);
+    client_tls: how `channel` reaches the orchestrator (None: plaintext)."""
 
     def __init__(self, target: str, drafter: str | None, service_args: tuple[str, ...] = (),
                  env: dict | None = None, metrics: bool = False, verifier_args: tuple[str, ...] = (),
-                 verifiers: int = 1, drafters: int = 1):
+                 verifiers: int = 1, drafters: int = 1, orchestrator_args: tuple[str, ...] = (),
+                 client_tls: TlsConfig | None = None):
         self.target, self.drafter = target, drafter
         extra = ("--metrics-port", "0") if metrics else ()
         starts = [("verifier_svc", "--model", target, *service_args, *verifier_args, *extra)] * verifiers
@@ -89,7 +92,7 @@ class Stack:
         self.verifiers, self.drafters = procs[:verifiers], procs[verifiers:]
         self.verifier = self.verifiers[0]
         self.drafter_proc = self.drafters[0] if self.drafters else None
-        args = ["--target", target, *extra]
+        args = ["--target", target, *extra, *orchestrator_args]
         for v in self.verifiers:
             args += ["--verifier-address", v.address]
         if drafter:
@@ -97,7 +100,7 @@ class Stack:
             for d in self.drafters:
                 args += ["--drafter-address", d.address]
         self.orchestrator = ServiceProcess("orchestrator", *args, env=env)
-        self.channel = grpc.insecure_channel(self.orchestrator.address)
+        self.channel = open_channel(self.orchestrator.address, client_tls)
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
 
     def generate(self, metadata=None, **fields) -> tuple[list[int], pb.GenerateResponse]:

@@ -11,13 +11,15 @@ import signal
 import threading
 
 from . import metrics, telemetry
+from .security import SecurityConfigError, add_tls_flags, tls_from_args
 
 
 def model_service_main(name: str, config_cls, start, argv=None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
     parser.add_argument("--model", required=True, help="Hugging Face causal LM directory")
     parser.add_argument("--port", type=int, default=config_cls.port, help="0 = any free port")
-    parser.add_argument("--host", default=config_cls.host)
+    parser.add_argument("--host", default=config_cls.host,
+                        help="interface to listen on (default loopback: only a local orchestrator can reach it)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--max-draft-tokens", type=int, default=config_cls.max_draft_tokens)
@@ -27,14 +29,26 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
                             help="sessions whose verify calls may share one forward (1 = no batching)")
     parser.add_argument("--metrics-port", type=int,
                         help="serve Prometheus /metrics on this port (0 = any free port; default: off)")
+    parser.add_argument("--max-message-bytes", type=int, default=config_cls.max_message_bytes,
+                        help="largest gRPC message either way (over it: RESOURCE_EXHAUSTED)")
+    parser.add_argument("--shutdown-grace", type=float, default=5.0,
+                        help="seconds running calls get after SIGTERM (health turns NOT_SERVING at once)")
+    add_tls_flags(parser, server=True)
     args = parser.parse_args(argv)
+    try:
+        tls = tls_from_args(args)
+        if tls:
+            tls.check(server=True)      # before the (slow) model load, naming the bad file
+    except SecurityConfigError as exc:
+        parser.exit(2, f"{name}: {exc}\n")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
     telemetry.setup(name.removesuffix("_svc"))
     extra = {"max_batch_sessions": args.max_batch_sessions} if hasattr(args, "max_batch_sessions") else {}
     config = config_cls(model_dir=args.model, host=args.host, port=args.port, device=args.device,
                         dtype=args.dtype, max_draft_tokens=args.max_draft_tokens,
-                        torch_threads=args.torch_threads, **extra)
+                        torch_threads=args.torch_threads, tls=tls, max_message_bytes=args.max_message_bytes,
+                        **extra)
     server, port = start(config)
     if args.metrics_port is not None:
         # Printed before the "listening on" line, which tests and scripts wait for.
@@ -45,6 +59,6 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    # Graceful: refuse new calls, give running ones a few seconds to finish.
-    server.stop(grace=5).wait()
+    # Graceful: health NOT_SERVING, refuse new calls, give running ones the grace period.
+    server.stop(grace=args.shutdown_grace).wait()
     telemetry.shutdown()      # export the spans still queued

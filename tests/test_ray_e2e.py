@@ -1,20 +1,25 @@
 """Must-show 3: end to end through real processes - a Ray cluster, drafter and
 verifier gRPC servers as Ray actors on real ports, a client calling Generate over
-the network - and `specd up` / `specd generate` / `specd down` from a shell."""
+the network - and `specd up` / `specd generate` / `specd down` from a shell.
+The `specd up` deployment runs mutual TLS on every link and bearer tokens, so the
+certificate paths are shown to reach the replica actors (`specd demo` stays plaintext)."""
 import os
 import re
 import subprocess
 import sys
 
-import grpc
 import pytest
 import ray
 
 from specd import cluster
+from specd.auth import bearer_metadata
+from specd.grpc_util import open_channel
+from specd.security import TlsConfig
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from tests.test_greedy_exact import reference
 from specd.models import load_model
+from tests.certs import make_pki
 
 SPECD = [sys.executable, "-m", "specd.cli"]
 
@@ -34,8 +39,15 @@ def run(args, env, timeout=300):
 
 def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
     target, drafter = pairs["llama"]
-    env = dict(os.environ, RAY_ADDRESS=ray_cluster, SPECD_HOME=str(tmp_path / "home"))
-    up = run(["up", "--target", target, "--drafter", drafter, "--port", "0"], env)
+    pki = make_pki(tmp_path / "pki")
+    (tmp_path / "tokens").write_text("ray-token\n")
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster, SPECD_HOME=str(tmp_path / "home"), SPECD_TOKEN="ray-token")
+    # Replicas and the orchestrator are dialled by Ray node IP, which the test
+    # certificate does not list: the name `localhost` is checked instead.
+    tls = ["--tls-ca", pki.ca, "--tls-server-name", "localhost"]
+    up = run(["up", "--target", target, "--drafter", drafter, "--port", "0", "--tls-cert", pki.server_cert,
+              "--tls-key", pki.server_key, "--tls-client-auth", "--auth-tokens-file", str(tmp_path / "tokens"),
+              *tls], env)
     assert up.returncode == 0, up.stderr
     address = up.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"[\d.]+:\d+", address), up.stdout
@@ -49,24 +61,31 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
         # A client over the network: the stream equals target-only greedy decoding.
         prompt = [40, 41, 42, 43, 44, 45]
         want, _ = reference(load_model(target, "cpu"), prompt)
-        with grpc.insecure_channel(address) as ch:
+        client_tls = TlsConfig(ca=pki.ca, cert=pki.client_cert, key=pki.client_key, server_name="localhost")
+        with open_channel(address, client_tls) as ch:
             chunks = list(pb_grpc.OrchestratorServiceStub(ch).Generate(
                 pb.GenerateRequest(prompt_token_ids=pb.PromptTokenIds(ids=prompt), max_new_tokens=len(want),
-                                   num_speculative_tokens=3), timeout=120))
+                                   num_speculative_tokens=3), timeout=120, metadata=bearer_metadata("ray-token")))
         assert len(chunks) > 1  # streamed, not one blob
         assert [t for c in chunks for t in c.token_ids] == want
         assert chunks[-1].finish_reason in ("length", "stop") and chunks[-1].stats.cycles > 0
 
-        check_drafter_restart(ray_cluster, address, prompt, want)
+        check_drafter_restart(ray_cluster, address, prompt, want, client_tls, bearer_metadata("ray-token"))
 
-        gen = run(["generate", "def add(a, b):", "--max-new-tokens", "12"], env, timeout=120)
+        tls += ["--tls-cert", pki.client_cert, "--tls-key", pki.client_key]
+        gen = run(["generate", "def add(a, b):", "--max-new-tokens", "12", *tls], env, timeout=120)
         assert gen.returncode == 0, gen.stderr
         assert "finish=length" in gen.stderr and "completion_tokens=12" in gen.stderr
-        tree = run(["generate", "def add(a, b):", "--max-new-tokens", "12", "--tree", "2,2,1"], env, timeout=120)
+        tree = run(["generate", "def add(a, b):", "--max-new-tokens", "12", "--tree", "2,2,1", *tls], env,
+                   timeout=120)
         assert tree.returncode == 0 and gen.stdout == tree.stdout, tree.stderr   # greedy: same text
         assert "K=3" in tree.stderr
-        bad = run(["generate", "x", "--temperature", "-1"], env, timeout=120)
+        bad = run(["generate", "x", "--temperature", "-1", *tls], env, timeout=120)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+        no_cert = run(["generate", "x", *tls[:4]], env, timeout=120)         # mTLS: refused
+        assert no_cert.returncode == 1 and "UNAVAILABLE" in no_cert.stderr
+        wrong = run(["generate", "x", *tls, "--token", "not-it"], env, timeout=120)
+        assert wrong.returncode == 1 and "UNAUTHENTICATED" in wrong.stderr
     finally:
         down = run(["down"], env)
     assert down.returncode == 0, down.stderr
@@ -78,7 +97,7 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
         ray.shutdown()
 
 
-def check_drafter_restart(ray_cluster, address, prompt, want):
+def check_drafter_restart(ray_cluster, address, prompt, want, client_tls, metadata):
     """Issue 9 on Ray: the drafter's process is killed; the next stream finds it
     lost and runs as plain decoding (still exact); Ray restarts the actor
     (max_restarts), its server on a new port, which the orchestrator re-discovers;
@@ -91,25 +110,29 @@ def check_drafter_restart(ray_cluster, address, prompt, want):
     finally:
         ray.shutdown()
     os.kill(pid, signal.SIGKILL)
-    with grpc.insecure_channel(address) as ch:
+    with open_channel(address, client_tls) as ch:
         stub, admin = pb_grpc.OrchestratorServiceStub(ch), pb_grpc.AdminServiceStub(ch)
-        before = {r.name: r.address for r in admin.Status(pb.StatusRequest(), timeout=30).replicas}
+
+        def status():
+            return {r.name: r for r in admin.Status(pb.StatusRequest(), timeout=30, metadata=metadata).replicas}
+        before = {name: r.address for name, r in status().items()}
 
         def generate():
             chunks = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokenIds(ids=prompt),
-                                        max_new_tokens=len(want), num_speculative_tokens=3), timeout=120))
+                                        max_new_tokens=len(want), num_speculative_tokens=3), timeout=120,
+                                        metadata=metadata))
             assert [t for c in chunks for t in c.token_ids] == want
             return chunks[-1].stats
         # The drafter's process is gone (or restarting at a new port): found lost,
         # the stream runs as plain decoding, still exact.
         generate()
-        drafter = {r.name: r for r in admin.Status(pb.StatusRequest(), timeout=30).replicas}["specd-drafter-0"]
+        drafter = status()["specd-drafter-0"]
         assert drafter.lost or drafter.address != before["specd-drafter-0"]
         deadline = time.monotonic() + 120          # the restart loads the model again
         while drafter.lost or drafter.address == before["specd-drafter-0"]:
             assert time.monotonic() < deadline, f"drafter not re-discovered: {drafter}"
             time.sleep(0.5)
-            drafter = {r.name: r for r in admin.Status(pb.StatusRequest(), timeout=30).replicas}["specd-drafter-0"]
+            drafter = status()["specd-drafter-0"]
         assert generate().accepted_tokens > 0      # speculating on the restarted drafter
 
 

@@ -2,11 +2,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specd.grpc_util import MAX_MESSAGE_BYTES
+from specd.security import TlsConfig
+
 
 @dataclass(frozen=True)
 class VerifierConfig:
     model_dir: str                   # HF causal LM directory (the target)
-    host: str = "0.0.0.0"            # where the gRPC server listens
+    # Loopback by default: only the orchestrator talks to a replica, and on one
+    # machine it is local. On Ray, deploy binds the node's own IP (what the
+    # orchestrator on another node dials); see orchestrator/deploy.py.
+    host: str = "127.0.0.1"
     port: int = 50061                # 0 = pick a free port
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: str = "float32"           # float32 | float16 | bfloat16
@@ -21,3 +27,5 @@ class VerifierConfig:
     # engine runs a batch's calls one after another), up to this many sessions.
     # 1 = one session per forward.
     max_batch_sessions: int = 32
+    tls: TlsConfig | None = None     # TLS / mTLS on this server (specd.security); None = plaintext
+    max_message_bytes: int = MAX_MESSAGE_BYTES   # per message, both ways; over it: RESOURCE_EXHAUSTED

@@ -12,4 +12,5 @@ def start(config: VerifierConfig, core: Verifier | None = None):
     """Load the model (unless given a core), start serving; return (server, port)."""
     core = core or Verifier(config)
     return start_sync_server(pb_grpc.add_VerifierServiceServicer_to_server, VerifierServicer(core),
-                             SERVICE_NAME, config.host, config.port, config.grpc_workers)
+                             SERVICE_NAME, config.host, config.port, config.grpc_workers,
+                             config.tls, config.max_message_bytes)
