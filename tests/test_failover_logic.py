@@ -98,7 +98,8 @@ class FakeDrafter(FakeReplica):
         self._call("open")
         self.sessions[session_id] = {"seq": list(prompt_ids), "last": []}
 
-    async def propose(self, session_id, accepted_path, committed, shape):
+    async def propose(self, session_id, accepted_path, committed, shape, *, ahead=False, rewind=False):
+        assert not ahead and not rewind    # these runs do not pipeline
         self._call(("propose", tuple(accepted_path), tuple(committed)))
         s = self.sessions[session_id]
         assert list(committed[:len(accepted_path)]) == [s["last"][i] for i in accepted_path]
