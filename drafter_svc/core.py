@@ -75,7 +75,7 @@ class Drafter(ModelCore):
             if len(prompt_ids) > 1:
                 s.cache.forward(prompt_ids[:-1], last_only=True)
             s.base = s.cache.length
-            self._sessions[session_id] = s
+            self._add(session_id, s)
 
     def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
                 shape: DraftShape) -> Proposal:

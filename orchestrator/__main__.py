@@ -26,6 +26,8 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = any free port; "
                    "default: off)")
+    p.add_argument("--max-active-requests", type=int, default=OrchestratorConfig.max_active_requests,
+                   help="concurrent Generate streams; past it RESOURCE_EXHAUSTED")
     add_speculative_flags(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
@@ -33,7 +35,7 @@ def main(argv=None):
     config = OrchestratorConfig(
         target_dir=args.target, drafter_dir=args.drafter, host=args.host, port=args.port,
         verifier_addresses=args.verifier_address, drafter_addresses=args.drafter_address,
-        speculative=speculative_config_from_args(args))
+        speculative=speculative_config_from_args(args), max_active_requests=args.max_active_requests)
 
     async def serve():
         if args.metrics_port is not None:

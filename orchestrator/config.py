@@ -24,3 +24,6 @@ class OrchestratorConfig:
     # Method, K, tree, ngram settings and the limits requests cannot exceed.
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     rpc_timeout_s: float = 60.0            # per internal call
+    # Generate streams at once; past it a new one is RESOURCE_EXHAUSTED at once
+    # (admission control: each stream holds sessions and a slot in every forward).
+    max_active_requests: int = 1024

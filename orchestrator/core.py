@@ -8,6 +8,7 @@ from typing import AsyncIterator
 
 from transformers import AutoConfig
 
+from specd.errors import CapacityExceeded
 from specd.models import context_length, load_tokenizer
 
 from .adaptive import CostModel
@@ -81,6 +82,9 @@ class Orchestrator:
 
     async def generate(self, request, trace_context=None) -> AsyncIterator[Chunk]:
         """Run one request; trace_context: the caller's (from its gRPC metadata)."""
+        if self.active_requests >= self.config.max_active_requests:
+            raise CapacityExceeded(f"orchestrator is at its limit of {self.config.max_active_requests} "
+                                   f"concurrent requests; retry later")
         session_id = uuid.uuid4().hex
         trace = request_trace(trace_context, self.model_name, session_id)   # no-op unless tracing is on
         metrics = self.metrics.request()

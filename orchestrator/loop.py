@@ -183,6 +183,9 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
         opens = [verifier.open(session_id, spec.prompt_ids, spec.sampling)]
         if use_drafter:
             opens.append(drafter.open(session_id, spec.prompt_ids, spec.sampling))
+        # Until the opens answer, count them as opened: a client that leaves now
+        # cancels them here, but a replica may already have opened the session.
+        opened = [verifier, drafter][:len(opens)]
         with trace.scope():
             results = await asyncio.gather(*opens, return_exceptions=True)
         opened = [c for c, r in zip([verifier, drafter], results) if not isinstance(r, BaseException)]

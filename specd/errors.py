@@ -12,3 +12,9 @@ class UnknownSession(InvalidRequest):
 
 class CapacityExceeded(RuntimeError):
     """A memory or session budget is full (maps to RESOURCE_EXHAUSTED)."""
+
+
+class SessionExpired(UnknownSession):
+    """A session this replica closed itself after `session_idle_timeout_s` without a
+    call (maps to NOT_FOUND: unlike an unknown id, the caller's id was right, the
+    session is gone; a client can tell the two apart and open a new session)."""

@@ -2,14 +2,23 @@
 the session table, the lock, and the checks every new session passes."""
 from __future__ import annotations
 
+import collections
+import logging
 import threading
+import time
 
 import torch
 
-from .errors import CapacityExceeded, InvalidRequest, UnknownSession
+from .errors import CapacityExceeded, InvalidRequest, SessionExpired, UnknownSession
 from .models import Runner, context_length, load_model, vocab_size
 from .sampling import SamplingParams
 from .validation import check_token_ids
+
+log = logging.getLogger(__name__)
+
+# Ids of expired sessions remembered, so that a late call hears "expired" rather
+# than "unknown"; bounded so that a stream of abandoned sessions cannot grow it.
+EXPIRED_IDS_KEPT = 4096
 
 
 class ModelCore:
@@ -24,6 +33,8 @@ class ModelCore:
         self.vocab_size = vocab_size(self.model)
         self.context_length = context_length(self.model.config)
         self._sessions: dict = {}
+        self._touched: dict[str, float] = {}          # session id -> time.monotonic() of its last call
+        self._expired: collections.OrderedDict[str, float] = collections.OrderedDict()   # id -> idle seconds
         # One forward at a time: concurrent forwards on 2 CPU cores only thrash.
         # (Batching concurrent sessions into one forward is a later step.)
         self._lock = threading.Lock()
@@ -46,10 +57,46 @@ class ModelCore:
         if len(self._sessions) >= self.config.max_sessions:
             raise CapacityExceeded(f"{self.role} is at its limit of {self.config.max_sessions} sessions")
 
+    def _add(self, session_id: str, session) -> None:
+        """Under the lock: register a new session (and forget an old expiry of its id)."""
+        self._sessions[session_id] = session
+        self._touched[session_id] = time.monotonic()
+        self._expired.pop(session_id, None)
+
     def close_session(self, session_id: str) -> None:
         with self._lock:
+            self._touched.pop(session_id, None)
             if self._sessions.pop(session_id, None) is None:
-                raise UnknownSession(f"unknown session id {session_id!r}")
+                self._raise_missing(session_id)
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Close the sessions without a call for `session_idle_timeout_s` (their KV
+        cache goes with them); return their ids. A client that vanished without
+        closing (crashed orchestrator, lost close) must not hold memory forever."""
+        timeout = self.config.session_idle_timeout_s
+        if timeout <= 0:
+            return []
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [sid for sid in self._sessions if now - self._touched.get(sid, now) > timeout]
+            for sid in stale:
+                del self._sessions[sid]
+                self._expired[sid] = now - self._touched.pop(sid)
+            for sid in [sid for sid in list(self._touched) if sid not in self._sessions]:
+                self._touched.pop(sid, None)      # left by a call racing its session's close
+            while len(self._expired) > EXPIRED_IDS_KEPT:
+                self._expired.popitem(last=False)
+        for sid in stale:
+            log.info("%s session %r expired after %.0f s idle", self.role, sid, self._expired.get(sid, timeout))
+        return stale
+
+    def _raise_missing(self, session_id: str):
+        idle = self._expired.get(session_id)
+        if idle is not None:
+            raise SessionExpired(f"session {session_id!r} expired: no call for {idle:.1f} s (this {self.role}'s "
+                                 f"session_idle_timeout_s is {self.config.session_idle_timeout_s:g}); "
+                                 f"open a new session")
+        raise UnknownSession(f"unknown session id {session_id!r}")
 
     def _live(self, jobs: list) -> list:
         """The jobs (checked calls) whose session is still the one they were
@@ -66,5 +113,8 @@ class ModelCore:
     def _get(self, session_id: str):
         s = self._sessions.get(session_id)
         if s is None:
-            raise UnknownSession(f"unknown session id {session_id!r}")
+            self._raise_missing(session_id)
+        # A plain dict store, atomic under the GIL; a stale entry left by a
+        # session closed meanwhile is ignored and dropped by expire_idle.
+        self._touched[session_id] = time.monotonic()
         return s

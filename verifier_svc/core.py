@@ -86,7 +86,7 @@ class Verifier(ModelCore):
             logits = s.cache.forward(prompt_ids, last_only=True)[0]
             first = sample(logits_to_probs(logits, params), gen) if not params.greedy else int(logits.argmax())
             s.tokens.append(first)
-            self._sessions[session_id] = s
+            self._add(session_id, s)
             return first
 
     def verify(self, session_id: str, draft_ids: list[int], parents: list[int] | None = None,
