@@ -35,7 +35,7 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
     def _propose(self, request) -> pb.ProposeResponse:
         with telemetry.server_span("drafter.propose", request.traceparent) as span:
             shape = (shape_from_proto(request.shape) if request.HasField("shape")
-                     else DraftShape.chain(request.num_draft_tokens))
+                     else DraftShape.chain(request.num_draft_tokens, self.core.config.max_draft_tokens))
             job = self.core.prepare(request.session_id, list(request.accepted_path),
                                     list(request.committed_token_ids), shape)
             proposal = self.batcher.submit(job).result()

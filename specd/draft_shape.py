@@ -24,9 +24,13 @@ class DraftShape:
     paths: tuple[tuple[int, ...], ...] = ()   # static, node by node (instead of branching)
 
     @staticmethod
-    def chain(k: int) -> "DraftShape":
+    def chain(k: int, max_k: int | None = None) -> "DraftShape":
         if k < 1:
             raise InvalidRequest(f"num_draft_tokens (chain length) must be >= 1, got {k}")
+        # Checked BEFORE the tuple is built: found by fuzzing, a K of 2**31 - 1 from
+        # the wire made a 2-billion-entry tuple and the drafter was OOM-killed.
+        if max_k is not None and k > max_k:
+            raise InvalidRequest(f"num_draft_tokens {k} is over the limit of {max_k}")
         return DraftShape(branching=(1,) * k)
 
     @property

@@ -160,17 +160,27 @@ class Verifier(ModelCore):
             raise InvalidRequest(f"got {len(rows)} draft distributions for a tree of {len(tree.tokens)} "
                                  f"nodes (one per row: the root and each node)")
         kids = children(tree)
+        used: list[tuple[list[int], list[float]]] = []
         for r, (ids, probs) in enumerate(rows):
             if len(ids) != len(probs):
                 raise InvalidRequest(f"draft distribution {r}: {len(ids)} ids but {len(probs)} probs")
             if not kids[r]:
-                continue                              # childless rows carry nothing
+                # Childless rows carry nothing, and nothing of them is read: they
+                # must not reach dense_q either (found by fuzzing: an id outside the
+                # vocabulary there was an IndexError, i.e. INTERNAL).
+                used.append(([], []))
+                continue
             check_token_ids(ids, self.vocab_size, None, f"draft_distributions[{r}].token_ids")
             if any(not (0.0 <= p <= 1.0) for p in probs) or abs(sum(probs) - 1.0) > 1e-3:
                 raise InvalidRequest(f"draft distribution {r} is not a probability distribution "
                                      f"(sum {sum(probs):.4f})")
+            if len(set(ids)) != len(ids):
+                # dense_q would keep only one of the repeated entries, so the q the
+                # rule uses would no longer sum to 1 (found by fuzzing).
+                raise InvalidRequest(f"draft distribution {r} lists a token id more than once")
             support = set(ids)
             missing = [tree.tokens[c] for c in kids[r] if tree.tokens[c] not in support]
             if missing:
                 raise InvalidRequest(f"draft distribution {r} gives probability 0 to drafted token(s) {missing}")
-        return dense_q([ids for ids, _ in rows], [p for _, p in rows], self.vocab_size)
+            used.append((ids, probs))
+        return dense_q([ids for ids, _ in used], [p for _, p in used], self.vocab_size)
