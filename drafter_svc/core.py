@@ -87,12 +87,28 @@ class Drafter(ModelCore):
         alone, before it could join a batch."""
         s = self._get(session_id)
         shape.validate(self.config.max_tree_nodes, self.config.max_draft_tokens)
-        self._check_outcome(s, accepted_path, committed)
+        if shape.dynamic and shape.top_k > min(self.vocab_size, self.config.max_tree_nodes):
+            # Found by fuzzing: torch.topk past the vocabulary raised inside the
+            # batch (INTERNAL, for every session in it). More candidates per node
+            # than the tree may hold is never useful either.
+            raise InvalidRequest(f"tree top_k {shape.top_k} is over the limit of "
+                                 f"{min(self.vocab_size, self.config.max_tree_nodes)}")
         check_token_ids(committed, self.vocab_size, None, "committed_token_ids", allow_empty=True)
-        if len(s.tokens) + len(committed) + shape.depth - 1 > self.context_length:
-            raise InvalidRequest(f"a tree of depth {shape.depth} would pass the drafter's context "
+        job = ProposeJob(session_id, s, list(accepted_path), list(committed), shape)
+        self._check_state(job)
+        return job
+
+    def _check_state(self, j: ProposeJob) -> None:
+        """The checks that depend on the session's state. Run in prepare AND again
+        under the lock before the job runs: calls of one session that arrive
+        together are all prepared against the same state, and the first one to
+        run changes it (found by fuzzing: a second Propose with nothing committed
+        after a draft reached the forward with no tokens, an IndexError)."""
+        s = j.session
+        self._check_outcome(s, j.accepted_path, j.committed)
+        if len(s.tokens) + len(j.committed) + j.shape.depth - 1 > self.context_length:
+            raise InvalidRequest(f"a tree of depth {j.shape.depth} would pass the drafter's context "
                                  f"length {self.context_length}")
-        return ProposeJob(session_id, s, list(accepted_path), list(committed), shape)
 
     def propose_batch(self, jobs: list[ProposeJob]) -> list[Proposal | Exception]:
         """Draft for several sessions at once: the newly committed tokens of all of
@@ -100,7 +116,7 @@ class Drafter(ModelCore):
         for all the sessions still drafting (lean engine). Trees grow per session."""
         with self._lock:
             start, phases = time.perf_counter(), Phases()
-            live = self._live(jobs)
+            live, refused = self._still_valid(self._live(jobs), self._check_state)
             for j in live:
                 s = j.session
                 # Keep the rows of the accepted path's forwarded nodes (ancestors are
@@ -130,7 +146,7 @@ class Drafter(ModelCore):
             for j in live:
                 j.session.last = trees[id(j)]
             return self._in_order(jobs, {id(j): Proposal(trees[id(j)], ms, phases.spans, len(live), nodes)
-                                         for j in live}, "Propose")
+                                         for j in live} | refused, "Propose")
 
     @staticmethod
     def _check_outcome(s: _Session, path: list[int], committed: list[int]) -> None:

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 # Ids of expired sessions remembered, so that a late call hears "expired" rather
 # than "unknown"; bounded so that a stream of abandoned sessions cannot grow it.
 EXPIRED_IDS_KEPT = 4096
+MAX_SESSION_ID = 256
 
 
 class ModelCore:
@@ -48,6 +49,8 @@ class ModelCore:
         params.validate()
         if not session_id:
             raise InvalidRequest("session_id must not be empty")
+        if len(session_id) > MAX_SESSION_ID:   # ids are held in tables and echoed in messages and logs
+            raise InvalidRequest(f"session_id has {len(session_id)} characters; at most {MAX_SESSION_ID} are allowed")
         check_token_ids(prompt_ids, self.vocab_size, self.context_length, "prompt_token_ids")
 
     def _check_room(self, session_id: str) -> None:
@@ -102,6 +105,19 @@ class ModelCore:
         """The jobs (checked calls) whose session is still the one they were
         checked against: not closed while they waited for their batch."""
         return [j for j in jobs if self._sessions.get(j.session_id) is j.session]
+
+    @staticmethod
+    def _still_valid(jobs: list, check) -> tuple[list, dict]:
+        """Under the lock: (the jobs that pass check(job) now, {id(job): the
+        InvalidRequest of each that does not})."""
+        ok, refused = [], {}
+        for j in jobs:
+            try:
+                check(j)
+                ok.append(j)
+            except InvalidRequest as exc:
+                refused[id(j)] = exc
+        return ok, refused
 
     @staticmethod
     def _in_order(jobs: list, done: dict, call: str) -> list:

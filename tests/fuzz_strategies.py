@@ -212,7 +212,7 @@ def drafts(draw):
 @st.composite
 def shapes(draw):
     """DraftShape messages: valid chains / static / path / dynamic trees, or broken ones."""
-    kind = draw(st.sampled_from(["branching", "paths", "dynamic", "mixed", "random"]))
+    kind = draw(st.sampled_from(["branching", "paths", "dynamic", "dynamic", "mixed", "random"]))
     if kind == "random":
         return draw(message_strategy(pb.DraftShape))
     shape = pb.DraftShape()
@@ -224,36 +224,53 @@ def shapes(draw):
                               max_size=8))
         shape.paths.extend(pb.TreePath(ranks=p) for p in paths)
     if kind in ("dynamic", "mixed"):
-        shape.node_budget = draw(st.sampled_from([1, 4, 10, 64, 65, 0, -1, 2**31 - 1]))
-        shape.max_depth = draw(st.sampled_from([1, 3, 16, 17, 0, -1]))
-        shape.top_k = draw(st.sampled_from([0, 1, 4, VOCAB - 1, VOCAB, VOCAB + 1, 10**9, -1]))
+        shape.node_budget = draw(st.sampled_from([1, 6, 64, 6, 65, 0, -1, 2**31 - 1]))
+        shape.max_depth = draw(st.sampled_from([1, 3, 16, 3, 17, 0, -1]))
+        shape.top_k = draw(st.sampled_from([0, 1, 4, -1, VOCAB - 1, VOCAB, VOCAB + 1, 10**9]))
     return shape
+
+
+GENERATE_BREAKS = ["prompt", "text", "max_new_tokens", "sampling", "top_p", "stop", "k", "tree", "method"]
 
 
 @st.composite
 def generate_requests(draw):
-    """GenerateRequests near the valid ones (short generations), one field broken at random."""
-    req = pb.GenerateRequest()
+    """A valid short GenerateRequest (greedy or sampled, chain, tree, ngram or
+    off), then maybe one field broken (GENERATE_BREAKS) or the tree fuzzed."""
+    req = pb.GenerateRequest(max_new_tokens=draw(st.integers(1, 10)), seed=draw(uint64s))
+    req.prompt_token_ids.ids.extend(draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)))
     if draw(st.booleans()):
-        req.prompt_token_ids.ids.extend(draw(prompts()))
-    else:
-        req.prompt = draw(st.one_of(st.text(max_size=40), st.sampled_from(["", "def f(x):", "\x00\ud7ff", "é" * 400])))
-    max_new = draw(st.one_of(st.integers(1, 10), st.sampled_from([0, -1, 4097, 2**31 - 1, -2**31])))
-    req.max_new_tokens = max_new
-    sp = draw(sampling_params())
-    req.temperature, req.top_k = sp.temperature, sp.top_k
-    if draw(st.booleans()):
-        req.top_p = draw(st.sampled_from([0.9, 1.0, 0.0, -1.0, 1.5, math.nan, 1e-30]))
-    if draw(st.booleans()):
-        req.seed = draw(uint64s)
-    req.stop.extend(draw(st.lists(st.sampled_from(["\n", "", "x", "é", "\x00", "a" * 1000]), max_size=3)))
-    choice = draw(st.sampled_from(["none", "k", "tree", "method", "all"]))
-    if choice in ("k", "all"):
-        req.num_speculative_tokens = draw(st.sampled_from([0, 1, 3, 16, 17, -1, 2**31 - 1]))
-    if choice in ("tree", "all"):
-        req.tree.CopyFrom(draw(shapes()))
-    if choice in ("method", "all"):
-        req.speculative_method = draw(st.sampled_from(["draft_model", "ngram", "off", "", "medusa", "OFF", "\x00"]))
+        req.temperature, req.top_k = draw(st.sampled_from([0.7, 1.0, 2.5])), draw(st.sampled_from([0, 5, VOCAB + 7]))
+        req.top_p = draw(st.sampled_from([0.9, 1.0, 1e-30]))
+    spec = draw(st.sampled_from(["default", "k", "tree", "ngram", "off"]))
+    if spec == "k":
+        req.num_speculative_tokens = draw(st.sampled_from([0, 1, 3, 16]))
+    elif spec == "tree":
+        req.tree.CopyFrom(draw(st.sampled_from([pb.DraftShape(branching=[2, 1]), pb.DraftShape(
+            node_budget=6, max_depth=3, top_k=draw(st.sampled_from([0, 1, 4, VOCAB, VOCAB + 1, 10**9]))),
+            pb.DraftShape(paths=[pb.TreePath(ranks=[0]), pb.TreePath(ranks=[1]), pb.TreePath(ranks=[0, 0])])])))
+    elif spec in ("ngram", "off"):
+        req.speculative_method = spec
     if draw(st.booleans()):
         req.adaptive_speculation = draw(st.booleans())
+    brk = draw(st.sampled_from([None, None, None] + GENERATE_BREAKS))
+    if brk == "prompt":
+        req.prompt_token_ids.ids[:] = draw(prompts())
+    elif brk == "text":
+        req.prompt = draw(st.one_of(st.text(max_size=40), st.sampled_from(["", "def f(x):", "\x00", "é" * 400])))
+    elif brk == "max_new_tokens":
+        req.max_new_tokens = draw(st.sampled_from([0, -1, 4097, 2**31 - 1, -2**31]))
+    elif brk == "sampling":
+        sp = draw(sampling_params())
+        req.temperature, req.top_k = sp.temperature, sp.top_k
+    elif brk == "top_p":
+        req.top_p = draw(st.sampled_from([0.0, -1.0, 1.5, math.nan, math.inf]))
+    elif brk == "stop":
+        req.stop.extend(draw(st.lists(st.sampled_from(["\n", "", "x", "é", "\x00", "a" * 1000]), max_size=3)))
+    elif brk == "k":
+        req.num_speculative_tokens = draw(st.sampled_from([17, -1, 2**31 - 1, -2**31]))
+    elif brk == "tree":
+        req.tree.CopyFrom(draw(shapes()))
+    elif brk == "method":
+        req.speculative_method = draw(st.sampled_from(["medusa", "OFF", "\x00", " ngram"]))
     return req

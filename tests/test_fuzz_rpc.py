@@ -8,12 +8,13 @@ Strategies: tests/fuzz_strategies.py (any message from the proto descriptors,
 plus nearly valid calls with one thing broken)."""
 from __future__ import annotations
 
+import collections
 import itertools
 
 import grpc
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from specd.local_stack import Stack
@@ -31,6 +32,10 @@ CODES = {c.value[0]: c for c in grpc.StatusCode}
 FUZZ = dict(derandomize=True, deadline=None, database=None, print_blob=False)
 PROMPT = [40, 41, 42, 43]
 _ids = itertools.count()
+# (rpc, status name) -> calls: the last test checks that fuzzing reached the
+# valid paths (OK answers) of each RPC too, not only its first check.
+OUTCOMES: collections.Counter = collections.Counter()
+MESSAGES: dict = {}     # (rpc, status name) -> one message, for the log
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +57,9 @@ def stubs(stack):
 
 
 def assert_clear(code: grpc.StatusCode, details: str, what) -> None:
+    OUTCOMES[type(what).__name__, code.name] += 1
+    MESSAGES.setdefault((type(what).__name__, code.name), details[:200])
+    event(f"{type(what).__name__}: {code.name}")
     assert code == OK or code in CLIENT_ERRORS, f"{code.name}: {details!r} for {what!r}"[:3000]
     assert code == OK or details.strip(), f"{code.name} without a message for {what!r}"[:3000]
 
@@ -102,7 +110,7 @@ def close_both(v, d, sid: str) -> None:
 open_requests = st.one_of(
     message_strategy(pb.OpenVerifySessionRequest),
     st.builds(lambda sid, p, sp: pb.OpenVerifySessionRequest(session_id=sid, prompt_token_ids=p, sampling=sp),
-              st.one_of(st.just("fresh"), st.sampled_from(["", "x" * 100_000])), prompts(), sampling_params()))
+              st.sampled_from(["fresh"] * 4 + ["", "x" * 257, "x" * 100_000]), prompts(), sampling_params()))
 
 
 @settings(max_examples=40, **FUZZ)
@@ -183,11 +191,14 @@ def test_fuzz_close(stack, stubs, req):
 @st.composite
 def propose_requests(draw, sid: str = "live"):
     """Targeted: a random outcome of the last draft and a random shape or K."""
+    plausible = draw(st.sampled_from([True, True, False]))    # no path kept, one token committed: valid after any draft
     req = pb.ProposeRequest(session_id=sid,
-                            accepted_path=draw(st.lists(st.sampled_from([0, 1, 2, -1, 64, 2**31 - 1]), max_size=4)),
-                            committed_token_ids=draw(st.lists(token_ids, max_size=6)),
+                            accepted_path=[] if plausible else draw(st.lists(
+                                st.sampled_from([0, 1, 2, -1, 64, 2**31 - 1]), max_size=4)),
+                            committed_token_ids=draw(st.lists(token_ids, min_size=int(plausible),
+                                                              max_size=1 if plausible else 6)),
                             num_draft_tokens=draw(st.sampled_from([1, 2, 4, 0, -1, 16, 17, 2**31 - 1])))
-    if draw(st.booleans()):
+    if draw(st.sampled_from([False, True, True])):
         req.shape.CopyFrom(draw(shapes()))
     return req
 
@@ -276,6 +287,9 @@ def test_fuzz_admin(stack, stubs, scale, status):
 def test_normal_requests_after_fuzzing(stack, stubs, pairs):
     """Last in the file: after all the above, greedy output is target-only greedy
     and no fuzzed call left a session open anywhere."""
+    print(sorted(OUTCOMES.items()), sorted(MESSAGES.items()), sep="\n")
+    for rpc in ("OpenVerifySessionRequest", "VerifyRequest", "ProposeRequest", "GenerateRequest"):
+        assert OUTCOMES[rpc, "OK"] >= 5 and OUTCOMES[rpc, "INVALID_ARGUMENT"] >= 5, (rpc, OUTCOMES)
     from transformers import AutoModelForCausalLM
     target = AutoModelForCausalLM.from_pretrained(pairs["llama"][0]).eval()
     prompt = [40, 41, 42, 43, 44, 45]

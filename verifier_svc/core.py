@@ -109,11 +109,19 @@ class Verifier(ModelCore):
         deepest = max(depth(tree), default=0)
         if deepest > self.config.max_draft_tokens:
             raise InvalidRequest(f"draft depth {deepest} is over this verifier's limit of {self.config.max_draft_tokens}")
-        if len(s.tokens) + deepest > self.context_length:
-            raise InvalidRequest(f"a draft of depth {deepest} after {len(s.tokens)} committed tokens "
-                                 f"would pass the context length {self.context_length}")
         q = self._dense_q(tree, row_dists) if row_dists else None
-        return VerifyJob(session_id, s, tree, q)
+        job = VerifyJob(session_id, s, tree, q)
+        self._check_room_left(job)
+        return job
+
+    def _check_room_left(self, j: VerifyJob) -> None:
+        """The context check, in prepare AND again under the lock before the job
+        runs: calls of one session that arrive together are all prepared against
+        the same committed length, and each one that runs first makes it longer."""
+        deepest, committed = max(depth(j.tree), default=0), len(j.session.tokens)
+        if committed + deepest > self.context_length:
+            raise InvalidRequest(f"a draft of depth {deepest} after {committed} committed tokens "
+                                 f"would pass the context length {self.context_length}")
 
     def verify_batch(self, jobs: list[VerifyJob]) -> list[VerifyResult | Exception]:
         """Verify several sessions' drafts in ONE forward (lean engine; the HF
@@ -121,7 +129,7 @@ class Verifier(ModelCore):
         exception that stopped it (a session closed meanwhile)."""
         with self._lock:
             start, phases = time.perf_counter(), Phases()
-            live = self._live(jobs)
+            live, refused = self._still_valid(self._live(jobs), self._check_room_left)
             items = []
             for j in live:
                 s, base = j.session, j.session.cache.length          # base == len(tokens) - 1
@@ -142,7 +150,7 @@ class Verifier(ModelCore):
             ms, rows = (time.perf_counter() - start) * 1e3, sum(len(ids) for _, ids, _, _ in items)
             for r in accepted:
                 r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases.spans, len(live), rows
-            return self._in_order(jobs, {id(j): r for j, r in zip(live, accepted)}, "verify")
+            return self._in_order(jobs, {id(j): r for j, r in zip(live, accepted)} | refused, "verify")
 
     def _accept(self, job: VerifyJob, logits: torch.Tensor) -> VerifyResult:
         s, tree = job.session, job.tree
