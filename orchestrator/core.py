@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -104,10 +105,17 @@ class Orchestrator:
             elif spec.method == "draft_model":
                 used.append(self.pools["drafter"].acquire())
                 drafter = used[1].client
-            async for chunk in run_generation(spec, session_id, verifier, drafter, tracker,
-                                              self.target_ctx, self.drafter_ctx, trace, self.costs[spec.method]):
-                metrics.observe(chunk, spec.method)
-                yield chunk
+            # aclosing: when this generator is closed or cancelled while the loop
+            # is suspended at a yield, close the loop NOW so that its `finally`
+            # frees the sessions on the replicas; otherwise that waits for the
+            # garbage collector (found by tests/test_cancellation.py: sessions
+            # left open after cancelled streams).
+            async with contextlib.aclosing(run_generation(
+                    spec, session_id, verifier, drafter, tracker, self.target_ctx, self.drafter_ctx, trace,
+                    self.costs[spec.method])) as chunks:
+                async for chunk in chunks:
+                    metrics.observe(chunk, spec.method)
+                    yield chunk
         except BaseException as exc:   # also the client leaving (GeneratorExit, CancelledError)
             trace.finish(chunk, exc)
             raise

@@ -231,5 +231,5 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
             yield Chunk(emit, stats, cycle)
     finally:
         # Free the session everywhere, also when the client went away mid-stream.
-        with trace.scope():
-            await asyncio.gather(*(c.close(session_id) for c in opened), return_exceptions=True)
+        with trace.scope():   # shield: a second cancel must not stop the closes half-way
+            await asyncio.shield(asyncio.gather(*(c.close(session_id) for c in opened), return_exceptions=True))

@@ -36,6 +36,12 @@ class ModelCore:
         self._sessions: dict = {}
         self._touched: dict[str, float] = {}          # session id -> time.monotonic() of its last call
         self._expired: collections.OrderedDict[str, float] = collections.OrderedDict()   # id -> idle seconds
+        # Ids closed before they were opened (bounded like _expired). A caller
+        # that gives up while its OpenSession is in flight closes the id at once;
+        # that close can overtake the open (another thread, a queued call), and
+        # without this note the open would then create a session nobody closes
+        # (found by tests/test_cancellation.py).
+        self._closed_unopened: collections.OrderedDict[str, None] = collections.OrderedDict()
         # One forward at a time: concurrent forwards on 2 CPU cores only thrash.
         # (Batching concurrent sessions into one forward is a later step.)
         self._lock = threading.Lock()
@@ -57,6 +63,10 @@ class ModelCore:
         """Under the lock: the id is new and the session table has room."""
         if session_id in self._sessions:
             raise InvalidRequest(f"session {session_id!r} is already open")
+        if session_id in self._closed_unopened:
+            del self._closed_unopened[session_id]
+            raise InvalidRequest(f"session {session_id!r} was closed before it was opened (its caller gave up "
+                                 f"on it); open it under a new id")
         if len(self._sessions) >= self.config.max_sessions:
             raise CapacityExceeded(f"{self.role} is at its limit of {self.config.max_sessions} sessions")
 
@@ -70,6 +80,10 @@ class ModelCore:
         with self._lock:
             self._touched.pop(session_id, None)
             if self._sessions.pop(session_id, None) is None:
+                if session_id not in self._expired:
+                    self._closed_unopened[session_id] = None
+                    while len(self._closed_unopened) > EXPIRED_IDS_KEPT:
+                        self._closed_unopened.popitem(last=False)
                 self._raise_missing(session_id)
 
     def expire_idle(self, now: float | None = None) -> list[str]:
