@@ -94,6 +94,7 @@ class Drafter(ModelCore):
             raise InvalidRequest(f"tree top_k {shape.top_k} is over the limit of "
                                  f"{min(self.vocab_size, self.config.max_tree_nodes)}")
         check_token_ids(committed, self.vocab_size, None, "committed_token_ids", allow_empty=True)
+        shape = shape.fit_rows(self.context_length - len(s.tokens) - len(committed))
         job = ProposeJob(session_id, s, list(accepted_path), list(committed), shape)
         self._check_state(job)
         return job
@@ -106,9 +107,11 @@ class Drafter(ModelCore):
         after a draft reached the forward with no tokens, an IndexError)."""
         s = j.session
         self._check_outcome(s, j.accepted_path, j.committed)
-        if len(s.tokens) + len(j.committed) + j.shape.depth - 1 > self.context_length:
-            raise InvalidRequest(f"a tree of depth {j.shape.depth} would pass the drafter's context "
-                                 f"length {self.context_length}")
+        # The tree's forwards (not only its depth: a wide static tree forwards
+        # more rows than it is deep) must fit in the context.
+        if len(s.tokens) + len(j.committed) + max(j.shape.depth - 1, j.shape.forward_rows) > self.context_length:
+            raise InvalidRequest(f"a tree of depth {j.shape.depth} ({j.shape.forward_rows} rows to forward) "
+                                 f"would pass the drafter's context length {self.context_length}")
 
     def propose_batch(self, jobs: list[ProposeJob]) -> list[Proposal | Exception]:
         """Draft for several sessions at once: the newly committed tokens of all of

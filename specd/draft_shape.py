@@ -74,6 +74,23 @@ class DraftShape:
             return self.max_depth
         return max(map(len, self.paths)) if self.paths else len(self.branching)
 
+    @property
+    def forward_rows(self) -> int:
+        """Rows the drafter forwards to grow this tree (the nodes that get
+        children): a dynamic tree expands top_k nodes at each depth but the last."""
+        if self.dynamic:
+            return max(self.max_depth - 1, 0) * self.top_k
+        return len(self.children()) - 1
+
+    def fit_rows(self, room: int) -> "DraftShape":
+        """A dynamic tree made shallow enough that its forwards fit in `room`
+        cache rows (at least depth 1, which forwards nothing); other shapes as
+        they are. Found by fuzzing: depth 16 x top_k 20 passed the drafter's
+        context and failed inside the batch (INTERNAL)."""
+        if not self.dynamic or self.forward_rows <= room:
+            return self
+        return DraftShape(node_budget=self.node_budget, max_depth=max(1, 1 + room // self.top_k), top_k=self.top_k)
+
     def validate(self, max_nodes: int, max_depth: int) -> "DraftShape":
         if self.dynamic:
             if not (1 <= self.max_depth <= max_depth):

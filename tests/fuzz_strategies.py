@@ -226,7 +226,7 @@ def shapes(draw):
     if kind in ("dynamic", "mixed"):
         shape.node_budget = draw(st.sampled_from([1, 6, 64, 6, 65, 0, -1, 2**31 - 1]))
         shape.max_depth = draw(st.sampled_from([1, 3, 16, 3, 17, 0, -1]))
-        shape.top_k = draw(st.sampled_from([0, 1, 4, -1, VOCAB - 1, VOCAB, VOCAB + 1, 10**9]))
+        shape.top_k = draw(st.sampled_from([0, 1, 4, -1, 20, 64, 65, VOCAB - 1, VOCAB, VOCAB + 1, 10**9]))
     return shape
 
 
