@@ -205,6 +205,8 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                 k = depth.choose(costs, rest_rows, rest_sessions) if depth else (shape.depth if shape else 0)
                 cycle_shape = shape.truncated(draft_budget(k, tracker.remaining, committed, target_ctx,
                                                            drafter_ctx)) if use_drafter else None
+                if cycle_shape is not None:   # a wide tree's nodes are rows too: fewer levels near the end
+                    cycle_shape = cycle_shape.fit(target_ctx - committed, drafter_ctx - committed)
                 draft = Draft()
                 if cycle_shape is not None:
                     draft = await drafter.propose(session_id, kept_path, unsent, cycle_shape)

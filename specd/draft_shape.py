@@ -91,6 +91,21 @@ class DraftShape:
             return self
         return DraftShape(node_budget=self.node_budget, max_depth=max(1, 1 + room // self.top_k), top_k=self.top_k)
 
+    def fit(self, max_nodes: int, max_rows: int) -> "DraftShape | None":
+        """This shape with as many levels as fit: at most max_nodes nodes (the
+        verifier forwards each) and max_rows drafter forwards. Near the end of a
+        context a wide tree must lose levels, not only a deep one (None: no room)."""
+        shape = self
+        if self.dynamic:
+            if max_nodes < 1:
+                return None
+            shape = DraftShape(node_budget=min(self.node_budget, max_nodes), max_depth=self.max_depth, top_k=self.top_k)
+        for d in range(shape.depth, 0, -1):
+            cut = shape.truncated(d)
+            if cut.max_nodes <= max_nodes and cut.forward_rows <= max_rows:
+                return cut
+        return None
+
     def validate(self, max_nodes: int, max_depth: int) -> "DraftShape":
         if self.dynamic:
             if not (1 <= self.max_depth <= max_depth):

@@ -282,6 +282,31 @@ def test_fuzz_admin(stack, stubs, scale, status):
     alive(stack)
 
 
+# ----------------------------------------------------- the context's end --
+
+def test_wide_trees_at_the_end_of_the_context(stack, stubs, pairs):
+    """Found while fuzzing: a tree's nodes (not only its depth) are rows of the
+    verifier's forward, and a dynamic tree forwards depth x top_k rows in the
+    drafter; near the end of the context both failed inside the forward."""
+    v, d = stubs[:2]
+    sid = new_id("wide")
+    v.OpenSession(pb.OpenVerifySessionRequest(session_id=sid, prompt_token_ids=list(range(1, 251))), timeout=60)
+    try:
+        code, details, _ = call(v.Verify, pb.VerifyRequest(session_id=sid, draft_token_ids=list(range(10, 20)),
+                                                             draft_parents=[-1] * 10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "10 nodes" in details, (code, details)
+    finally:
+        v.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=60)
+    # Through the orchestrator, wide and dynamic trees run to the context's end
+    # (the orchestrator drafts fewer levels there) with target-only greedy output.
+    from tests.test_overload import reference
+    prompt = [7 + (i * 5) % 300 for i in range(236)]
+    want = reference(pairs["llama"][0], prompt, 20)
+    for tree in ({"branching": [4, 3, 1]}, {"node_budget": 24, "max_depth": 8, "top_k": 20}):
+        ids, last = stack.generate(prompt_token_ids={"ids": prompt}, max_new_tokens=100, tree=tree)
+        assert ids == want, tree
+
+
 # ---------------------------------------------------------------- after --
 
 def test_normal_requests_after_fuzzing(stack, stubs, pairs):

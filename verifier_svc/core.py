@@ -118,9 +118,12 @@ class Verifier(ModelCore):
         """The context check, in prepare AND again under the lock before the job
         runs: calls of one session that arrive together are all prepared against
         the same committed length, and each one that runs first makes it longer."""
-        deepest, committed = max(depth(j.tree), default=0), len(j.session.tokens)
-        if committed + deepest > self.context_length:
-            raise InvalidRequest(f"a draft of depth {deepest} after {committed} committed tokens "
+        # Every node is a row of the forward, not only the deepest path (found by
+        # fuzzing: a wide tree near the end of the context failed in the forward,
+        # INTERNAL for every session of the batch).
+        nodes, committed = len(j.tree.tokens), len(j.session.tokens)
+        if committed + nodes > self.context_length:
+            raise InvalidRequest(f"a draft of {nodes} nodes after {committed} committed tokens "
                                  f"would pass the context length {self.context_length}")
 
     def verify_batch(self, jobs: list[VerifyJob]) -> list[VerifyResult | Exception]:
