@@ -23,6 +23,14 @@ class DrafterConfig:
     # verifier's rule stays exact for that q.
     draft_top_n: int = 32
     max_sessions: int = 1024
+    # A session without a call for this long is closed and its KV cache freed
+    # (its client is gone without closing it); later calls get NOT_FOUND saying
+    # it expired. 0 = never.
+    session_idle_timeout_s: float = 600.0
+    # Calls waiting for a batch past this many: RESOURCE_EXHAUSTED (a bounded
+    # queue; the orchestrator sends one call per session at a time, so only a
+    # misbehaving client gets here).
+    max_queued_calls: int = 1024
     engine: str = "auto"             # auto (lean forward where supported) | lean | hf
     torch_threads: int = 0
     grpc_workers: int = 8

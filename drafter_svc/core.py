@@ -94,7 +94,7 @@ class Drafter(ModelCore):
             if len(prompt_ids) > 1:
                 s.cache.forward(prompt_ids[:-1], last_only=True)
             s.base = s.cache.length
-            self._sessions[session_id] = s
+            self._add(session_id, s)
 
     def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
                 shape: DraftShape, ahead: bool = False, rewind: bool = False) -> Proposal:
@@ -106,18 +106,41 @@ class Drafter(ModelCore):
         alone, before it could join a batch."""
         s = self._get(session_id)
         shape.validate(self.config.max_tree_nodes, self.config.max_draft_tokens)
+        if shape.dynamic and shape.top_k > min(self.vocab_size, self.config.max_tree_nodes):
+            # Found by fuzzing: torch.topk past the vocabulary raised inside the
+            # batch (INTERNAL, for every session in it). More candidates per node
+            # than the tree may hold is never useful either.
+            raise InvalidRequest(f"tree top_k {shape.top_k} is over the limit of "
+                                 f"{min(self.vocab_size, self.config.max_tree_nodes)}")
+        check_token_ids(committed, self.vocab_size, None, "committed_token_ids", allow_empty=True)
         if rewind and s.checkpoint is None:
             raise InvalidRequest("rewind: there is no ahead proposal to undo")
-        last = s.checkpoint.last if rewind else s.last
-        self._check_outcome(last, accepted_path, committed)
-        check_token_ids(committed, self.vocab_size, None, "committed_token_ids", allow_empty=True)
         known = s.checkpoint.tokens if rewind else len(s.tokens)
-        if ahead:
-            self._check_ahead(last, accepted_path, committed, shape)
-        if known + len(committed) + ahead + shape.depth - 1 > self.context_length:
-            raise InvalidRequest(f"a tree of depth {shape.depth} would pass the drafter's context "
-                                 f"length {self.context_length}")
-        return ProposeJob(session_id, s, list(accepted_path), list(committed), shape, ahead, rewind)
+        shape = shape.fit_rows(self.context_length - known - len(committed) - ahead)
+        job = ProposeJob(session_id, s, list(accepted_path), list(committed), shape, ahead, rewind)
+        self._check_state(job)
+        return job
+
+    def _check_state(self, j: ProposeJob) -> None:
+        """The checks that depend on the session's state. Run in prepare AND again
+        under the lock before the job runs: calls of one session that arrive
+        together are all prepared against the same state, and the first one to
+        run changes it (found by fuzzing: a second Propose with nothing committed
+        after a draft reached the forward with no tokens, an IndexError)."""
+        s = j.session
+        if j.rewind and s.checkpoint is None:
+            raise InvalidRequest("rewind: there is no ahead proposal to undo")
+        last = s.checkpoint.last if j.rewind else s.last
+        self._check_outcome(last, j.accepted_path, j.committed)
+        if j.ahead:
+            self._check_ahead(last, j.accepted_path, j.committed, j.shape)
+        known = s.checkpoint.tokens if j.rewind else len(s.tokens)
+        # The tree's forwards (not only its depth: a wide static tree forwards
+        # more rows than it is deep) must fit in the context; an ahead call
+        # also forwards its guess.
+        if known + len(j.committed) + j.ahead + max(j.shape.depth - 1, j.shape.forward_rows) > self.context_length:
+            raise InvalidRequest(f"a tree of depth {j.shape.depth} ({j.shape.forward_rows} rows to forward) "
+                                 f"would pass the drafter's context length {self.context_length}")
 
     def propose_batch(self, jobs: list[ProposeJob]) -> list[Proposal | Exception]:
         """Draft for several sessions at once: the newly committed tokens of all of
@@ -125,7 +148,7 @@ class Drafter(ModelCore):
         for all the sessions still drafting (lean engine). Trees grow per session."""
         with self._lock:
             start, phases = time.perf_counter(), Phases()
-            live = self._live(jobs)
+            live, refused = self._still_valid(self._live(jobs), self._check_state)
             for j in live:
                 s = j.session
                 if j.rewind:
@@ -166,7 +189,7 @@ class Drafter(ModelCore):
                 j.session.last = trees[id(j)]
             return self._in_order(jobs, {id(j): Proposal(trees[id(j)], ms, phases.spans, len(live), nodes,
                                                           guesses.get(id(j)))
-                                         for j in live}, "Propose")
+                                         for j in live} | refused, "Propose")
 
     def _guess_bonus(self, live: list[ProposeJob], roots: list) -> dict[int, int]:
         """Ahead jobs: the logits after the last chain token are the drafter's

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from specd import telemetry
 from specd.batcher import Batcher
-from specd.grpc_util import concurrent_stream, grpc_errors
+from specd.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specd.draft_shape import DraftShape
@@ -19,7 +19,8 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
     def __init__(self, core: Drafter):
         self.core = core
         self.metrics = DrafterMetrics(core)
-        self.batcher = Batcher(core.propose_batch, core.config.max_batch_sessions, "propose")
+        self.batcher = Batcher(core.propose_batch, core.config.max_batch_sessions, "propose",
+                               max_queued=core.config.max_queued_calls)
 
     @grpc_errors
     def OpenSession(self, request, context):
@@ -28,12 +29,13 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                 "specdec.prompt_tokens": len(request.prompt_token_ids)} if telemetry.ENABLED else None):
             self.core.open_session(request.session_id, list(request.prompt_token_ids),
                                    sampling_from_proto(request.sampling))
+        close_if_caller_left(self.core, request.session_id, context)
         return pb.OpenDraftSessionResponse()
 
     def _propose(self, request) -> pb.ProposeResponse:
         with telemetry.server_span("drafter.propose", request.traceparent) as span:
             shape = (shape_from_proto(request.shape) if request.HasField("shape")
-                     else DraftShape.chain(request.num_draft_tokens))
+                     else DraftShape.chain(request.num_draft_tokens, self.core.config.max_draft_tokens))
             job = self.core.prepare(request.session_id, list(request.accepted_path),
                                     list(request.committed_token_ids), shape, request.ahead, request.rewind)
             proposal = self.batcher.submit(job).result()
@@ -62,7 +64,7 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
     def ProposeStream(self, request_iterator, context):
         """Messages of many sessions, answered as they finish (by request_id)."""
         yield from concurrent_stream(self._propose, request_iterator, pb.ProposeResponse,
-                                     self.core.config.max_batch_sessions + 1)
+                                     self.core.config.max_batch_sessions + 1, self.core.config.max_queued_calls)
 
     @grpc_errors
     def CloseSession(self, request, context):

@@ -36,6 +36,8 @@ def main(argv=None):
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running streams get to finish after SIGTERM")
     add_tls_flags(p, server=True)
+    p.add_argument("--max-active-requests", type=int, default=OrchestratorConfig.max_active_requests,
+                   help="concurrent Generate streams; past it RESOURCE_EXHAUSTED")
     add_speculative_flags(p)
     args = p.parse_args(argv)
     try:
@@ -51,7 +53,8 @@ def main(argv=None):
         target_dir=args.target, drafter_dir=args.drafter, host=args.host, port=args.port,
         verifier_addresses=args.verifier_address, drafter_addresses=args.drafter_address,
         speculative=speculative_config_from_args(args), tls=tls, auth_tokens_file=args.auth_tokens_file,
-        max_message_bytes=args.max_message_bytes, shutdown_grace_s=args.shutdown_grace)
+        max_message_bytes=args.max_message_bytes, shutdown_grace_s=args.shutdown_grace,
+        max_active_requests=args.max_active_requests)
 
     async def serve():
         if args.metrics_port is not None:

@@ -37,3 +37,6 @@ class OrchestratorConfig:
     auth_tokens_file: str | None = None
     max_message_bytes: int = MAX_MESSAGE_BYTES   # per message, every link; over it: RESOURCE_EXHAUSTED
     shutdown_grace_s: float = 30.0         # after SIGTERM: running streams get this long to finish
+    # Generate streams at once; past it a new one is RESOURCE_EXHAUSTED at once
+    # (admission control: each stream holds sessions and a slot in every forward).
+    max_active_requests: int = 1024

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
 
 from transformers import AutoConfig
 
-from specd.errors import ShuttingDown
+from specd.errors import CapacityExceeded, ShuttingDown
 from specd.models import context_length, load_tokenizer
 
 from .adaptive import CostModel
@@ -88,6 +89,9 @@ class Orchestrator:
         if self.draining:
             raise ShuttingDown("the orchestrator is shutting down and takes no new requests; "
                                "retry on another instance")
+        if self.active_requests >= self.config.max_active_requests:
+            raise CapacityExceeded(f"orchestrator is at its limit of {self.config.max_active_requests} "
+                                   f"concurrent requests; retry later")
         session_id = uuid.uuid4().hex
         trace = request_trace(trace_context, self.model_name, session_id)   # no-op unless tracing is on
         metrics = self.metrics.request()
@@ -113,10 +117,17 @@ class Orchestrator:
             elif spec.method == "draft_model":
                 drafter = FailoverDrafter(self.pools["drafter"], committed, self.config.max_failovers)
                 used.append(drafter)
-            async for chunk in run_generation(spec, session_id, verifier, drafter, tracker,
-                                              self.target_ctx, self.drafter_ctx, trace, self.costs[spec.method]):
-                metrics.observe(chunk, spec.method)
-                yield chunk
+            # aclosing: when this generator is closed or cancelled while the loop
+            # is suspended at a yield, close the loop NOW so that its `finally`
+            # frees the sessions on the replicas; otherwise that waits for the
+            # garbage collector (found by tests/test_cancellation.py: sessions
+            # left open after cancelled streams).
+            async with contextlib.aclosing(run_generation(
+                    spec, session_id, verifier, drafter, tracker, self.target_ctx, self.drafter_ctx, trace,
+                    self.costs[spec.method])) as chunks:
+                async for chunk in chunks:
+                    metrics.observe(chunk, spec.method)
+                    yield chunk
         except BaseException as exc:   # also the client leaving (GeneratorExit, CancelledError)
             trace.finish(chunk, exc)
             raise

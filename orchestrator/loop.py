@@ -224,6 +224,9 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
         opens = [verifier.open(session_id, spec.prompt_ids, spec.sampling)]
         if use_drafter:
             opens.append(drafter.open(session_id, spec.prompt_ids, spec.sampling))
+        # Until the opens answer, count them as opened: a client that leaves now
+        # cancels them here, but a replica may already have opened the session.
+        opened = [verifier, drafter][:len(opens)]
         with trace.scope():
             results = await asyncio.gather(*opens, return_exceptions=True)
         opened = [c for c, r in zip([verifier, drafter], results) if not isinstance(r, BaseException)]
@@ -242,7 +245,9 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
 
         def next_shape(committed: int, remaining: int) -> DraftShape | None:
             k = depth.choose(costs, rest_rows, rest_sessions) if depth else shape.depth
-            return shape.truncated(draft_budget(k, remaining, committed, target_ctx, drafter_ctx))
+            cut = shape.truncated(draft_budget(k, remaining, committed, target_ctx, drafter_ctx))
+            # A wide tree's nodes are rows too: fewer levels near the context's end.
+            return cut.fit(target_ctx - committed, drafter_ctx - committed) if cut is not None else None
 
         while emit.finish_reason is None:
             with trace.cycle() as span:     # the draft and verify calls nest under it
@@ -293,5 +298,5 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
             ahead.cancel()
             await asyncio.gather(ahead, return_exceptions=True)
         # Free the session everywhere, also when the client went away mid-stream.
-        with trace.scope():
-            await asyncio.gather(*(c.close(session_id) for c in opened), return_exceptions=True)
+        with trace.scope():   # shield: a second cancel must not stop the closes half-way
+            await asyncio.shield(asyncio.gather(*(c.close(session_id) for c in opened), return_exceptions=True))

@@ -1,6 +1,7 @@
 """Thin grpc.aio shell over the orchestrator core."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import grpc
@@ -41,8 +42,11 @@ class OrchestratorServicer(pb_grpc.OrchestratorServiceServicer):
     async def Generate(self, request, context):
         try:
             parent = telemetry.extract(grpc_context=context) if telemetry.ENABLED else None
-            async for chunk in self.core.generate(request, parent):
-                yield response_for(chunk)
+            # aclosing: a client that leaves closes the request's generators at
+            # once (their `finally` frees the sessions), not when collected.
+            async with contextlib.aclosing(self.core.generate(request, parent)) as chunks:
+                async for chunk in chunks:
+                    yield response_for(chunk)
         except ServiceError as exc:   # an internal service refused: pass its reason on
             await context.abort(exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 - every error must become a status

@@ -13,14 +13,15 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
-
+from .errors import CapacityExceeded
 
 class Batcher:
     """run_batch(jobs) -> one result or Exception per job; jobs have .session_id."""
 
     def __init__(self, run_batch: Callable[[list], list], max_sessions: int, name: str,
-                 on_batch: Callable[[list], None] | None = None):
+                 on_batch: Callable[[list], None] | None = None, max_queued: int = 1024):
         self.run_batch, self.max_sessions, self.on_batch = run_batch, max_sessions, on_batch
+        self.name, self.max_queued = name, max_queued
         self._queue: collections.deque[tuple[object, Future]] = collections.deque()
         self._ready = threading.Condition()
         self._stopped = False
@@ -32,6 +33,11 @@ class Batcher:
         with self._ready:
             if self._stopped:
                 raise RuntimeError("the service is shutting down")
+            # Bounded: past it a caller is refused at once instead of waiting
+            # behind a queue that only grows (and holding a thread meanwhile).
+            if len(self._queue) >= self.max_queued:
+                raise CapacityExceeded(f"{self.name} queue full: {len(self._queue)} calls are waiting "
+                                       f"(max_queued_calls {self.max_queued}); retry later")
             self._queue.append((job, future))
             self._ready.notify()
         return future

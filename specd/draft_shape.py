@@ -24,9 +24,13 @@ class DraftShape:
     paths: tuple[tuple[int, ...], ...] = ()   # static, node by node (instead of branching)
 
     @staticmethod
-    def chain(k: int) -> "DraftShape":
+    def chain(k: int, max_k: int | None = None) -> "DraftShape":
         if k < 1:
             raise InvalidRequest(f"num_draft_tokens (chain length) must be >= 1, got {k}")
+        # Checked BEFORE the tuple is built: found by fuzzing, a K of 2**31 - 1 from
+        # the wire made a 2-billion-entry tuple and the drafter was OOM-killed.
+        if max_k is not None and k > max_k:
+            raise InvalidRequest(f"num_draft_tokens {k} is over the limit of {max_k}")
         return DraftShape(branching=(1,) * k)
 
     @property
@@ -69,6 +73,38 @@ class DraftShape:
         if self.dynamic:
             return self.max_depth
         return max(map(len, self.paths)) if self.paths else len(self.branching)
+
+    @property
+    def forward_rows(self) -> int:
+        """Rows the drafter forwards to grow this tree (the nodes that get
+        children): a dynamic tree expands top_k nodes at each depth but the last."""
+        if self.dynamic:
+            return max(self.max_depth - 1, 0) * self.top_k
+        return len(self.children()) - 1
+
+    def fit_rows(self, room: int) -> "DraftShape":
+        """A dynamic tree made shallow enough that its forwards fit in `room`
+        cache rows (at least depth 1, which forwards nothing); other shapes as
+        they are. Found by fuzzing: depth 16 x top_k 20 passed the drafter's
+        context and failed inside the batch (INTERNAL)."""
+        if not self.dynamic or self.forward_rows <= room:
+            return self
+        return DraftShape(node_budget=self.node_budget, max_depth=max(1, 1 + room // self.top_k), top_k=self.top_k)
+
+    def fit(self, max_nodes: int, max_rows: int) -> "DraftShape | None":
+        """This shape with as many levels as fit: at most max_nodes nodes (the
+        verifier forwards each) and max_rows drafter forwards. Near the end of a
+        context a wide tree must lose levels, not only a deep one (None: no room)."""
+        shape = self
+        if self.dynamic:
+            if max_nodes < 1:
+                return None
+            shape = DraftShape(node_budget=min(self.node_budget, max_nodes), max_depth=self.max_depth, top_k=self.top_k)
+        for d in range(shape.depth, 0, -1):
+            cut = shape.truncated(d)
+            if cut.max_nodes <= max_nodes and cut.forward_rows <= max_rows:
+                return cut
+        return None
 
     def validate(self, max_nodes: int, max_depth: int) -> "DraftShape":
         if self.dynamic:

@@ -17,3 +17,9 @@ class CapacityExceeded(RuntimeError):
 class ShuttingDown(RuntimeError):
     """The server is draining before it stops: new work is refused (UNAVAILABLE),
     running work finishes."""
+
+
+class SessionExpired(UnknownSession):
+    """A session this replica closed itself after `session_idle_timeout_s` without a
+    call (maps to NOT_FOUND: unlike an unknown id, the caller's id was right, the
+    session is gone; a client can tell the two apart and open a new session)."""

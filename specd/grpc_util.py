@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .errors import CapacityExceeded, InvalidRequest, ShuttingDown
+from .errors import CapacityExceeded, InvalidRequest, SessionExpired, ShuttingDown
 from .security import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -53,14 +53,27 @@ def open_channel(address: str, tls: TlsConfig | None = None, max_message_bytes: 
     return mod.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
 
 
+# A status message travels in a response header (grpc-message), and clients
+# refuse headers over 16 KiB: found by fuzzing, an error that echoed a 100 kB
+# session id reached the client as RESOURCE_EXHAUSTED "received metadata size
+# exceeds hard limit", its reason lost. Messages are cut well below that.
+MAX_STATUS_MESSAGE = 1000
+
+
+def _short(message: str) -> str:
+    return message if len(message) <= MAX_STATUS_MESSAGE else message[:MAX_STATUS_MESSAGE - 15] + " ...(truncated)"
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, SessionExpired):          # before InvalidRequest: it is a subclass
+        return grpc.StatusCode.NOT_FOUND, _short(str(exc))
     if isinstance(exc, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        return grpc.StatusCode.INVALID_ARGUMENT, _short(str(exc))
     if isinstance(exc, CapacityExceeded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, _short(str(exc))
     if isinstance(exc, ShuttingDown):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        return grpc.StatusCode.UNAVAILABLE, _short(str(exc))
+    return grpc.StatusCode.INTERNAL, _short(f"internal error: {type(exc).__name__}: {exc}")
 
 
 def grpc_errors(method):
@@ -96,7 +109,29 @@ def stream_call(handler, request, response_cls):
     return response
 
 
-def concurrent_stream(handler, request_iterator, response_cls, workers: int):
+def close_if_caller_left(core, session_id: str, context) -> None:
+    """After an OpenSession: if the caller cancelled (or passed its deadline)
+    while the session was being opened, it will never learn that the session
+    exists, so it cannot close it; close it here instead of holding its KV cache.
+    (The caller also closes what it may have opened; either close may find
+    nothing, which is fine. Both cannot miss: the cancel reaches this server
+    before the caller's close on the same connection.) The response is still
+    returned: nobody reads it."""
+    if not context.is_active():
+        try:
+            core.close_session(session_id)
+        except InvalidRequest:          # the caller's close got there first
+            pass
+
+
+def _refuse(max_pending: int):
+    def refuse(request):
+        raise CapacityExceeded(f"too many messages in flight on this stream (more than {max_pending}); "
+                               f"wait for answers before sending more")
+    return refuse
+
+
+def concurrent_stream(handler, request_iterator, response_cls, workers: int, max_pending: int = 1024):
     """Serve a multiplexed bidi stream whose messages belong to many sessions:
     each message is handled on a thread of its own (so calls of concurrent
     sessions reach a batcher together) and answered when done, in any order,
@@ -104,12 +139,25 @@ def concurrent_stream(handler, request_iterator, response_cls, workers: int):
     side and every message has its answer."""
     out: queue.Queue = queue.Queue()
     pool = futures.ThreadPoolExecutor(workers, thread_name_prefix=getattr(handler, "__name__", "stream"))
+    # Messages read but not yet answered; past max_pending a message is refused
+    # at once (RESOURCE_EXHAUSTED in its response) so a client that floods the
+    # stream cannot grow the pool's queue without bound.
+    pending = threading.BoundedSemaphore(max_pending)
+
+    def run(request):
+        try:
+            out.put(stream_call(handler, request, response_cls))
+        finally:
+            pending.release()
 
     def read():
         n = 0
         try:
             for request in request_iterator:
-                pool.submit(lambda r=request: out.put(stream_call(handler, r, response_cls)))
+                if pending.acquire(blocking=False):
+                    pool.submit(run, request)
+                else:
+                    out.put(stream_call(_refuse(max_pending), request, response_cls))
                 n += 1
         except Exception:  # noqa: BLE001 - the client went away: answer what is in flight, then end
             pass

@@ -27,6 +27,15 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     if hasattr(config_cls, "max_batch_sessions"):
         parser.add_argument("--max-batch-sessions", type=int, default=config_cls.max_batch_sessions,
                             help="sessions whose verify calls may share one forward (1 = no batching)")
+    parser.add_argument("--max-sessions", type=int, default=config_cls.max_sessions,
+                        help="open sessions at once; past it OpenSession is RESOURCE_EXHAUSTED")
+    if hasattr(config_cls, "max_kv_tokens"):
+        parser.add_argument("--max-kv-tokens", type=int, default=config_cls.max_kv_tokens,
+                            help="KV cache tokens over all sessions; past it OpenSession is RESOURCE_EXHAUSTED")
+    parser.add_argument("--session-idle-timeout-s", type=float, default=config_cls.session_idle_timeout_s,
+                        help="close a session without a call for this long (0 = never)")
+    parser.add_argument("--max-queued-calls", type=int, default=config_cls.max_queued_calls,
+                        help="calls waiting for a batch; past it RESOURCE_EXHAUSTED")
     parser.add_argument("--metrics-port", type=int,
                         help="serve Prometheus /metrics on this port (0 = any free port; default: off)")
     parser.add_argument("--max-message-bytes", type=int, default=config_cls.max_message_bytes,
@@ -44,11 +53,12 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
     telemetry.setup(name.removesuffix("_svc"))
-    extra = {"max_batch_sessions": args.max_batch_sessions} if hasattr(args, "max_batch_sessions") else {}
+    extra = {k: getattr(args, k) for k in ("max_batch_sessions", "max_kv_tokens") if hasattr(args, k)}
     config = config_cls(model_dir=args.model, host=args.host, port=args.port, device=args.device,
                         dtype=args.dtype, max_draft_tokens=args.max_draft_tokens,
                         torch_threads=args.torch_threads, tls=tls, max_message_bytes=args.max_message_bytes,
-                        **extra)
+                        max_sessions=args.max_sessions, session_idle_timeout_s=args.session_idle_timeout_s,
+                        max_queued_calls=args.max_queued_calls, **extra)
     server, port = start(config)
     if args.metrics_port is not None:
         # Printed before the "listening on" line, which tests and scripts wait for.

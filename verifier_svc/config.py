@@ -20,6 +20,14 @@ class VerifierConfig:
     max_tree_nodes: int = 64         # draft tree size limit per verify call
     max_sessions: int = 256          # open sessions at once; past it: RESOURCE_EXHAUSTED
     max_kv_tokens: int = 1_000_000   # sum of cached tokens over sessions
+    # A session without a call for this long is closed and its KV cache freed
+    # (its client is gone without closing it); later calls get NOT_FOUND saying
+    # it expired. 0 = never.
+    session_idle_timeout_s: float = 600.0
+    # Calls waiting for a batch past this many: RESOURCE_EXHAUSTED (a bounded
+    # queue; the orchestrator sends one call per session at a time, so only a
+    # misbehaving client gets here).
+    max_queued_calls: int = 1024
     engine: str = "auto"             # auto (lean forward where supported) | lean | hf
     torch_threads: int = 0           # 0 = torch default
     grpc_workers: int = 8

@@ -101,7 +101,7 @@ class Verifier(ModelCore):
             logits = s.cache.forward(prompt_ids, last_only=True)[0]
             first = sample(logits_to_probs(logits, params), gen) if not params.greedy else int(logits.argmax())
             s.tokens.append(first)
-            self._sessions[session_id] = s
+            self._add(session_id, s)
             return first
 
     def verify(self, session_id: str, draft_ids: list[int], parents: list[int] | None = None,
@@ -124,11 +124,22 @@ class Verifier(ModelCore):
         deepest = max(depth(tree), default=0)
         if deepest > self.config.max_draft_tokens:
             raise InvalidRequest(f"draft depth {deepest} is over this verifier's limit of {self.config.max_draft_tokens}")
-        if len(s.tokens) + deepest > self.context_length:
-            raise InvalidRequest(f"a draft of depth {deepest} after {len(s.tokens)} committed tokens "
-                                 f"would pass the context length {self.context_length}")
         q = self._dense_q(tree, row_dists) if row_dists else None
-        return VerifyJob(session_id, s, tree, q)
+        job = VerifyJob(session_id, s, tree, q)
+        self._check_room_left(job)
+        return job
+
+    def _check_room_left(self, j: VerifyJob) -> None:
+        """The context check, in prepare AND again under the lock before the job
+        runs: calls of one session that arrive together are all prepared against
+        the same committed length, and each one that runs first makes it longer."""
+        # Every node is a row of the forward, not only the deepest path (found by
+        # fuzzing: a wide tree near the end of the context failed in the forward,
+        # INTERNAL for every session of the batch).
+        nodes, committed = len(j.tree.tokens), len(j.session.tokens)
+        if committed + nodes > self.context_length:
+            raise InvalidRequest(f"a draft of {nodes} nodes after {committed} committed tokens "
+                                 f"would pass the context length {self.context_length}")
 
     def verify_batch(self, jobs: list[VerifyJob]) -> list[VerifyResult | Exception]:
         """Verify several sessions' drafts in ONE forward (lean engine; the HF
@@ -136,7 +147,7 @@ class Verifier(ModelCore):
         exception that stopped it (a session closed meanwhile)."""
         with self._lock:
             start, phases = time.perf_counter(), Phases()
-            live = self._live(jobs)
+            live, refused = self._still_valid(self._live(jobs), self._check_room_left)
             items = []
             for j in live:
                 s, base = j.session, j.session.cache.length          # base == len(tokens) - 1
@@ -157,7 +168,7 @@ class Verifier(ModelCore):
             ms, rows = (time.perf_counter() - start) * 1e3, sum(len(ids) for _, ids, _, _ in items)
             for r in accepted:
                 r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases.spans, len(live), rows
-            return self._in_order(jobs, {id(j): r for j, r in zip(live, accepted)}, "verify")
+            return self._in_order(jobs, {id(j): r for j, r in zip(live, accepted)} | refused, "verify")
 
     def _accept(self, job: VerifyJob, logits: torch.Tensor) -> VerifyResult:
         s, tree = job.session, job.tree
@@ -175,17 +186,27 @@ class Verifier(ModelCore):
             raise InvalidRequest(f"got {len(rows)} draft distributions for a tree of {len(tree.tokens)} "
                                  f"nodes (one per row: the root and each node)")
         kids = children(tree)
+        used: list[tuple[list[int], list[float]]] = []
         for r, (ids, probs) in enumerate(rows):
             if len(ids) != len(probs):
                 raise InvalidRequest(f"draft distribution {r}: {len(ids)} ids but {len(probs)} probs")
             if not kids[r]:
-                continue                              # childless rows carry nothing
+                # Childless rows carry nothing, and nothing of them is read: they
+                # must not reach dense_q either (found by fuzzing: an id outside the
+                # vocabulary there was an IndexError, i.e. INTERNAL).
+                used.append(([], []))
+                continue
             check_token_ids(ids, self.vocab_size, None, f"draft_distributions[{r}].token_ids")
             if any(not (0.0 <= p <= 1.0) for p in probs) or abs(sum(probs) - 1.0) > 1e-3:
                 raise InvalidRequest(f"draft distribution {r} is not a probability distribution "
                                      f"(sum {sum(probs):.4f})")
+            if len(set(ids)) != len(ids):
+                # dense_q would keep only one of the repeated entries, so the q the
+                # rule uses would no longer sum to 1 (found by fuzzing).
+                raise InvalidRequest(f"draft distribution {r} lists a token id more than once")
             support = set(ids)
             missing = [tree.tokens[c] for c in kids[r] if tree.tokens[c] not in support]
             if missing:
                 raise InvalidRequest(f"draft distribution {r} gives probability 0 to drafted token(s) {missing}")
-        return dense_q([ids for ids, _ in rows], [p for _, p in rows], self.vocab_size)
+            used.append((ids, probs))
+        return dense_q([ids for ids, _ in used], [p for _, p in used], self.vocab_size)

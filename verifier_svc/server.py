@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from specd.grpc_util import start_sync_server
+from specd.reaper import start_reaper
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 from .config import VerifierConfig
@@ -11,6 +12,7 @@ from .servicer import SERVICE_NAME, VerifierServicer
 def start(config: VerifierConfig, core: Verifier | None = None):
     """Load the model (unless given a core), start serving; return (server, port)."""
     core = core or Verifier(config)
+    start_reaper(core)                    # idle sessions expire (config.session_idle_timeout_s)
     return start_sync_server(pb_grpc.add_VerifierServiceServicer_to_server, VerifierServicer(core),
                              SERVICE_NAME, config.host, config.port, config.grpc_workers,
                              config.tls, config.max_message_bytes)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from specd import telemetry
 from specd.batcher import Batcher
-from specd.grpc_util import concurrent_stream, grpc_errors
+from specd.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors
 from specd.wire import dists_from_proto, sampling_from_proto
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -18,7 +18,8 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
     def __init__(self, core: Verifier):
         self.core = core
         self.metrics = VerifierMetrics(core)
-        self.batcher = Batcher(core.verify_batch, core.config.max_batch_sessions, "verify", self.metrics.observe_batch)
+        self.batcher = Batcher(core.verify_batch, core.config.max_batch_sessions, "verify", self.metrics.observe_batch,
+                               core.config.max_queued_calls)
 
     @grpc_errors
     def OpenSession(self, request, context):
@@ -27,6 +28,7 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
                 "specdec.prompt_tokens": len(request.prompt_token_ids)} if telemetry.ENABLED else None):
             first = self.core.open_session(request.session_id, list(request.prompt_token_ids),
                                            sampling_from_proto(request.sampling), resume=request.resume)
+        close_if_caller_left(self.core, request.session_id, context)
         return pb.OpenVerifySessionResponse(first_token_id=first or 0)
 
     def _verify(self, request) -> pb.VerifyResponse:
@@ -54,7 +56,7 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
     def VerifyStream(self, request_iterator, context):
         """Messages of many sessions, answered as they finish (by request_id)."""
         yield from concurrent_stream(self._verify, request_iterator, pb.VerifyResponse,
-                                     self.core.config.max_batch_sessions + 1)
+                                     self.core.config.max_batch_sessions + 1, self.core.config.max_queued_calls)
 
     @grpc_errors
     def CloseSession(self, request, context):
