@@ -193,6 +193,7 @@ class FailoverDrafter:
         self.opened = False     # the leased replica holds the session
         self.fresh = False      # ... rebuilt from the committed tokens, no proposal yet
         self.base = 0           # ... from that many of them (the rest go with its first proposal)
+        self.opening = None     # the client of an open in flight (its session may exist already)
 
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None:
         self.sampling = sampling
@@ -227,8 +228,12 @@ class FailoverDrafter:
             return draft
 
     async def close(self, session_id: str) -> None:
-        if self.opened:
-            await self.lease.client.close(session_id)
+        # Also when the open was cut short (the client left during it): the
+        # replica may have opened the session, or will, and a close that comes
+        # first leaves a note its open obeys (found by tests/test_cancellation.py).
+        client = self.lease.client if self.opened else self.opening
+        if client is not None:
+            await client.close(session_id)
 
     def release(self) -> None:
         self.lease.release()
@@ -251,8 +256,10 @@ class FailoverDrafter:
                 prompt_ids, sampling = tokens[:-1], reseeded(self.sampling, len(tokens))
                 self.base = len(prompt_ids)
             try:
+                self.opening = self.lease.client
                 await self.lease.client.open(session_id, prompt_ids, sampling)
             except ServiceError as exc:
+                self.opening = None
                 if is_lost(exc):
                     self._lose(session_id, exc)
                     continue
@@ -265,7 +272,7 @@ class FailoverDrafter:
                 self.lease.release()
                 self.lease.failovers += 1       # bounded like losses: no retry every cycle
                 return False
-            self.opened, self.fresh = True, rebuild
+            self.opened, self.fresh, self.opening = True, rebuild, None
             if rebuild:
                 log.info("session %s moved to drafter %s after %d tokens", session_id,
                          self.lease.replica.spec.name, len(self.committed()))

@@ -77,8 +77,9 @@ class TargetOnly(Stack):
     """A verifier (with metrics) and an orchestrator decoding without a drafter."""
 
     def __init__(self, target: str, *verifier_args: str, orchestrator_args: tuple[str, ...] = ()):
-        self.target, self.drafter, self.drafter_proc = target, None, None
+        self.target, self.drafter, self.drafter_proc, self.drafters = target, None, None, []
         self.verifier = ServiceProcess("verifier_svc", "--model", target, "--metrics-port", "0", *verifier_args)
+        self.verifiers = [self.verifier]
         self.orchestrator = ServiceProcess("orchestrator", "--target", target, "--verifier-address",
                                            self.verifier.address, "--method", "off", *orchestrator_args)
         self.channel = grpc.insecure_channel(self.orchestrator.address)
