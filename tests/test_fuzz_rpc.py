@@ -17,6 +17,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.config import OrchestratorConfig
 from specd.local_stack import Stack
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -80,6 +81,16 @@ def stream(method, requests):
         return out, (OK, "")
     except grpc.RpcError as e:
         return [], (e.code(), e.details() or "")
+
+
+def assert_stream_clear(method, reqs) -> None:
+    """A multiplexed stream answers every message (OK or a clear error) and
+    ends OK: a bad message fails alone, not the stream other sessions share."""
+    answers, end = stream(method, reqs)
+    assert end[0] == OK, end
+    assert len(answers) == len(reqs)
+    for (code, details), req in zip(answers, reqs):
+        assert_clear(code, details, req)
 
 
 def alive(stack) -> None:
@@ -167,11 +178,7 @@ def test_fuzz_verify_stream(stack, stubs, calls):
     open_both(v, d, sid)
     try:
         reqs = [_verify_request(sid, x, i) if kind == "live" else x for i, (kind, x) in enumerate(calls)]
-        answers, end = stream(v.VerifyStream, reqs)
-        assert end[0] == OK, end
-        assert len(answers) == len(reqs)
-        for (code, details), req in zip(answers, reqs):
-            assert_clear(code, details, req)
+        assert_stream_clear(v.VerifyStream, reqs)
     finally:
         close_both(v, d, sid)
     alive(stack)
@@ -241,11 +248,7 @@ def test_fuzz_propose_stream(stack, stubs, reqs):
             if r.session_id == "live":
                 r.session_id = sid
             r.request_id = i
-        answers, end = stream(d.ProposeStream, reqs)
-        assert end[0] == OK, end
-        assert len(answers) == len(reqs)
-        for (code, details), req in zip(answers, reqs):
-            assert_clear(code, details, req)
+        assert_stream_clear(d.ProposeStream, reqs)
     finally:
         close_both(v, d, sid)
     alive(stack)
@@ -265,8 +268,9 @@ def test_fuzz_generate(stack, stubs, req):
     except grpc.RpcError as e:
         code, details = e.code(), e.details() or ""
     assert_clear(code, details, req)
-    if code == OK:
-        assert 1 <= len(ids) <= req.max_new_tokens and all(0 <= t < 384 for t in ids)
+    if code == OK:   # unset max_new_tokens: the orchestrator's default
+        limit = req.max_new_tokens if req.HasField("max_new_tokens") else OrchestratorConfig.default_max_new_tokens
+        assert 1 <= len(ids) <= limit and all(0 <= t < 384 for t in ids)
     alive(stack)
 
 
