@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    model_dir: str                   # HF causal LM directory (the drafter)
+    model_dir: str                   # HF causal LM directory (the drafter), or an EAGLE head directory
     host: str = "0.0.0.0"
     port: int = 50071                # 0 = pick a free port
     device: str = "auto"
@@ -23,3 +23,7 @@ class DrafterConfig:
     # Propose calls of concurrent sessions share forwards (lean engine; chains
     # level by level, trees one session at a time), up to this many sessions.
     max_batch_sessions: int = 32
+    # Method eagle (model_dir is an EAGLE head): the target directory whose
+    # embedding, final norm and LM head the head shares ("" = the head's own
+    # config `target`, relative to the head directory).
+    target_dir: str = ""

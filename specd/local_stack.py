@@ -64,17 +64,19 @@ class Stack:
 
     env: extra environment variables for all three (e.g. OTEL_EXPORTER_OTLP_ENDPOINT);
     metrics: serve Prometheus /metrics on free ports (each process's `metrics_address`);
-    verifier_args: flags for the verifier only (e.g. --max-batch-sessions 1)."""
+    verifier_args: flags for the verifier only (e.g. --max-batch-sessions 1);
+    orchestrator_args: flags for the orchestrator only (e.g. --method eagle)."""
 
     def __init__(self, target: str, drafter: str | None, service_args: tuple[str, ...] = (),
-                 env: dict | None = None, metrics: bool = False, verifier_args: tuple[str, ...] = ()):
+                 env: dict | None = None, metrics: bool = False, verifier_args: tuple[str, ...] = (),
+                 orchestrator_args: tuple[str, ...] = ()):
         self.target, self.drafter = target, drafter
         extra = ("--metrics-port", "0") if metrics else ()
         self.verifier = ServiceProcess("verifier_svc", "--model", target, *service_args, *verifier_args, *extra,
                                        env=env)
         self.drafter_proc = ServiceProcess("drafter_svc", "--model", drafter, *service_args, *extra,
                                            env=env) if drafter else None
-        args = ["--target", target, "--verifier-address", self.verifier.address, *extra]
+        args = ["--target", target, "--verifier-address", self.verifier.address, *extra, *orchestrator_args]
         if drafter:
             args += ["--drafter", drafter, "--drafter-address", self.drafter_proc.address]
         self.orchestrator = ServiceProcess("orchestrator", *args, env=env)

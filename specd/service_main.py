@@ -25,6 +25,9 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     if hasattr(config_cls, "max_batch_sessions"):
         parser.add_argument("--max-batch-sessions", type=int, default=config_cls.max_batch_sessions,
                             help="sessions whose verify calls may share one forward (1 = no batching)")
+    if hasattr(config_cls, "target_dir"):
+        parser.add_argument("--target-dir", default="", help="method eagle (--model is an EAGLE head): the "
+                            "target directory it shares embedding and LM head with (default: the head's config)")
     parser.add_argument("--metrics-port", type=int,
                         help="serve Prometheus /metrics on this port (0 = any free port; default: off)")
     args = parser.parse_args(argv)
@@ -32,6 +35,8 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
     telemetry.setup(name.removesuffix("_svc"))
     extra = {"max_batch_sessions": args.max_batch_sessions} if hasattr(args, "max_batch_sessions") else {}
+    if hasattr(args, "target_dir"):
+        extra["target_dir"] = args.target_dir
     config = config_cls(model_dir=args.model, host=args.host, port=args.port, device=args.device,
                         dtype=args.dtype, max_draft_tokens=args.max_draft_tokens,
                         torch_threads=args.torch_threads, **extra)

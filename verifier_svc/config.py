@@ -21,3 +21,6 @@ class VerifierConfig:
     # engine runs a batch's calls one after another), up to this many sessions.
     # 1 = one session per forward.
     max_batch_sessions: int = 32
+    # Dtype of the hidden states (EAGLE features) sent to sessions that ask:
+    # float16 | bfloat16 (2 bytes per value either way).
+    hidden_dtype: str = "float16"
