@@ -84,16 +84,21 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, pos):                         # x: (B, T, C)
+    def forward(self, x, pos, past=None, mask=None):   # x: (B, T, C)
+        """past: (k, v) of earlier rows to attend to besides these; mask: bool
+        (T, past + T), True = attend (default: causal, no past). Returns
+        (output, (k, v) of past + these rows)."""
         b, t, _ = x.shape
         c = self.c
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        if past is not None:
+            k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=c.num_attention_heads != c.num_key_value_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 
 class _MLP(nn.Module):
@@ -116,9 +121,10 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(c.hidden_size))
         self.mlp = _MLP(c)
 
-    def forward(self, x, pos):
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm, self.c.rms_norm_eps), pos)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.c.rms_norm_eps))
+    def forward(self, x, pos, past=None, mask=None):
+        a, kv = self.self_attn(rms_norm(x, self.input_layernorm, self.c.rms_norm_eps), pos, past, mask)
+        x = x + a
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.c.rms_norm_eps)), kv
 
 
 class EagleHead(nn.Module):
@@ -135,8 +141,12 @@ class EagleHead(nn.Module):
         Returns the predicted features f^_{t+1}, (B, T, C)."""
         if pos is None:
             pos = torch.arange(tok_emb.shape[1], device=tok_emb.device)
-        x = self.fc(torch.cat([tok_emb, feats], -1))
-        return self.layer(x, pos)
+        return self.forward_rows(tok_emb, feats, pos)[0]
+
+    def forward_rows(self, tok_emb, feats, pos, past=None, mask=None):
+        """Rows attending to `past` (k, v) under `mask` (see _Attention);
+        returns (predicted features, (k, v) including these rows)."""
+        return self.layer(self.fc(torch.cat([tok_emb, feats], -1)), pos, past, mask)
 
 
 @dataclass
