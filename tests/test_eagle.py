@@ -193,3 +193,88 @@ def test_eagle_sampling_matches_target(prompt, temperature, top_p, top_k, draft,
         > 2 * threshold
     check_stream_law(eagle_stack, prompt, joint, threshold,
                      dict(temperature=temperature, top_p=top_p, top_k=top_k, **draft))
+
+
+def test_loop_forwards_features_without_extra_calls(pairs):
+    """The loop with counting fake services: one Propose and one Verify per
+    cycle (as for draft_model), and each Propose carries exactly the features
+    of the tokens committed since the last one, in order, the prompt's with
+    the first; the feature bytes count every committed token but the newest."""
+    import asyncio
+
+    from orchestrator.detok import OutputTracker
+    from orchestrator.loop import Draft, Verdict, run_generation
+    from orchestrator.request import GenerationSpec
+
+    target_dir, _ = pairs["llama"]
+    tok = load_tokenizer(target_dir)
+    calls = {"open": 0, "propose": 0, "verify": 0}
+    sent_positions: list[float] = []          # feature rows the drafter got, by position
+
+    def feats(positions):                      # row value = the token's position
+        return HiddenStates.encode(torch.tensor(positions, dtype=torch.float32)[:, None].repeat(1, 4))
+
+    class Verifier:
+        n = 0                                  # committed tokens
+
+        async def open(self, sid, prompt, sampling, *, hidden=False):
+            calls["open"] += 1
+            assert hidden
+            self.n = len(prompt) + 1
+            return 5, feats(list(range(len(prompt))))
+
+        async def verify(self, sid, draft):
+            calls["verify"] += 1
+            path = list(range(len(draft.tokens) // 2))          # keep half the chain
+            tokens = [draft.tokens[i] for i in path] + [7]
+            h = feats(list(range(self.n - 1, self.n - 1 + len(tokens))))   # the root and the path
+            self.n += len(tokens)
+            return Verdict(path, tokens, hidden=h)
+
+        async def close(self, sid):
+            pass
+
+    class Drafter:
+        async def open(self, sid, prompt, sampling):
+            pass
+
+        async def propose(self, sid, path, committed, shape, *, ahead=False, rewind=False, hidden=None):
+            calls["propose"] += 1
+            sent_positions.extend(hidden.decode()[:, 0].tolist())
+            return Draft([9] * shape.depth, list(range(-1, shape.depth - 1)))
+
+        async def close(self, sid):
+            pass
+
+    prompt = [1, 2, 3, 4]
+    spec = GenerationSpec(prompt, 20, SamplingParams(0.0), "eagle", DraftShape.chain(4))
+    tracker = OutputTracker(tok, set(), 20, 200)
+    verifier = Verifier()
+
+    async def go():
+        return [c async for c in run_generation(spec, "s", verifier, Drafter(), tracker, 256, 256)]
+
+    chunks = asyncio.run(go())
+    stats = chunks[-1].stats
+    assert calls["open"] == 1 and calls["verify"] == stats.cycles and calls["propose"] == stats.drafts
+    assert stats.drafts < stats.cycles          # the last cycles had no room for a draft
+    # Every feature sent reached the drafter once, in order, the prompt's first.
+    assert sent_positions == list(range(len(sent_positions)))
+    assert stats.feature_bytes == 2 * 4 * (verifier.n - 1)
+
+
+def test_eagle_drafter_refuses_bad_features(eagle_pair):
+    from specd.errors import InvalidRequest
+
+    _, head_dir = eagle_pair
+    d = EagleDrafter(DrafterConfig(head_dir, device="cpu"))
+    prompt = [40, 41, 42]
+    d.open_session("s", prompt, SamplingParams(0.0))
+    good = HiddenStates.encode(torch.zeros(3, 64))
+    for bad in (None, HiddenStates.encode(torch.zeros(2, 64)), HiddenStates.encode(torch.zeros(3, 32)),
+                HiddenStates(good.data[:-2], 3, 64), HiddenStates.encode(torch.full((3, 64), float("inf")))):
+        with pytest.raises(InvalidRequest):
+            d.propose("s", [], [17], DraftShape.chain(2), hidden=bad)
+    with pytest.raises(InvalidRequest):
+        d.propose("s", [], [17], DraftShape.chain(2), ahead=True, hidden=good)
+    assert len(d.propose("s", [], [17], DraftShape.chain(2), hidden=good).tree.tokens) == 2
