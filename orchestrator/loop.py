@@ -206,6 +206,14 @@ def ahead_holds(draft: Draft, verdict: Verdict, ahead: Draft) -> bool:
     return len(verdict.path) == len(draft.tokens) and verdict.tokens[-1:] == [ahead.guess]
 
 
+def keep_features(pending: list[HiddenStates], got: HiddenStates | None) -> int:
+    """Queue the verifier's features for the next Propose; their size in bytes."""
+    if got is None:
+        raise RuntimeError("the verifier returned no hidden states for a session that asked for them")
+    pending.append(got)
+    return len(got.data)
+
+
 async def timed_propose(drafter: DrafterClient, *args, **kwargs) -> Draft:
     start = time.perf_counter()
     draft = await drafter.propose(*args, **kwargs)
@@ -242,8 +250,7 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                 raise r
         if spec.features:
             results[0], prompt_feats = results[0]
-            feats.append(prompt_feats)
-            stats.feature_bytes += len(prompt_feats.data)
+            stats.feature_bytes += keep_features(feats, prompt_feats)
         committed = len(spec.prompt_ids) + 1
         emit = tracker.add([results[0]])
         stats.completion_tokens = len(tracker.ids)
@@ -286,8 +293,7 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                             drafter, session_id, list(range(n - 1)), draft.tokens, shape_after, ahead=True))
                 verdict = await verifier.verify(session_id, draft)
                 if spec.features:
-                    feats.append(verdict.hidden)
-                    stats.feature_bytes += len(verdict.hidden.data)
+                    stats.feature_bytes += keep_features(feats, verdict.hidden)
                 if draft.tokens:
                     kept_path = verdict.path
                 unsent += verdict.tokens
