@@ -66,6 +66,28 @@ def run(stack: Stack, prompts, fields: dict, max_new: int, hidden: int) -> dict:
     return out
 
 
+@torch.no_grad()
+def drafter_agreement(target_dir: Path, drafter_dir: Path, seq_len: int = 256) -> float:
+    """Teacher-forced top-1 agreement of the draft model with the target on the
+    windows training/eagle.py evaluates the head on (a token-only drafter's
+    agreement is the same at every draft level when tokens are teacher-forced)."""
+    from specd.models import load_model
+    from training.eagle import heldout_ids, heldout_windows
+
+    w = heldout_windows(heldout_ids(load_tokenizer(str(target_dir))), seq_len)
+    t = load_model(str(target_dir), "cpu")(input_ids=w).logits.argmax(-1)
+    d = load_model(str(drafter_dir), "cpu")(input_ids=w).logits.argmax(-1)
+    # The head's level 1 predicts x_{t+2} from x_<=t+1: positions 1.. of these logits.
+    return float((t[:, 1:] == d[:, 1:]).float().mean())
+
+
+def head_top1(head: Path) -> list[float]:
+    """The head's held-out top-1 per draft level, from its training record."""
+    info = json.loads((head / "train_info.json").read_text()) if (head / "train_info.json").exists() else {}
+    fin = info.get("final_heldout", {})
+    return [round(fin[k], 4) for k in ("top1", "top1_2", "top1_3", "top1_4") if k in fin]
+
+
 def serialisation_ms(rows: int, hidden: int, reps: int = 2000) -> dict:
     """Per cycle: the verifier's tensor -> fp16 bytes -> VerifyResponse bytes,
     and the drafter's ProposeRequest bytes -> tensor (the orchestrator only
@@ -145,7 +167,9 @@ def main(argv=None) -> int:
                         "dtype": "float32", "torch_threads": a.threads, "machine": platform.machine(),
                         "torch": torch.__version__, "head_training": head_cfg.get("training", "done")},
               "results": results,
-              "serialisation_per_cycle": ser, "serialisation_prefill": ser_max}
+              "serialisation_per_cycle": ser, "serialisation_prefill": ser_max,
+              "teacher_forced_top1": {"draft_model": round(drafter_agreement(a.target, a.drafter), 4),
+                                      "eagle_per_level": head_top1(a.head)}}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'setting':10s} {'draft_model':>12s} {'eagle':>8s}   (mean accepted length)")

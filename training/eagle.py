@@ -117,6 +117,16 @@ def evaluate(head, parts, target, windows: torch.Tensor, levels: int = 3) -> dic
     return m
 
 
+def heldout_ids(tok) -> np.ndarray:
+    return np.concatenate(corpus.file_token_arrays(tok, corpus.split_files()["heldout"]))
+
+
+def heldout_windows(held: np.ndarray, seq_len: int, n: int = 16) -> torch.Tensor:
+    """n evenly spaced windows of the held-out files (the evaluation set)."""
+    stride = max(1, (len(held) - seq_len) // n)
+    return torch.from_numpy(np.stack([held[i * stride:i * stride + seq_len] for i in range(n)]).astype(np.int64))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=Path("models/demo/target"))
@@ -143,7 +153,7 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(a.target)
     splits = corpus.split_files()
     train_ids = corpus.encode_files(tok, splits["train"])       # never the held-out files
-    held = np.concatenate(corpus.file_token_arrays(tok, splits["heldout"]))
+    held = heldout_ids(tok)
     print(f"[eagle] train tokens {len(train_ids):,}, held-out {len(held):,} ({time.time() - t0:.0f} s)", flush=True)
     parts = TargetParts.of(target)
     head = EagleHead(HeadConfig.from_target(target.config))
@@ -152,8 +162,7 @@ def main(argv=None) -> None:
             torch.nn.init.normal_(p, std=0.02)
     opt = torch.optim.AdamW(head.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = np.random.default_rng(a.seed)
-    stride = max(1, (len(held) - a.seq_len) // 16)
-    heldout = torch.from_numpy(np.stack([held[i * stride:i * stride + a.seq_len] for i in range(16)]).astype(np.int64))
+    heldout = heldout_windows(held, a.seq_len)
     with torch.no_grad():
         rms = target_features(target, heldout[:4]).pow(2).mean().sqrt().item()
     noise = a.noise * rms
