@@ -278,3 +278,15 @@ def test_eagle_drafter_refuses_bad_features(eagle_pair):
     with pytest.raises(InvalidRequest):
         d.propose("s", [], [17], DraftShape.chain(2), ahead=True, hidden=good)
     assert len(d.propose("s", [], [17], DraftShape.chain(2), hidden=good).tree.tokens) == 2
+
+
+@pytest.mark.parametrize("dtype,tol", [("float16", 1e-3), ("bfloat16", 8e-3)])
+def test_hidden_states_round_trip(dtype, tol):
+    t = torch.randn(5, 8) * 9
+    h = HiddenStates.encode(t, dtype)
+    assert len(h.data) == 2 * 5 * 8 and (h.rows, h.hidden_size, h.dtype) == (5, 8, dtype)
+    assert torch.allclose(h.decode(), t, rtol=tol, atol=tol * 9)
+    both = HiddenStates.concat([h, None, HiddenStates.encode(t[:2], dtype)])
+    assert both.rows == 7 and torch.equal(both.decode()[5:], h.decode()[:2])
+    with pytest.raises(ValueError):
+        HiddenStates.concat([h, HiddenStates.encode(t, "float16" if dtype == "bfloat16" else "bfloat16")])
