@@ -8,7 +8,7 @@ from specd.security import TlsConfig
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    model_dir: str                   # HF causal LM directory (the drafter)
+    model_dir: str                   # HF causal LM directory (the drafter), or an EAGLE head directory
     # Loopback by default: only the orchestrator talks to a replica, and on one
     # machine it is local. On Ray, deploy binds the node's own IP (what the
     # orchestrator on another node dials); see orchestrator/deploy.py.
@@ -39,3 +39,7 @@ class DrafterConfig:
     max_batch_sessions: int = 32
     tls: TlsConfig | None = None     # TLS / mTLS on this server (specd.security); None = plaintext
     max_message_bytes: int = MAX_MESSAGE_BYTES   # per message, both ways; over it: RESOURCE_EXHAUSTED
+    # Method eagle (model_dir is an EAGLE head): the target directory whose
+    # embedding, final norm and LM head the head shares ("" = the head's own
+    # config `target`, relative to the head directory).
+    target_dir: str = ""

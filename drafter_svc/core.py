@@ -53,6 +53,7 @@ class ProposeJob:
     shape: DraftShape
     ahead: bool = False
     rewind: bool = False
+    hidden: torch.Tensor | None = None   # method eagle: target features of the committed tokens, (n, C)
 
 
 @dataclass
@@ -97,13 +98,16 @@ class Drafter(ModelCore):
             self._add(session_id, s)
 
     def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
-                shape: DraftShape, ahead: bool = False, rewind: bool = False) -> Proposal:
-        return self.propose_batch([self.prepare(session_id, accepted_path, committed, shape, ahead, rewind)])[0]
+                shape: DraftShape, ahead: bool = False, rewind: bool = False, hidden=None) -> Proposal:
+        return self.propose_batch([self.prepare(session_id, accepted_path, committed, shape, ahead, rewind,
+                                                hidden)])[0]
 
     def prepare(self, session_id: str, accepted_path: list[int], committed: list[int],
-                shape: DraftShape, ahead: bool = False, rewind: bool = False) -> ProposeJob:
+                shape: DraftShape, ahead: bool = False, rewind: bool = False, hidden=None) -> ProposeJob:
         """Check one Propose call (no lock, no forward): a bad call fails here,
-        alone, before it could join a batch."""
+        alone, before it could join a batch. hidden: HiddenStates (method eagle)."""
+        if hidden is not None:
+            raise InvalidRequest("hidden_states were sent to a draft_model drafter (they are for method eagle)")
         s = self._get(session_id)
         shape.validate(self.config.max_tree_nodes, self.config.max_draft_tokens)
         if shape.dynamic and shape.top_k > min(self.vocab_size, self.config.max_tree_nodes):
@@ -150,28 +154,11 @@ class Drafter(ModelCore):
             start, phases = time.perf_counter(), Phases()
             live, refused = self._still_valid(self._live(jobs), self._check_state)
             for j in live:
-                s = j.session
-                if j.rewind:
-                    # The guess failed: back to the state before the ahead call.
-                    # Everything it added sits past these lengths, so truncating is enough.
-                    c = s.checkpoint
-                    del s.tokens[c.tokens:]
-                    s.cache.rollback(c.cache_length)
-                    s.base, s.last = c.base, c.last
-                s.checkpoint = (_Checkpoint(len(s.tokens), s.cache.length, s.base, s.last)
-                                if j.ahead else None)   # any other call confirms an earlier ahead
-                # Keep the rows of the accepted path's forwarded nodes (ancestors are
-                # forwarded first, so the offsets ascend), drop the rest of the tree.
-                on_path = set(j.accepted_path)
-                keep = [i for i, n in enumerate(s.last.forwarded) if n in on_path]
-                if s.cache.length > s.base:
-                    s.cache.compact(s.base, keep) if keep else s.cache.rollback(s.base)
-                s.tokens += j.committed
-            roots = self.runner.forward_batch(
-                [(j.session.cache, j.session.tokens[j.session.cache.length:], None, None) for j in live], last_only=True)
+                self._catch_up(j)
+            roots = self._root_logits(live)
             guesses = self._guess_bonus(live, roots)
             for j in live:
-                j.session.base = j.session.cache.length          # == len(tokens): the root is cached
+                j.session.base = j.session.cache.length          # the root's row is cached
             phases.mark("forward")
             # Chains grow together level by level on the lean engine; the rest one by one.
             batched = self.runner.lean is not None
@@ -190,6 +177,33 @@ class Drafter(ModelCore):
             return self._in_order(jobs, {id(j): Proposal(trees[id(j)], ms, phases.spans, len(live), nodes,
                                                           guesses.get(id(j)))
                                          for j in live} | refused, "Propose")
+
+    def _catch_up(self, j: ProposeJob) -> None:
+        """Bring a session up to the verifier's verdict (no forward): undo a
+        failed ahead call, keep the accepted path's rows, learn the committed tokens."""
+        s = j.session
+        if j.rewind:
+            # The guess failed: back to the state before the ahead call.
+            # Everything it added sits past these lengths, so truncating is enough.
+            c = s.checkpoint
+            del s.tokens[c.tokens:]
+            s.cache.rollback(c.cache_length)
+            s.base, s.last = c.base, c.last
+        s.checkpoint = (_Checkpoint(len(s.tokens), s.cache.length, s.base, s.last)
+                        if j.ahead else None)   # any other call confirms an earlier ahead
+        # Keep the rows of the accepted path's forwarded nodes (ancestors are
+        # forwarded first, so the offsets ascend), drop the rest of the tree.
+        on_path = set(j.accepted_path)
+        keep = [i for i, n in enumerate(s.last.forwarded) if n in on_path]
+        if s.cache.length > s.base:
+            s.cache.compact(s.base, keep) if keep else s.cache.rollback(s.base)
+        s.tokens += j.committed
+
+    def _root_logits(self, live: list[ProposeJob]) -> list[torch.Tensor]:
+        """Forward every session's committed tokens not yet cached, in one
+        batch; each one's logits after its last committed token, (1, V)."""
+        return self.runner.forward_batch(
+            [(j.session.cache, j.session.tokens[j.session.cache.length:], None, None) for j in live], last_only=True)
 
     def _guess_bonus(self, live: list[ProposeJob], roots: list) -> dict[int, int]:
         """Ahead jobs: the logits after the last chain token are the drafter's

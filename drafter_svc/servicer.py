@@ -7,7 +7,7 @@ from specd.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from specd.draft_shape import DraftShape
-from specd.wire import dists_to_proto, sampling_from_proto, shape_from_proto
+from specd.wire import dists_to_proto, hidden_from_proto, sampling_from_proto, shape_from_proto
 
 from .core import Drafter
 from .metrics import DrafterMetrics
@@ -37,7 +37,8 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
             shape = (shape_from_proto(request.shape) if request.HasField("shape")
                      else DraftShape.chain(request.num_draft_tokens, self.core.config.max_draft_tokens))
             job = self.core.prepare(request.session_id, list(request.accepted_path),
-                                    list(request.committed_token_ids), shape, request.ahead, request.rewind)
+                                    list(request.committed_token_ids), shape, request.ahead, request.rewind,
+                                    hidden_from_proto(request.hidden_states, request.HasField("hidden_states")))
             proposal = self.batcher.submit(job).result()
             if span is not None:
                 telemetry.add_phases(span, "drafter", proposal.phases)

@@ -19,7 +19,8 @@ import grpc
 from specd import telemetry
 from specd.grpc_util import MAX_MESSAGE_BYTES, open_channel
 from specd.security import TlsConfig
-from specd.wire import dists_from_proto, dists_to_proto, sampling_to_proto, shape_to_proto
+from specd.wire import (dists_from_proto, dists_to_proto, hidden_from_proto, hidden_to_proto, sampling_to_proto,
+                        shape_to_proto)
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -141,18 +142,24 @@ class GrpcVerifier(_Client):
         super().__init__(address, timeout_s, **channel)
         self.mux = StreamMux(self.stub.VerifyStream)
 
-    async def open(self, session_id, prompt_ids, sampling, resume: bool = False) -> int | None:
-        """resume: re-prefill all committed tokens, sample nothing (returns None)."""
+    async def open(self, session_id, prompt_ids, sampling, resume: bool = False, *, hidden=False):
+        """resume: re-prefill all committed tokens, sample nothing (returns None).
+        hidden: the session returns the target's features (EAGLE); then the
+        result is (first token, the prompt's features)."""
         r = await self._unary(self.stub.OpenSession, pb.OpenVerifySessionRequest(
             session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling),
-            resume=resume), "specdec.prefill", "OpenSession")
-        return None if resume else r.first_token_id
+            resume=resume, return_hidden_states=hidden), "specdec.prefill", "OpenSession")
+        first = None if resume else r.first_token_id
+        if hidden:
+            return first, hidden_from_proto(r.hidden_states, r.HasField("hidden_states"))
+        return first
 
     async def verify(self, session_id, draft: Draft) -> Verdict:
         r = await self._stream(pb.VerifyRequest(
             session_id=session_id, draft_token_ids=draft.tokens, draft_parents=draft.parents,
             draft_distributions=dists_to_proto(draft.row_dists)), "specdec.verify", "VerifyStream")
-        return Verdict(list(r.accepted_path), list(r.token_ids), r.compute_ms, r.batch_sessions, r.batch_tokens)
+        return Verdict(list(r.accepted_path), list(r.token_ids), r.compute_ms, r.batch_sessions, r.batch_tokens,
+                       hidden_from_proto(r.hidden_states, r.HasField("hidden_states")))
 
 
 class GrpcDrafter(_Client):
@@ -168,9 +175,11 @@ class GrpcDrafter(_Client):
             session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
             "specdec.draft_prefill", "OpenSession")
 
-    async def propose(self, session_id, accepted_path, committed, shape, *, ahead=False, rewind=False) -> Draft:
+    async def propose(self, session_id, accepted_path, committed, shape, *, ahead=False, rewind=False,
+                      hidden=None) -> Draft:
         r = await self._stream(pb.ProposeRequest(
             session_id=session_id, accepted_path=accepted_path, committed_token_ids=committed,
-            shape=shape_to_proto(shape), ahead=ahead, rewind=rewind), "specdec.draft", "ProposeStream")
+            shape=shape_to_proto(shape), ahead=ahead, rewind=rewind, hidden_states=hidden_to_proto(hidden)),
+            "specdec.draft", "ProposeStream")
         return Draft(list(r.draft_token_ids), list(r.draft_parents), dists_from_proto(r.draft_distributions),
                      r.compute_ms, r.batch_tokens, r.guessed_token_id if r.HasField("guessed_token_id") else None)

@@ -10,7 +10,9 @@ from typing import AsyncIterator
 from transformers import AutoConfig
 
 from specd.errors import CapacityExceeded, ShuttingDown
+from specd.eagle_head import is_head_dir
 from specd.models import context_length, load_tokenizer
+from specd.spec_config import DRAFTER_METHODS
 
 from .adaptive import CostModel
 from .clients import GrpcDrafter, GrpcVerifier
@@ -56,7 +58,12 @@ class Orchestrator:
         self.target_ctx = context_length(target_cfg)
         self.eos_ids = eos_ids(target_cfg)
         self.drafter_ctx = self.target_ctx
-        if config.drafter_dir:
+        # What the drafter pool serves: an EAGLE head directory (method eagle,
+        # on the target's features) or a draft model.
+        self.drafter_method = "eagle" if config.drafter_dir and is_head_dir(config.drafter_dir) else "draft_model"
+        if self.drafter_method == "eagle":
+            pass            # the head uses the target's vocabulary and context
+        elif config.drafter_dir:
             drafter_cfg = AutoConfig.from_pretrained(config.drafter_dir)
             if drafter_cfg.vocab_size != self.vocab_size:
                 raise ValueError(f"drafter vocabulary ({drafter_cfg.vocab_size}) differs from the "
@@ -66,8 +73,11 @@ class Orchestrator:
         for spec in specs:
             self.pools[spec.kind].add(spec, self.client_for(spec))
         sc = config.speculative.validate()
-        if sc.method == "draft_model" and sc.num_speculative_tokens and not self.pools["drafter"].replicas:
-            raise ValueError("speculative_config.method is draft_model but no drafter replica is deployed")
+        if sc.method in DRAFTER_METHODS and sc.num_speculative_tokens and not self.pools["drafter"].replicas:
+            raise ValueError(f"speculative_config.method is {sc.method} but no drafter replica is deployed")
+        if sc.method in DRAFTER_METHODS and config.drafter_dir and sc.method != self.drafter_method:
+            raise ValueError(f"speculative_config.method is {sc.method} but the drafter {config.drafter_dir} "
+                             f"is for {self.drafter_method}")
         # Scaling needs a launcher (on Ray); without one the pools are fixed.
         self.scaler = (Scaler(self.pools, launcher, self.client_for, config.max_replicas, config.autoscale)
                        if launcher else None)
@@ -101,7 +111,8 @@ class Orchestrator:
             # Lost drafters count: they may be back (restarted) before the session
             # needs them, and without one it runs as plain decoding anyway.
             spec = build_spec(request, self.config, self.tokenizer, self.vocab_size, self.target_ctx,
-                              has_drafter=any(not r.draining for r in self.pools["drafter"].replicas.values()))
+                              has_drafter=any(not r.draining for r in self.pools["drafter"].replicas.values()),
+                              drafter_method=self.drafter_method)
             trace.describe(spec)
             tracker = OutputTracker(self.tokenizer, self.eos_ids, spec.max_new_tokens,
                                     self.target_ctx - len(spec.prompt_ids), spec.stop)
@@ -114,8 +125,11 @@ class Orchestrator:
             drafter = None
             if spec.method == "ngram":
                 drafter = self.ngram
-            elif spec.method == "draft_model":
-                drafter = FailoverDrafter(self.pools["drafter"], committed, self.config.max_failovers)
+            elif spec.method in DRAFTER_METHODS:
+                # An eagle drafter cannot be rebuilt elsewhere: it needs the target's
+                # features of every committed token, which are not kept here.
+                drafter = FailoverDrafter(self.pools["drafter"], committed, self.config.max_failovers,
+                                          rebuild=not spec.features)
                 used.append(drafter)
             # aclosing: when this generator is closed or cancelled while the loop
             # is suspended at a yield, close the loop NOW so that its `finally`

@@ -115,10 +115,11 @@ class FailoverVerifier:
     def __init__(self, pool: Pool, committed: Callable[[], list[int]], max_failovers: int = 3):
         self.lease, self.committed, self.max_failovers = _Lease(pool), committed, max_failovers
         self.sampling = None
+        self.hidden = False     # the session returns the target's features (EAGLE): so must a resumed one
         self._last_loss = ""
 
-    async def open(self, session_id: str, prompt_ids: list[int], sampling) -> int:
-        self.sampling = sampling
+    async def open(self, session_id: str, prompt_ids: list[int], sampling, *, hidden: bool = False):
+        self.sampling, self.hidden = sampling, hidden
         try:
             self.lease.acquire()
         except CapacityExceeded:    # none deployed or all draining: RESOURCE_EXHAUSTED, as before
@@ -130,7 +131,8 @@ class FailoverVerifier:
                 "once found)")) from None
         while True:
             try:
-                return await self.lease.client.open(session_id, prompt_ids, sampling)
+                return await self.lease.client.open(session_id, prompt_ids, sampling,
+                                                    **({"hidden": True} if hidden else {}))
             except ServiceError as exc:
                 self._lose_or_raise(session_id, exc)
             self._next()
@@ -156,7 +158,8 @@ class FailoverVerifier:
             self._next()
             tokens = self.committed()
             try:
-                await self.lease.client.open(session_id, tokens, reseeded(self.sampling, len(tokens)), resume=True)
+                await self.lease.client.open(session_id, tokens, reseeded(self.sampling, len(tokens)), resume=True,
+                                             **({"hidden": True} if self.hidden else {}))
             except ServiceError as exc:
                 self._lose_or_raise(session_id, exc)
                 continue
@@ -187,8 +190,10 @@ class FailoverDrafter:
     """A session's drafter, rebuilt on another replica when lost; with none
     left, empty drafts (plain target decoding) until one serves again."""
 
-    def __init__(self, pool: Pool, committed: Callable[[], list[int]], max_failovers: int = 3):
+    def __init__(self, pool: Pool, committed: Callable[[], list[int]], max_failovers: int = 3,
+                 rebuild: bool = True):
         self.lease, self.committed, self.max_failovers = _Lease(pool), committed, max_failovers
+        self.rebuild = rebuild  # False: a lost drafter is not replaced (plain decoding from then on)
         self.sampling = None
         self.opened = False     # the leased replica holds the session
         self.fresh = False      # ... rebuilt from the committed tokens, no proposal yet
@@ -207,7 +212,7 @@ class FailoverDrafter:
         chain it never made (an empty draft instead)."""
         while True:
             if not self.opened:
-                if not (self.lease.failovers <= self.max_failovers and self.lease.pool.serving()
+                if not (self.rebuild and self.lease.failovers <= self.max_failovers and self.lease.pool.serving()
                         and await self._open_any(session_id, None, None, rebuild=True)):
                     return Draft()          # no drafter: a plain decode step
             if self.fresh:

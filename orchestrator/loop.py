@@ -6,6 +6,11 @@
         kept  = verifier.verify(draft)             # ONE target forward, lossless rule
         stream kept tokens
 
+EAGLE drafting (spec.features): the verifier returns the target's hidden states
+of the tokens each prefill / verify committed, and the loop hands them to the
+drafter with the next Propose it makes anyway - the features ride on the two
+messages a cycle already sends, no extra round trip (Li et al. 2024).
+
 Pipelined drafting (spec.pipeline; PEARL's post-verify, Liu et al. 2024): while
 the verifier checks a chain, the drafter already drafts the next one assuming
 the whole chain is kept and the bonus token is its own guess. When the verdict
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from specd.draft_shape import DraftShape
+from specd.features import HiddenStates
 
 from .adaptive import CostModel, SessionDepth
 from .detok import Emit, OutputTracker
@@ -54,10 +60,12 @@ class Verdict:
     compute_ms: float = 0.0
     batch_sessions: int = 1  # sessions in the verify forward it ran in
     batch_tokens: int = 0    # rows of that forward (0: unknown)
+    hidden: HiddenStates | None = None   # spec.features: the target's features of the committed tokens
 
 
 class VerifierClient(Protocol):
-    async def open(self, session_id: str, prompt_ids: list[int], sampling) -> int: ...
+    # hidden=True (spec.features): returns (first token, HiddenStates of the prompt)
+    async def open(self, session_id: str, prompt_ids: list[int], sampling, *, hidden: bool = False) -> int: ...
     async def verify(self, session_id: str, draft: Draft) -> Verdict: ...
     async def close(self, session_id: str) -> None: ...
 
@@ -65,7 +73,8 @@ class VerifierClient(Protocol):
 class DrafterClient(Protocol):
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None: ...
     async def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
-                      shape: DraftShape, *, ahead: bool = False, rewind: bool = False) -> Draft: ...
+                      shape: DraftShape, *, ahead: bool = False, rewind: bool = False,
+                      hidden: HiddenStates | None = None) -> Draft: ...
     async def close(self, session_id: str) -> None: ...
 
 
@@ -122,6 +131,7 @@ class Stats:
     pipelined_drafts: int = 0  # cycles that verified a draft made during the previous verify
     draft_wait_ms: float = 0.0   # of the cycles' wall time, waiting for drafts
     draft_call_ms: float = 0.0   # the used drafts' Propose calls' own wall time
+    feature_bytes: int = 0       # spec.features: hidden-state bytes carried (prefill + cycles)
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
@@ -199,6 +209,14 @@ def ahead_holds(draft: Draft, verdict: Verdict, ahead: Draft) -> bool:
             and verdict.tokens[-1:] == [ahead.guess])
 
 
+def keep_features(pending: list[HiddenStates], got: HiddenStates | None) -> int:
+    """Queue the verifier's features for the next Propose; their size in bytes."""
+    if got is None:
+        raise RuntimeError("the verifier returned no hidden states for a session that asked for them")
+    pending.append(got)
+    return len(got.data)
+
+
 async def timed_propose(drafter: DrafterClient, *args, **kwargs) -> Draft:
     start = time.perf_counter()
     draft = await drafter.propose(*args, **kwargs)
@@ -221,7 +239,10 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
     rest_rows, rest_sessions = 0, 0        # the other sessions of this session's last verify forward
     opened, ahead = [], None              # ahead: a task, the next cycle's draft made during this verify
     try:
-        opens = [verifier.open(session_id, spec.prompt_ids, spec.sampling)]
+        # spec.features: the target's hidden states not yet sent to the drafter.
+        feats: list[HiddenStates] = []
+        want = {"hidden": True} if spec.features else {}
+        opens = [verifier.open(session_id, spec.prompt_ids, spec.sampling, **want)]
         if use_drafter:
             opens.append(drafter.open(session_id, spec.prompt_ids, spec.sampling))
         # Until the opens answer, count them as opened: a client that leaves now
@@ -233,6 +254,9 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
         for r in results:
             if isinstance(r, BaseException):
                 raise r
+        if spec.features:
+            results[0], prompt_feats = results[0]
+            stats.feature_bytes += keep_features(feats, prompt_feats)
         committed = len(spec.prompt_ids) + 1
         emit = tracker.add([results[0]])
         stats.completion_tokens = len(tracker.ids)
@@ -262,8 +286,10 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                 if pre is not None:
                     draft = pre
                 elif use_drafter and (cycle_shape := next_shape(committed, tracker.remaining)) is not None:
-                    draft = await timed_propose(drafter, session_id, kept_path, unsent, cycle_shape, rewind=rewind)
-                    unsent, rewind = [], False
+                    extra = {"hidden": HiddenStates.concat(feats)} if spec.features else {}
+                    draft = await timed_propose(drafter, session_id, kept_path, unsent, cycle_shape, rewind=rewind,
+                                                **extra)
+                    unsent, rewind, feats = [], False, []
                 else:
                     draft = Draft()
                 draft.wait_ms = (time.perf_counter() - start) * 1e3 if draft.tokens else 0.0
@@ -274,6 +300,8 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                         ahead = asyncio.ensure_future(timed_propose(
                             drafter, session_id, list(range(n - 1)), draft.tokens, shape_after, ahead=True))
                 verdict = await verifier.verify(session_id, draft)
+                if spec.features:
+                    stats.feature_bytes += keep_features(feats, verdict.hidden)
                 if draft.tokens:
                     kept_path = verdict.path
                 unsent += verdict.tokens

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from specd.draft_shape import DraftShape
 from specd.errors import InvalidRequest
-from specd.spec_config import METHODS, SpeculativeConfig
+from specd.spec_config import DRAFTER_METHODS, METHODS, SpeculativeConfig
 from specd.sampling import SamplingParams
 from specd.validation import check_token_ids
 from specd.wire import shape_from_proto
@@ -24,15 +24,22 @@ class GenerationSpec:
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams
-    method: str                   # draft_model | ngram | off
+    method: str                   # draft_model | eagle | ngram | off
     shape: DraftShape | None      # the draft each cycle; None = plain decoding
     stop: tuple[str, ...] = ()
     adaptive: bool = False        # choose the depth per cycle (orchestrator/adaptive.py), up to shape's
     pipeline: bool = False        # draft the next chain during each verify (orchestrator/loop.py)
 
+    @property
+    def features(self) -> bool:
+        """The drafter reads the target's hidden states (EAGLE): the verifier
+        returns them and the loop forwards them with the next Propose."""
+        return self.method == "eagle"
+
 
 def build_spec(req, config: OrchestratorConfig, tokenizer, vocab_size: int, context_length: int,
-               has_drafter: bool) -> GenerationSpec:
+               has_drafter: bool, drafter_method: str = "draft_model") -> GenerationSpec:
+    """drafter_method: what the deployment's drafter pool serves (draft_model | eagle)."""
     kind = req.WhichOneof("input")
     if kind == "prompt":
         if not req.prompt:
@@ -56,7 +63,7 @@ def build_spec(req, config: OrchestratorConfig, tokenizer, vocab_size: int, cont
 
     if any(not s for s in req.stop):
         raise InvalidRequest("stop strings must not be empty")
-    method, shape = speculation(req, config.speculative, has_drafter)
+    method, shape = speculation(req, config.speculative, has_drafter, drafter_method)
     if req.HasField("adaptive_speculation"):
         adaptive = req.adaptive_speculation
     else:   # a request that names its own K or tree gets exactly that
@@ -77,7 +84,8 @@ def pipelining(req, sc: SpeculativeConfig, method: str, shape: DraftShape | None
     return sc.pipeline and able
 
 
-def speculation(req, sc: SpeculativeConfig, has_drafter: bool) -> tuple[str, DraftShape | None]:
+def speculation(req, sc: SpeculativeConfig, has_drafter: bool,
+                drafter_method: str = "draft_model") -> tuple[str, DraftShape | None]:
     """(method, draft shape) for a request: its own method / K / tree where it
     sets them, else the service's speculative config, within the service's limits."""
     method = req.speculative_method or sc.method
@@ -89,8 +97,8 @@ def speculation(req, sc: SpeculativeConfig, has_drafter: bool) -> tuple[str, Dra
         if not (0 <= k <= sc.max_num_speculative_tokens):
             raise InvalidRequest(
                 f"num_speculative_tokens must be in [0, {sc.max_num_speculative_tokens}], got {k}")
-    if req.HasField("tree") and method != "draft_model":
-        raise InvalidRequest(f"a draft tree needs speculative_method draft_model, not {method!r}")
+    if req.HasField("tree") and method not in DRAFTER_METHODS:
+        raise InvalidRequest(f"a draft tree needs speculative_method draft_model or eagle, not {method!r}")
     if method == "off" or k == 0:
         return "off", None
     if method == "ngram":
@@ -99,6 +107,9 @@ def speculation(req, sc: SpeculativeConfig, has_drafter: bool) -> tuple[str, Dra
         if req.speculative_method or req.HasField("num_speculative_tokens") or req.HasField("tree"):
             raise InvalidRequest("speculative_method draft_model was asked for but this deployment has no drafter")
         return "off", None
+    if method != drafter_method:
+        raise InvalidRequest(f"speculative_method {method} was asked for but this deployment's drafter "
+                             f"serves {drafter_method}")
     if req.HasField("tree"):
         shape = shape_from_proto(req.tree)
     elif sc.tree and not req.HasField("num_speculative_tokens"):

@@ -10,12 +10,13 @@ from . import cluster
 from .grpc_util import MAX_MESSAGE_BYTES, open_channel
 from .auth import CLIENT_TOKEN_ENV, bearer_metadata, tokens_from_env_and_file
 from .security import SecurityConfigError, add_tls_flags, tls_from_args
-from .spec_config import (METHODS, ConfigError, add_draft_shape_flags, add_speculative_flags,
+from .spec_config import (DRAFTER_METHODS, METHODS, ConfigError, add_draft_shape_flags, add_speculative_flags,
                           speculative_config_from_args)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models/demo/target"
 DEMO_DRAFTER = REPO_ROOT / "models/demo/drafter"
+DEMO_EAGLE = REPO_ROOT / "models/demo/eagle"
 DEMO_PROMPT = "def read_config(path):\n    with open(path) as f:\n        return"
 
 
@@ -43,14 +44,15 @@ def cmd_up(args, print_address: bool = True) -> int:
         return 2
     # The drafter: --drafter, else the config's `model`, else the demo drafter;
     # '' deploys none (then only ngram and off can run).
-    drafter = args.drafter if args.drafter is not None else (sc.model or str(DEMO_DRAFTER))
+    drafter = args.drafter if args.drafter is not None else (
+        sc.model or str(DEMO_EAGLE if sc.method == "eagle" else DEMO_DRAFTER))
     args.drafter = drafter or None
     for label, d in (("target", args.target), ("drafter", args.drafter)):
         if d and not (Path(d) / "config.json").exists():
             print(f"--{label} {d}: not a Hugging Face model directory (no config.json)", file=sys.stderr)
             return 2
-    if sc.method == "draft_model" and not args.drafter:
-        print("specd up: speculative_config.method is draft_model but no drafter is given", file=sys.stderr)
+    if sc.method in DRAFTER_METHODS and not args.drafter:
+        print(f"specd up: speculative_config.method is {sc.method} but no drafter is given", file=sys.stderr)
         return 2
     ray_address = args.ray_address or os.environ.get("RAY_ADDRESS")
     ray_pid = None
@@ -284,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_flags(gen)
     add_tls_flags(gen, server=False)
     g = gen.add_argument_group("per-request speculation (default: the service's config)")
-    g.add_argument("--method", choices=METHODS, help="draft_model | ngram | off")
+    g.add_argument("--method", choices=METHODS, help="draft_model | eagle | ngram | off")
     g.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
     add_draft_shape_flags(g)
     gen.set_defaults(func=cmd_generate)

@@ -98,14 +98,25 @@ class LeanModel:
         return self.forward_batch([(s, token_ids, positions, mask)], last_only)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, items: list, last_only: bool = False) -> list[torch.Tensor]:
+    def forward_batch(self, items: list, last_only: bool = False, hidden: bool = False):
         """One forward for several sessions: items are (session, token_ids,
-        positions | None, mask | None) as in `forward`; returns each one's logits.
+        positions | None, mask | None) as in `forward`; returns each one's logits,
+        or (logits, hidden states) with `hidden`.
 
         Every weight matmul (QKV, output, MLP, LM head) runs once over the rows
         of all sessions together - at small batch a step is bound by reading
         the weights, so this is where batching pays. Attention runs per session
         on its own cache rows, in place: no session's cache is copied."""
+        ids = [t for _, token_ids, _, _ in items for t in token_ids]
+        return self.forward_embeds(items, self.embed[torch.tensor(ids, device=self.device)], last_only, hidden)
+
+    @torch.inference_mode()
+    def forward_embeds(self, items: list, x: torch.Tensor, last_only: bool = False, hidden: bool = False):
+        """forward_batch from input rows x (R, C) instead of token embeddings
+        (the token ids of items only count rows). hidden: also return each
+        item's last-layer hidden states before the final norm, (n, C), every
+        row even with last_only - the features an EAGLE head reads (and, for a
+        head built on this class, the features it predicts)."""
         hd, nh, nkv, kvt = self.head_dim, self.n_heads, self.n_kv, self.kv_dtype
         plans, ids, positions_all = [], [], []
         for s, token_ids, positions, mask in items:
@@ -127,7 +138,6 @@ class LeanModel:
             plans.append((s, n, start, end, attn_mask, causal))
             positions_all.append(pos)
             ids += token_ids
-        x = self.embed[torch.tensor(ids, device=self.device)]                  # (R, C), R = all rows
         sizes = [p[1] for p in plans]
         rows = len(ids)
         pos = positions_all[0] if len(items) == 1 else torch.cat(positions_all)   # (R,)
@@ -154,11 +164,12 @@ class LeanModel:
             x = x + F.linear(F.silu(gate) * up, L["down"])
         for s, n, start, end, *_ in plans:
             s.length = end
+        states = list(x.split(sizes)) if hidden else None                  # (n, C) per session
         if last_only:
             x = x[torch.tensor(sizes, device=self.device).cumsum(0) - 1]      # each session's last row
             sizes = [1] * len(sizes)
-        logits = F.linear(self._rms(x, self.norm), self.lm_head).float()
-        return list(logits.split(sizes))
+        logits = list(F.linear(self._rms(x, self.norm), self.lm_head).float().split(sizes))
+        return (logits, states) if hidden else logits
 
 
 class LeanSession:

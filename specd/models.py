@@ -68,11 +68,17 @@ class Runner:
     def new_session(self):
         return self.lean.new_session() if self.lean else SessionCache(self.model)
 
-    def forward_batch(self, items: list, last_only: bool = False) -> list:
+    def forward_batch(self, items: list, last_only: bool = False, hidden: bool = False):
         """items: (session, token_ids, positions | None, mask | None). One forward
-        for all of them on the lean engine; one after another on Hugging Face's."""
+        for all of them on the lean engine; one after another on Hugging Face's.
+        hidden: return (logits, last-layer hidden states before the final norm)
+        (lean engine only: EAGLE features)."""
+        if hidden and self.lean is None:
+            raise ValueError("hidden states (EAGLE features) need the lean engine")
         if self.lean is not None:
-            return self.lean.forward_batch(items, last_only) if items else []
+            if not items:
+                return ([], []) if hidden else []
+            return self.lean.forward_batch(items, last_only, hidden)
         return [c.forward(ids, last_only=last_only, positions=p, mask=m) for c, ids, p, m in items]
 
 

@@ -36,6 +36,9 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
                         help="close a session without a call for this long (0 = never)")
     parser.add_argument("--max-queued-calls", type=int, default=config_cls.max_queued_calls,
                         help="calls waiting for a batch; past it RESOURCE_EXHAUSTED")
+    if hasattr(config_cls, "target_dir"):
+        parser.add_argument("--target-dir", default="", help="method eagle (--model is an EAGLE head): the "
+                            "target directory it shares embedding and LM head with (default: the head's config)")
     parser.add_argument("--metrics-port", type=int,
                         help="serve Prometheus /metrics on this port (0 = any free port; default: off)")
     parser.add_argument("--max-message-bytes", type=int, default=config_cls.max_message_bytes,
@@ -54,6 +57,8 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
     telemetry.setup(name.removesuffix("_svc"))
     extra = {k: getattr(args, k) for k in ("max_batch_sessions", "max_kv_tokens") if hasattr(args, k)}
+    if hasattr(args, "target_dir"):
+        extra["target_dir"] = args.target_dir
     config = config_cls(model_dir=args.model, host=args.host, port=args.port, device=args.device,
                         dtype=args.dtype, max_draft_tokens=args.max_draft_tokens,
                         torch_threads=args.torch_threads, tls=tls, max_message_bytes=args.max_message_bytes,

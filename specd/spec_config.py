@@ -1,11 +1,11 @@
 """The speculative config, in the vocabulary of vLLM's `speculative_config`.
 
-    method: draft_model        # draft_model | ngram | off
-    model: models/demo/drafter # the drafter (method draft_model)
+    method: draft_model        # draft_model | eagle | ngram | off
+    model: models/demo/drafter # the drafter (draft_model) or the EAGLE head (eagle: models/demo/eagle)
     num_speculative_tokens: 4  # K: chain length, or the depth limit of a tree
     prompt_lookup_max: 4       # ngram: longest suffix tried
     prompt_lookup_min: 1       # ngram: shortest suffix tried
-    tree:                      # optional, draft_model only: a static or dynamic tree
+    tree:                      # optional, draft_model / eagle: a static or dynamic tree
       branching: [3, 2, 1]     #   children per depth, or
       paths: [[0], [1], [0, 0]] #  node by node: choice ranks from the root, or
       node_budget: 16          #   a dynamic tree of this many nodes ...
@@ -28,7 +28,10 @@ from pathlib import Path
 
 from .draft_shape import DraftShape
 
-METHODS = ("draft_model", "ngram", "off")
+METHODS = ("draft_model", "eagle", "ngram", "off")
+# Methods drafted by the drafter service: a draft model, or an EAGLE head on the
+# target's features (the verifier then returns them; drafter_svc/eagle.py).
+DRAFTER_METHODS = ("draft_model", "eagle")
 TREE_KEYS = ("branching", "paths", "node_budget", "max_depth", "top_k")
 
 
@@ -78,8 +81,9 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"speculative_config.tree.{unknown[0]}: unknown key (known: {', '.join(TREE_KEYS)})")
         if self.tree:
-            if self.method != "draft_model":
-                raise ConfigError(f"speculative_config.tree: trees need method draft_model, not {self.method!r}")
+            if self.method not in DRAFTER_METHODS:
+                raise ConfigError(f"speculative_config.tree: trees need method draft_model or eagle, "
+                                  f"not {self.method!r}")
             try:
                 self.tree_shape().validate(self.max_tree_nodes, self.max_num_speculative_tokens)
             except (ValueError, TypeError) as exc:   # TypeError: paths that are not lists of ints
@@ -124,7 +128,7 @@ def add_speculative_flags(parser) -> None:
     """Flags shared by `specd up` and `python -m orchestrator`; they override the file."""
     g = parser.add_argument_group("speculative config (vLLM vocabulary; flags override the file)")
     g.add_argument("--speculative-config", help="YAML or TOML file (see specd/spec_config.py)")
-    g.add_argument("--method", choices=METHODS, help="draft_model | ngram | off")
+    g.add_argument("--method", choices=METHODS, help="draft_model | eagle | ngram | off")
     g.add_argument("--num-speculative-tokens", type=int, help="K: chain length / tree depth limit")
     g.add_argument("--prompt-lookup-max", type=int)
     g.add_argument("--prompt-lookup-min", type=int)

@@ -34,3 +34,13 @@ def shape_from_proto(msg: pb.DraftShape, default_top_k: int = 4):
     return DraftShape(branching=tuple(msg.branching), node_budget=msg.node_budget,
                       max_depth=msg.max_depth, top_k=msg.top_k or default_top_k,
                       paths=tuple(tuple(p.ranks) for p in msg.paths))
+
+
+def hidden_to_proto(h) -> pb.HiddenStates | None:
+    return None if h is None else pb.HiddenStates(data=h.data, rows=h.rows, hidden_size=h.hidden_size, dtype=h.dtype)
+
+
+def hidden_from_proto(msg, present: bool):
+    """present: the message's HasField("hidden_states")."""
+    from .features import HiddenStates
+    return HiddenStates(msg.data, msg.rows, msg.hidden_size, msg.dtype) if present else None

@@ -37,3 +37,6 @@ class VerifierConfig:
     max_batch_sessions: int = 32
     tls: TlsConfig | None = None     # TLS / mTLS on this server (specd.security); None = plaintext
     max_message_bytes: int = MAX_MESSAGE_BYTES   # per message, both ways; over it: RESOURCE_EXHAUSTED
+    # Dtype of the hidden states (EAGLE features) sent to sessions that ask:
+    # float16 | bfloat16 (2 bytes per value either way).
+    hidden_dtype: str = "float16"

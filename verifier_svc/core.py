@@ -17,6 +17,7 @@ import torch
 
 from specd.acceptance import dense_q
 from specd.errors import CapacityExceeded, InvalidRequest
+from specd.features import HiddenStates
 from specd.model_core import ModelCore
 from specd.phases import Phases
 from specd.sampling import SamplingParams, logits_to_probs, sample
@@ -35,6 +36,7 @@ class VerifyResult:
     phases: list = field(default_factory=list)   # (name, start_ns, end_ns): forward, accept, compact
     batch_sessions: int = 1    # sessions verified in the same forward
     batch_tokens: int = 0      # rows of that forward (every session's pending token + nodes)
+    hidden: HiddenStates | None = None   # sessions that asked: features of the root and the kept path
 
     @property
     def num_accepted(self) -> int:
@@ -56,6 +58,7 @@ class _Session:
     params: SamplingParams
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
+    hidden: bool = False         # return the target's features (EAGLE drafting)
 
 
 def is_chain(tree: TokenTree) -> bool:
@@ -74,7 +77,7 @@ class Verifier(ModelCore):
         return sum(s.cache.length for s in list(self._sessions.values()))
 
     def open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                     resume: bool = False) -> int | None:
+                     resume: bool = False, hidden: bool = False):
         """Prefill the prompt; return the first generated token (a plain decode step).
 
         resume: the session moves here from a lost verifier (orchestrator/failover.py):
@@ -82,27 +85,34 @@ class Verifier(ModelCore):
         but the last and sample nothing (None), so the next verify continues
         exactly where the lost replica stood. The generator restarts from
         params.seed: the orchestrator sends a fresh seed for a resume, since
-        replaying draws that made the earlier tokens would correlate with them."""
+        replaying draws that made the earlier tokens would correlate with them.
+
+        hidden: the session returns the target's features (EAGLE drafting): then
+        the result is (first token, HiddenStates of every prompt token); after a
+        resume (None, None) - the drafter has the earlier features already."""
         self._check_request(session_id, prompt_ids, params)
         if resume and len(prompt_ids) < 2:
             raise InvalidRequest("a resumed session needs the prompt and at least one generated token "
                                  f"in prompt_token_ids, got {len(prompt_ids)} token(s)")
+        if hidden and self.runner.lean is None:
+            raise InvalidRequest("return_hidden_states needs the verifier's lean engine")
         with self._lock:
             self._check_room(session_id)
             if self.kv_tokens + len(prompt_ids) > self.config.max_kv_tokens:
                 raise CapacityExceeded(
                     f"verifier KV budget full: {self.kv_tokens} of {self.config.max_kv_tokens} tokens in use")
             gen = torch.Generator().manual_seed(params.seed)
-            s = _Session(self.runner.new_session(), params, gen, list(prompt_ids))
+            s = _Session(self.runner.new_session(), params, gen, list(prompt_ids), hidden)
             if resume:
                 s.cache.forward(prompt_ids[:-1], last_only=True)   # the invariant: all but the pending one
-                self._sessions[session_id] = s
-                return None
-            logits = s.cache.forward(prompt_ids, last_only=True)[0]
+                self._add(session_id, s)
+                return (None, None) if hidden else None
+            out = self.runner.forward_batch([(s.cache, list(prompt_ids), None, None)], last_only=True, hidden=hidden)
+            logits = (out[0] if hidden else out)[0][0]
             first = sample(logits_to_probs(logits, params), gen) if not params.greedy else int(logits.argmax())
             s.tokens.append(first)
             self._add(session_id, s)
-            return first
+            return (first, HiddenStates.encode(out[1][0], self.config.hidden_dtype)) if hidden else first
 
     def verify(self, session_id: str, draft_ids: list[int], parents: list[int] | None = None,
                row_dists: list[tuple[list[int], list[float]]] | None = None) -> VerifyResult:
@@ -156,10 +166,17 @@ class Verifier(ModelCore):
                     mask4, pos2 = tree_attention(j.tree, base)
                     mask, positions = mask4[0, 0], pos2[0]
                 items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), positions, mask))
-            logits = self.runner.forward_batch(items)
+            want = any(j.session.hidden for j in live)
+            out = self.runner.forward_batch(items, hidden=want)
+            logits, states = out if want else (out, [None] * len(live))
             phases.mark("forward")
             accepted = [self._accept(j, lg) for j, lg in zip(live, logits)]
             phases.mark("accept")
+            for j, r, h in zip(live, accepted, states):
+                if j.session.hidden:
+                    # The rows the cache keeps (root + path): the features of the
+                    # tokens committed before the new pending one.
+                    r.hidden = HiddenStates.encode(h[compaction_indices(r.path)], self.config.hidden_dtype)
             for j, r in zip(live, accepted):
                 # Keep the root and the accepted path; the new last token is pending.
                 j.session.cache.compact(len(j.session.tokens) - 1, compaction_indices(r.path))

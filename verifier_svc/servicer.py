@@ -4,7 +4,7 @@ from __future__ import annotations
 from specd import telemetry
 from specd.batcher import Batcher
 from specd.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors
-from specd.wire import dists_from_proto, sampling_from_proto
+from specd.wire import dists_from_proto, hidden_to_proto, sampling_from_proto
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -27,9 +27,11 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
                 "specdec.session_id": request.session_id,
                 "specdec.prompt_tokens": len(request.prompt_token_ids)} if telemetry.ENABLED else None):
             first = self.core.open_session(request.session_id, list(request.prompt_token_ids),
-                                           sampling_from_proto(request.sampling), resume=request.resume)
+                                           sampling_from_proto(request.sampling), resume=request.resume,
+                                           hidden=request.return_hidden_states)
         close_if_caller_left(self.core, request.session_id, context)
-        return pb.OpenVerifySessionResponse(first_token_id=first or 0)
+        first, hidden = first if request.return_hidden_states else (first, None)
+        return pb.OpenVerifySessionResponse(first_token_id=first or 0, hidden_states=hidden_to_proto(hidden))
 
     def _verify(self, request) -> pb.VerifyResponse:
         with telemetry.server_span("verifier.verify", request.traceparent) as span:
@@ -47,7 +49,8 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
         self.metrics.observe_verify(len(request.draft_token_ids), result)
         return pb.VerifyResponse(num_accepted=result.num_accepted, token_ids=result.tokens,
                                  accepted_path=result.path, compute_ms=result.compute_ms,
-                                 batch_sessions=result.batch_sessions, batch_tokens=result.batch_tokens)
+                                 batch_sessions=result.batch_sessions, batch_tokens=result.batch_tokens,
+                                 hidden_states=hidden_to_proto(result.hidden))
 
     @grpc_errors
     def Verify(self, request, context):

@@ -54,6 +54,18 @@ class TreePath(_message.Message):
     ranks: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class HiddenStates(_message.Message):
+    __slots__ = ("data", "rows", "hidden_size", "dtype")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    rows: int
+    hidden_size: int
+    dtype: str
+    def __init__(self, data: _Optional[bytes] = ..., rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
 class OpenDraftSessionRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -69,7 +81,7 @@ class OpenDraftSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "accepted_path", "committed_token_ids", "num_draft_tokens", "shape", "request_id", "traceparent", "ahead", "rewind")
+    __slots__ = ("session_id", "accepted_path", "committed_token_ids", "num_draft_tokens", "shape", "request_id", "traceparent", "ahead", "rewind", "hidden_states")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +91,7 @@ class ProposeRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     REWIND_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -88,7 +101,8 @@ class ProposeRequest(_message.Message):
     traceparent: str
     ahead: bool
     rewind: bool
-    def __init__(self, session_id: _Optional[str] = ..., accepted_path: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., shape: _Optional[_Union[DraftShape, _Mapping]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ..., rewind: _Optional[bool] = ...) -> None: ...
+    hidden_states: HiddenStates
+    def __init__(self, session_id: _Optional[str] = ..., accepted_path: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., shape: _Optional[_Union[DraftShape, _Mapping]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ..., rewind: _Optional[bool] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("draft_token_ids", "draft_parents", "draft_distributions", "compute_ms", "request_id", "error", "batch_sessions", "batch_tokens", "guessed_token_id")
@@ -123,22 +137,26 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenVerifySessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "resume")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "resume", "return_hidden_states")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     resume: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ...) -> None: ...
+    return_hidden_states: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
 
 class OpenVerifySessionResponse(_message.Message):
-    __slots__ = ("first_token_id",)
+    __slots__ = ("first_token_id", "hidden_states")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
-    def __init__(self, first_token_id: _Optional[int] = ...) -> None: ...
+    hidden_states: HiddenStates
+    def __init__(self, first_token_id: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "draft_token_ids", "draft_parents", "draft_distributions", "request_id", "traceparent")
@@ -157,7 +175,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "token_ids", "accepted_path", "compute_ms", "request_id", "error", "batch_sessions", "batch_tokens")
+    __slots__ = ("num_accepted", "token_ids", "accepted_path", "compute_ms", "request_id", "error", "batch_sessions", "batch_tokens", "hidden_states")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +184,7 @@ class VerifyResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
@@ -174,7 +193,8 @@ class VerifyResponse(_message.Message):
     error: CallError
     batch_sessions: int
     batch_tokens: int
-    def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_path: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+    hidden_states: HiddenStates
+    def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_path: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method", "adaptive_speculation", "pipeline_drafting")
@@ -213,7 +233,7 @@ class PromptTokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position", "adaptive", "pipelined_drafts", "draft_wait_ms", "draft_call_ms")
+    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position", "adaptive", "pipelined_drafts", "draft_wait_ms", "draft_call_ms", "feature_bytes")
     CYCLES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +252,7 @@ class GenerationStats(_message.Message):
     PIPELINED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CALL_MS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     cycles: int
     drafted_tokens: int
     accepted_tokens: int
@@ -250,7 +271,8 @@ class GenerationStats(_message.Message):
     pipelined_drafts: int
     draft_wait_ms: float
     draft_call_ms: float
-    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., adaptive: _Optional[bool] = ..., pipelined_drafts: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_call_ms: _Optional[float] = ...) -> None: ...
+    feature_bytes: int
+    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., adaptive: _Optional[bool] = ..., pipelined_drafts: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_call_ms: _Optional[float] = ..., feature_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
