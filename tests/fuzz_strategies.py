@@ -40,6 +40,8 @@ def _scalar(field: F, depth: int):
         return st.booleans()
     if t == F.TYPE_STRING:
         return texts
+    if t == F.TYPE_BYTES:      # e.g. HiddenStates.data: any length, odd sizes included
+        return st.binary(max_size=600)
     if t == F.TYPE_MESSAGE:
         return message_strategy(GetMessageClass(field.message_type), depth + 1)
     raise NotImplementedError(f"no strategy for field {field.full_name}")
