@@ -86,16 +86,19 @@ class Drafter(ModelCore):
         self._check_request(session_id, prompt_ids, params)
         with self._lock:
             self._check_room(session_id)
-            # A distinct stream from the verifier's: draft randomness must be
-            # independent of the acceptance randomness.
-            gen = torch.Generator().manual_seed((params.seed * 2654435761 + 1) % 2**63)
-            s = _Session(self.runner.new_session(), params, gen, list(prompt_ids))
+            s = self._new_session(prompt_ids, params)
             # Prefill now (overlaps the verifier's prefill); the last prompt token
             # is forwarded with the first proposal, which needs its logits.
             if len(prompt_ids) > 1:
                 s.cache.forward(prompt_ids[:-1], last_only=True)
             s.base = s.cache.length
             self._add(session_id, s)
+
+    def _new_session(self, prompt_ids: list[int], params: SamplingParams) -> _Session:
+        # A distinct stream from the verifier's: draft randomness must be
+        # independent of the acceptance randomness.
+        gen = torch.Generator().manual_seed((params.seed * 2654435761 + 1) % 2**63)
+        return _Session(self.runner.new_session(), params, gen, list(prompt_ids))
 
     def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
                 shape: DraftShape, ahead: bool = False, rewind: bool = False, hidden=None) -> Proposal:

@@ -31,7 +31,7 @@ from specd.eagle_head import CONFIG_NAME, load_head
 from specd.errors import InvalidRequest
 from specd.models import resolve_device
 
-from .core import Drafter, ProposeJob, _Session
+from .core import Drafter, ProposeJob
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -184,8 +184,7 @@ class EagleDrafter(Drafter):
         self._check_request(session_id, prompt_ids, params)
         with self._lock:
             self._check_room(session_id)
-            gen = torch.Generator().manual_seed((params.seed * 2654435761 + 1) % 2**63)
-            self._sessions[session_id] = _Session(self.runner.new_session(), params, gen, list(prompt_ids))
+            self._add(session_id, self._new_session(prompt_ids, params))   # idle expiry counts from now
 
     def prepare(self, session_id: str, accepted_path: list[int], committed: list[int], shape,
                 ahead: bool = False, rewind: bool = False, hidden=None) -> ProposeJob:

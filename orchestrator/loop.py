@@ -161,11 +161,6 @@ class Stats:
         self.cycle_overhead_ms.append(record.overhead_ms)
         return record
 
-    @property
-    def draft_hidden(self) -> float:
-        """The share of the draft calls' time the cycles did not wait for."""
-        return 1.0 - self.draft_wait_ms / self.draft_call_ms if self.draft_call_ms else 0.0
-
 
 @dataclass
 class Chunk:

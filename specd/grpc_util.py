@@ -30,9 +30,6 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
             ("grpc.max_receive_message_length", max_message_bytes)]
 
 
-CHANNEL_OPTIONS = channel_options()
-
-
 def bind(server, host: str, port: int, tls: TlsConfig | None) -> int:
     """Add the server's port (TLS when configured); return the bound port."""
     address = f"{host}:{port}"
