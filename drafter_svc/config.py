@@ -37,6 +37,11 @@ class DrafterConfig:
     # Propose calls of concurrent sessions share forwards (lean engine; chains
     # level by level, trees one session at a time), up to this many sessions.
     max_batch_sessions: int = 32
+    # Before a batch runs, wait for the Propose calls of the other open sessions,
+    # at most this fraction of the last batch's run time (specd/batcher.py: the
+    # gather window; without it sessions split into groups that take turns).
+    # 0 = run at once with what is queued.
+    batch_wait_fraction: float = 0.5
     tls: TlsConfig | None = None     # TLS / mTLS on this server (specd.security); None = plaintext
     max_message_bytes: int = MAX_MESSAGE_BYTES   # per message, both ways; over it: RESOURCE_EXHAUSTED
     # Method eagle (model_dir is an EAGLE head): the target directory whose

@@ -20,7 +20,9 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
         self.core = core
         self.metrics = DrafterMetrics(core)
         self.batcher = Batcher(core.propose_batch, core.config.max_batch_sessions, "propose",
-                               max_queued=core.config.max_queued_calls)
+                               self.metrics.observe_batch, max_queued=core.config.max_queued_calls,
+                               active_sessions=core.active_sessions,
+                               wait_fraction=core.config.batch_wait_fraction)
 
     @grpc_errors
     def OpenSession(self, request, context):

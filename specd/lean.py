@@ -98,10 +98,11 @@ class LeanModel:
         return self.forward_batch([(s, token_ids, positions, mask)], last_only)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, items: list, last_only: bool = False, hidden: bool = False):
+    def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool = False):
         """One forward for several sessions: items are (session, token_ids,
         positions | None, mask | None) as in `forward`; returns each one's logits,
-        or (logits, hidden states) with `hidden`.
+        or (logits, hidden states) with `hidden`. last_only: for all items, or
+        one flag per item (a prefill beside verifies needs only its last row).
 
         Every weight matmul (QKV, output, MLP, LM head) runs once over the rows
         of all sessions together - at small batch a step is bound by reading
@@ -111,7 +112,8 @@ class LeanModel:
         return self.forward_embeds(items, self.embed[torch.tensor(ids, device=self.device)], last_only, hidden)
 
     @torch.inference_mode()
-    def forward_embeds(self, items: list, x: torch.Tensor, last_only: bool = False, hidden: bool = False):
+    def forward_embeds(self, items: list, x: torch.Tensor, last_only: bool | list[bool] = False,
+                       hidden: bool = False):
         """forward_batch from input rows x (R, C) instead of token embeddings
         (the token ids of items only count rows). hidden: also return each
         item's last-layer hidden states before the final norm, (n, C), every
@@ -166,8 +168,14 @@ class LeanModel:
             s.length = end
         states = list(x.split(sizes)) if hidden else None                  # (n, C) per session
         if last_only:
-            x = x[torch.tensor(sizes, device=self.device).cumsum(0) - 1]      # each session's last row
-            sizes = [1] * len(sizes)
+            flags = last_only if isinstance(last_only, list) else [True] * len(sizes)
+            if all(flags):
+                x = x[torch.tensor(sizes, device=self.device).cumsum(0) - 1]      # each session's last row
+            else:
+                ends = torch.tensor(sizes).cumsum(0).tolist()
+                keep = [r for n, e, last in zip(sizes, ends, flags) for r in ((e - 1,) if last else range(e - n, e))]
+                x = x[torch.tensor(keep, device=self.device)]
+            sizes = [1 if last else n for n, last in zip(sizes, flags)]
         logits = list(F.linear(self._rms(x, self.norm), self.lm_head).float().split(sizes))
         return (logits, states) if hidden else logits
 

@@ -50,6 +50,12 @@ class ModelCore:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
+    def active_sessions(self, within_s: float) -> int:
+        """Open sessions with a call in the last within_s seconds (the batcher's
+        gather window waits for these; specd/batcher.py)."""
+        since = time.monotonic() - within_s
+        return sum(1 for sid, t in list(self._touched.items()) if t >= since and sid in self._sessions)
+
     def _check_request(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """The input checks of a new session (no lock needed)."""
         params.validate()
@@ -59,15 +65,16 @@ class ModelCore:
             raise InvalidRequest(f"session_id has {len(session_id)} characters; at most {MAX_SESSION_ID} are allowed")
         check_token_ids(prompt_ids, self.vocab_size, self.context_length, "prompt_token_ids")
 
-    def _check_room(self, session_id: str) -> None:
-        """Under the lock: the id is new and the session table has room."""
+    def _check_room(self, session_id: str, pending: int = 0) -> None:
+        """Under the lock: the id is new and the session table has room (beside
+        `pending` sessions admitted to the same batch but not yet added)."""
         if session_id in self._sessions:
             raise InvalidRequest(f"session {session_id!r} is already open")
         if session_id in self._closed_unopened:
             del self._closed_unopened[session_id]
             raise InvalidRequest(f"session {session_id!r} was closed before it was opened (its caller gave up "
                                  f"on it); open it under a new id")
-        if len(self._sessions) >= self.config.max_sessions:
+        if len(self._sessions) + pending >= self.config.max_sessions:
             raise CapacityExceeded(f"{self.role} is at its limit of {self.config.max_sessions} sessions")
 
     def _add(self, session_id: str, session) -> None:

@@ -68,7 +68,7 @@ class Runner:
     def new_session(self):
         return self.lean.new_session() if self.lean else SessionCache(self.model)
 
-    def forward_batch(self, items: list, last_only: bool = False, hidden: bool = False):
+    def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool = False):
         """items: (session, token_ids, positions | None, mask | None). One forward
         for all of them on the lean engine; one after another on Hugging Face's.
         hidden: return (logits, last-layer hidden states before the final norm)
@@ -79,7 +79,8 @@ class Runner:
             if not items:
                 return ([], []) if hidden else []
             return self.lean.forward_batch(items, last_only, hidden)
-        return [c.forward(ids, last_only=last_only, positions=p, mask=m) for c, ids, p, m in items]
+        flags = last_only if isinstance(last_only, list) else [last_only] * len(items)
+        return [c.forward(ids, last_only=lo, positions=p, mask=m) for (c, ids, p, m), lo in zip(items, flags)]
 
 
 class SessionCache:

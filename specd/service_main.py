@@ -27,6 +27,9 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     if hasattr(config_cls, "max_batch_sessions"):
         parser.add_argument("--max-batch-sessions", type=int, default=config_cls.max_batch_sessions,
                             help="sessions whose verify calls may share one forward (1 = no batching)")
+        parser.add_argument("--batch-wait-fraction", type=float, default=config_cls.batch_wait_fraction,
+                            help="wait for other open sessions' calls before a batch, at most this fraction "
+                                 "of the last batch's run time (0 = no waiting)")
     parser.add_argument("--max-sessions", type=int, default=config_cls.max_sessions,
                         help="open sessions at once; past it OpenSession is RESOURCE_EXHAUSTED")
     if hasattr(config_cls, "max_kv_tokens"):
@@ -56,7 +59,7 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
     telemetry.setup(name.removesuffix("_svc"))
-    extra = {k: getattr(args, k) for k in ("max_batch_sessions", "max_kv_tokens") if hasattr(args, k)}
+    extra = {k: getattr(args, k) for k in ("max_batch_sessions", "batch_wait_fraction", "max_kv_tokens") if hasattr(args, k)}
     if hasattr(args, "target_dir"):
         extra["target_dir"] = args.target_dir
     config = config_cls(model_dir=args.model, host=args.host, port=args.port, device=args.device,

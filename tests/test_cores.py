@@ -184,3 +184,30 @@ def test_resumed_session_continues_exactly(cores):
         for core in (verifier, drafter):
             for sid in ("a", "b"):
                 core._sessions.pop(sid, None)
+
+
+def test_prefills_share_a_forward_and_admission_counts_the_batch(pairs):
+    """OpenSession jobs batched with each other and with a verify (the servicer
+    sends them through the batcher): each prefill's first token is what a lone
+    prefill gives, the verify is unchanged, and the session limit counts the
+    sessions admitted in the same batch."""
+    import time
+
+    target, _ = pairs["llama"]
+    v = Verifier(VerifierConfig(target, device="cpu", max_sessions=3))
+    alone = Verifier(VerifierConfig(target, device="cpu"))
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [11, 12], "c": [3, 4, 5, 6], "d": [7, 8]}
+    v.open_session("a", prompts["a"], GREEDY)
+    alone.open_session("a", prompts["a"], GREEDY)
+    jobs = [v.prepare("a", [20, 21, 22])] + [v.prepare_open(sid, prompts[sid], GREEDY) for sid in "bcd"]
+    got = v.verify_batch(jobs)
+    assert got[0].tokens == alone.verify("a", [20, 21, 22]).tokens
+    assert got[0].batch_sessions == 3                  # a's verify and two prefills
+    for sid, first in zip("bc", got[1:3]):
+        assert first == alone.open_session(sid, prompts[sid], GREEDY)
+    assert isinstance(got[3], CapacityExceeded) and "limit of 3 sessions" in str(got[3])
+    assert v.num_sessions == 3
+    # The gather window's count: sessions with a call lately.
+    time.sleep(0.3)
+    v.verify("b", [1])
+    assert v.active_sessions(0.2) == 1 and v.active_sessions(60) == 3

@@ -35,6 +35,11 @@ class VerifierConfig:
     # engine runs a batch's calls one after another), up to this many sessions.
     # 1 = one session per forward.
     max_batch_sessions: int = 32
+    # Before a batch runs, wait for the verify calls of the other open sessions,
+    # at most this fraction of the last batch's run time (specd/batcher.py: the
+    # gather window; without it sessions split into groups that take turns).
+    # 0 = run at once with what is queued.
+    batch_wait_fraction: float = 0.5
     tls: TlsConfig | None = None     # TLS / mTLS on this server (specd.security); None = plaintext
     max_message_bytes: int = MAX_MESSAGE_BYTES   # per message, both ways; over it: RESOURCE_EXHAUSTED
     # Dtype of the hidden states (EAGLE features) sent to sessions that ask:

@@ -34,7 +34,7 @@ class VerifyResult:
     tokens: list[int]          # path tokens + correction or bonus
     compute_ms: float          # forward + acceptance + compaction (of the whole batch it ran in)
     phases: list = field(default_factory=list)   # (name, start_ns, end_ns): forward, accept, compact
-    batch_sessions: int = 1    # sessions verified in the same forward
+    batch_sessions: int = 1    # sessions in the same forward (verified or prefilled)
     batch_tokens: int = 0      # rows of that forward (every session's pending token + nodes)
     hidden: HiddenStates | None = None   # sessions that asked: features of the root and the kept path
 
@@ -50,6 +50,16 @@ class VerifyJob:
     session: "_Session"
     tree: TokenTree
     q: torch.Tensor | None       # dense per-row q when children were sampled
+
+
+@dataclass
+class OpenJob:
+    """A checked OpenSession call: its prefill joins a batch like a verify."""
+    session_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    resume: bool = False
+    hidden: bool = False
 
 
 @dataclass
@@ -89,30 +99,44 @@ class Verifier(ModelCore):
 
         hidden: the session returns the target's features (EAGLE drafting): then
         the result is (first token, HiddenStates of every prompt token); after a
-        resume (None, None) - the drafter has the earlier features already."""
+        resume (None, None) - the drafter has the earlier features already.
+
+        The servicer sends prepare_open's job through the batcher instead, so
+        that prefills share forwards with each other and with verifies."""
+        result = self.verify_batch([self.prepare_open(session_id, prompt_ids, params, resume, hidden)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def prepare_open(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                     resume: bool = False, hidden: bool = False) -> OpenJob:
+        """Check an OpenSession call (no lock, no forward), like `prepare`."""
         self._check_request(session_id, prompt_ids, params)
         if resume and len(prompt_ids) < 2:
             raise InvalidRequest("a resumed session needs the prompt and at least one generated token "
                                  f"in prompt_token_ids, got {len(prompt_ids)} token(s)")
         if hidden and self.runner.lean is None:
             raise InvalidRequest("return_hidden_states needs the verifier's lean engine")
-        with self._lock:
-            self._check_room(session_id)
-            if self.kv_tokens + len(prompt_ids) > self.config.max_kv_tokens:
-                raise CapacityExceeded(
-                    f"verifier KV budget full: {self.kv_tokens} of {self.config.max_kv_tokens} tokens in use")
-            gen = torch.Generator().manual_seed(params.seed)
-            s = _Session(self.runner.new_session(), params, gen, list(prompt_ids), hidden)
-            if resume:
-                s.cache.forward(prompt_ids[:-1], last_only=True)   # the invariant: all but the pending one
-                self._add(session_id, s)
-                return (None, None) if hidden else None
-            out = self.runner.forward_batch([(s.cache, list(prompt_ids), None, None)], last_only=True, hidden=hidden)
-            logits = (out[0] if hidden else out)[0][0]
-            first = sample(logits_to_probs(logits, params), gen) if not params.greedy else int(logits.argmax())
-            s.tokens.append(first)
-            self._add(session_id, s)
-            return (first, HiddenStates.encode(out[1][0], self.config.hidden_dtype)) if hidden else first
+        return OpenJob(session_id, list(prompt_ids), params, resume, hidden)
+
+    def _admit(self, j: OpenJob, kv_tokens: int, pending: int) -> _Session:
+        """Under the lock: room for the session and its prompt (beside `pending`
+        sessions admitted to the same batch); the new session."""
+        self._check_room(j.session_id, pending)
+        if kv_tokens + len(j.prompt_ids) > self.config.max_kv_tokens:
+            raise CapacityExceeded(
+                f"verifier KV budget full: {kv_tokens} of {self.config.max_kv_tokens} tokens in use")
+        gen = torch.Generator().manual_seed(j.params.seed)
+        return _Session(self.runner.new_session(), j.params, gen, list(j.prompt_ids), j.hidden)
+
+    def _first_token(self, j: OpenJob, s: _Session, logits: torch.Tensor, states) -> object:
+        """An open job's result from its prefill's last row (see open_session)."""
+        if j.resume:
+            return (None, None) if j.hidden else None
+        params = s.params
+        first = sample(logits_to_probs(logits, params), s.generator) if not params.greedy else int(logits.argmax())
+        s.tokens.append(first)
+        return (first, HiddenStates.encode(states, self.config.hidden_dtype)) if j.hidden else first
 
     def verify(self, session_id: str, draft_ids: list[int], parents: list[int] | None = None,
                row_dists: list[tuple[list[int], list[float]]] | None = None) -> VerifyResult:
@@ -151,14 +175,24 @@ class Verifier(ModelCore):
             raise InvalidRequest(f"a draft of {nodes} nodes after {committed} committed tokens "
                                  f"would pass the context length {self.context_length}")
 
-    def verify_batch(self, jobs: list[VerifyJob]) -> list[VerifyResult | Exception]:
-        """Verify several sessions' drafts in ONE forward (lean engine; the HF
-        engine runs them one after another). Each job gets its result, or the
-        exception that stopped it (a session closed meanwhile)."""
+    def verify_batch(self, jobs: list) -> list:
+        """Run several sessions' calls in ONE forward (lean engine; the HF engine
+        runs them one after another): verifies (VerifyJob) and prefills of new
+        sessions (OpenJob). Each job gets its result, or the exception that
+        stopped it (a session closed meanwhile, no room for a new one)."""
         with self._lock:
             start, phases = time.perf_counter(), Phases()
-            live, refused = self._still_valid(self._live(jobs), self._check_room_left)
-            items = []
+            opens = [j for j in jobs if isinstance(j, OpenJob)]
+            live, refused = self._still_valid(self._live([j for j in jobs if not isinstance(j, OpenJob)]),
+                                              self._check_room_left)
+            admitted, kv = [], self.kv_tokens
+            for j in opens:
+                try:
+                    admitted.append((j, self._admit(j, kv, len(admitted))))
+                    kv += len(j.prompt_ids)
+                except (InvalidRequest, CapacityExceeded) as exc:
+                    refused[id(j)] = exc
+            items, last_only = [], []
             for j in live:
                 s, base = j.session, j.session.cache.length          # base == len(tokens) - 1
                 positions = mask = None
@@ -166,10 +200,19 @@ class Verifier(ModelCore):
                     mask4, pos2 = tree_attention(j.tree, base)
                     mask, positions = mask4[0, 0], pos2[0]
                 items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), positions, mask))
-            want = any(j.session.hidden for j in live)
-            out = self.runner.forward_batch(items, hidden=want)
-            logits, states = out if want else (out, [None] * len(live))
+                last_only.append(False)
+            for j, s in admitted:
+                # The invariant: the cache holds all committed tokens but the pending last.
+                items.append((s.cache, j.prompt_ids[:-1] if j.resume else j.prompt_ids, None, None))
+                last_only.append(True)
+            want = any(j.session.hidden for j in live) or any(j.hidden for j in opens)
+            out = self.runner.forward_batch(items, last_only=last_only, hidden=want)
+            logits, states = out if want else (out, [None] * len(items))
             phases.mark("forward")
+            done = {}
+            for (j, s), lg, h in zip(admitted, logits[len(live):], states[len(live):]):
+                done[id(j)] = self._first_token(j, s, lg[0], h)
+                self._add(j.session_id, s)
             accepted = [self._accept(j, lg) for j, lg in zip(live, logits)]
             phases.mark("accept")
             for j, r, h in zip(live, accepted, states):
@@ -184,8 +227,9 @@ class Verifier(ModelCore):
             phases.mark("compact")
             ms, rows = (time.perf_counter() - start) * 1e3, sum(len(ids) for _, ids, _, _ in items)
             for r in accepted:
-                r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases.spans, len(live), rows
-            return self._in_order(jobs, {id(j): r for j, r in zip(live, accepted)} | refused, "verify")
+                r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases.spans, len(items), rows
+            done |= {id(j): r for j, r in zip(live, accepted)}
+            return self._in_order(jobs, done | refused, "verify")
 
     def _accept(self, job: VerifyJob, logits: torch.Tensor) -> VerifyResult:
         s, tree = job.session, job.tree

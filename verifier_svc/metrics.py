@@ -28,5 +28,7 @@ class VerifierMetrics:
         self.spec.observe(draft_tokens, result.num_accepted)
 
     def observe_batch(self, jobs) -> None:
-        self.batch_size.observe(len(jobs))
-        self.forward_tokens.observe(sum(len(j.tree.tokens) + 1 for j in jobs))
+        verifies = [j for j in jobs if hasattr(j, "tree")]      # not the prefills that shared the forward
+        if verifies:
+            self.batch_size.observe(len(verifies))
+            self.forward_tokens.observe(sum(len(j.tree.tokens) + 1 for j in verifies))

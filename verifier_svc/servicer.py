@@ -19,16 +19,19 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
         self.core = core
         self.metrics = VerifierMetrics(core)
         self.batcher = Batcher(core.verify_batch, core.config.max_batch_sessions, "verify", self.metrics.observe_batch,
-                               core.config.max_queued_calls)
+                               core.config.max_queued_calls, core.active_sessions,
+                               core.config.batch_wait_fraction)
 
     @grpc_errors
     def OpenSession(self, request, context):
         with telemetry.server_span("verifier.prefill", grpc_context=context, attributes={
                 "specdec.session_id": request.session_id,
                 "specdec.prompt_tokens": len(request.prompt_token_ids)} if telemetry.ENABLED else None):
-            first = self.core.open_session(request.session_id, list(request.prompt_token_ids),
-                                           sampling_from_proto(request.sampling), resume=request.resume,
-                                           hidden=request.return_hidden_states)
+            # Through the batcher: concurrent prefills share a forward (with verifies too).
+            job = self.core.prepare_open(request.session_id, list(request.prompt_token_ids),
+                                         sampling_from_proto(request.sampling), resume=request.resume,
+                                         hidden=request.return_hidden_states)
+            first = self.batcher.submit(job).result()
         close_if_caller_left(self.core, request.session_id, context)
         first, hidden = first if request.return_hidden_states else (first, None)
         return pb.OpenVerifySessionResponse(first_token_id=first or 0, hidden_states=hidden_to_proto(hidden))

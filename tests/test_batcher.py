@@ -1,0 +1,116 @@
+"""The batcher's gather window (specd/batcher.py), as a unit: jobs are plain
+objects and run_batch records the batches it got."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from specd.batcher import ACTIVE_CYCLES, Batcher
+
+
+@dataclass
+class Job:
+    session_id: str
+    sleep_s: float = 0.0
+
+
+class Recorder:
+    def __init__(self):
+        self.batches: list[list[str]] = []
+
+    def __call__(self, jobs):
+        time.sleep(max(j.sleep_s for j in jobs))
+        self.batches.append([j.session_id for j in jobs])
+        return [j.session_id for j in jobs]
+
+
+def _warm(batcher: Batcher, seconds: float) -> None:
+    """One batch that runs `seconds`: the window is a fraction of it."""
+    batcher.submit(Job("warm", seconds)).result(10)
+
+
+def test_window_gathers_the_calls_of_open_sessions():
+    rec = Recorder()
+    # Window: 10 x the last run (0.3 s) = 3 s; the calls come 0.2 s apart.
+    b = Batcher(rec, 8, "t", active_sessions=lambda s: 3, wait_fraction=10.0)
+    try:
+        _warm(b, 0.3)
+        futures = []
+        for sid in "abc":
+            futures.append(b.submit(Job(sid)))
+            time.sleep(0.2)
+        assert [f.result(10) for f in futures] == ["a", "b", "c"]
+        assert rec.batches[-1] == ["a", "b", "c"]
+    finally:
+        b.stop()
+
+
+def test_without_window_the_first_call_runs_alone():
+    rec = Recorder()
+    b = Batcher(rec, 8, "t", active_sessions=lambda s: 3, wait_fraction=0.0)
+    try:
+        _warm(b, 0.3)
+        first = b.submit(Job("a"))
+        assert first.result(10) == "a"          # did not wait for b and c
+        assert rec.batches[-1] == ["a"]
+    finally:
+        b.stop()
+
+
+def test_window_is_bounded_and_skipped_when_nothing_more_can_join():
+    rec = Recorder()
+    open_now = [5]
+    b = Batcher(rec, 2, "t", active_sessions=lambda s: open_now[0], wait_fraction=2.0)
+    try:
+        _warm(b, 0.5)                               # window: 1 s
+        start = time.monotonic()
+        assert b.submit(Job("a")).result(10) == "a"      # 4 open sessions never call: waits out the window
+        waited = time.monotonic() - start
+        assert 0.9 <= waited < 5, waited
+        assert rec.batches[-1] == ["a"]
+
+        _warm(b, 2.0)                               # window: 4 s
+        # A full batch (max_sessions 2) runs without waiting.
+        start = time.monotonic()
+        both = [b.submit(Job("a")), b.submit(Job("b"))]
+        assert [f.result(10) for f in both] == ["a", "b"]
+        assert time.monotonic() - start < 3.0
+
+        # A lone open session never waits.
+        open_now[0] = 1
+        start = time.monotonic()
+        assert b.submit(Job("a")).result(10) == "a"
+        assert time.monotonic() - start < 3.0
+    finally:
+        b.stop()
+
+
+def test_stop_ends_a_wait():
+    b = Batcher(Recorder(), 8, "t", active_sessions=lambda s: 4, wait_fraction=100.0)
+    _warm(b, 0.2)                                   # window: 20 s
+    future = b.submit(Job("a"))
+    time.sleep(0.1)
+    t = threading.Thread(target=b.stop)
+    start = time.monotonic()
+    t.start()
+    assert future.result(10) == "a"                 # drained, not dropped
+    t.join(10)
+    assert time.monotonic() - start < 8.0
+
+
+def test_window_asks_for_sessions_active_within_a_few_batch_times():
+    horizons = []
+
+    def active(within_s):
+        horizons.append(within_s)
+        return 1                 # only the caller: nothing to wait for
+
+    b = Batcher(Recorder(), 8, "t", active_sessions=active, wait_fraction=0.5)
+    try:
+        _warm(b, 0.3)
+        assert b.submit(Job("a")).result(10) == "a"
+        # The warm batch ran 0.3 s (plus scheduling): the horizon is 4 of those.
+        assert 0.29 * ACTIVE_CYCLES < horizons[-1] < 1.0 * ACTIVE_CYCLES, horizons
+    finally:
+        b.stop()
