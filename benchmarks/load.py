@@ -5,11 +5,12 @@ with batching off (one session per verify forward) to show what batching buys.
     python -m benchmarks.load                # demo pair, cost-scaled target, bf16
     python -m benchmarks.load --quick        # 1, 4 streams, fewer tokens
 
-Per setting and concurrency (n streams at a time; at low n each worker runs
-several streams in a row, 8 or more in all): total tokens/s, time to first token
-(p50) and inter-token latency (p50, p99; a message of n tokens counts as n
-gaps of its wait / n). Only ratios within one run are results. Writes
-benchmarks/results/load.json and load.png and prints a table.
+Per setting and concurrency (n streams in flight all along, each worker
+starting a new stream when its last one ends; measured over --seconds after a
+warm-up): total tokens/s, time to first token (p50) and inter-token latency
+(p50, p99; a message of n tokens counts as n gaps of its wait / n). Only ratios
+within one run are results. Writes benchmarks/results/load.json and load.png and
+prints a table.
 """
 from __future__ import annotations
 
@@ -39,50 +40,72 @@ SETTINGS = {                      # GenerateRequest fields per setting
 UNBATCHED = "fixed K=4, unbatched"
 
 
-def run_level(address: str, prompts, fields: dict, n: int, max_new: int, min_streams: int = 8) -> dict:
-    """n concurrent workers, each running streams one after another until at
-    least min_streams have run in all (so a low level is not one short, noisy
-    stream); prompts round-robin; their timings."""
-    ttft, itl, tokens, errors = [], [], [0], []
+def run_level(address: str, prompts, fields: dict, n: int, max_new: int, seconds: float = 20.0,
+              warmup_s: float = 3.0) -> dict:
+    """n streams in flight all along: n workers each run streams back to back
+    (prompts round-robin) for warmup_s + seconds; then the streams still
+    running are cancelled. Only the measured `seconds` after the warm-up count:
+    tokens/s is the tokens that arrived in it / seconds, so the start-up burst
+    (n prefills at once) and the end (streams finishing one by one, the level
+    draining to fewer streams) are not what is measured. Time to first token:
+    the streams that started in the window; inter-token latency: the gaps in
+    it (a message of k tokens counts as k gaps of its wait / k)."""
+    ttft, itl, errors = [], [], []
+    arrivals: list[tuple[float, int]] = []          # (time, tokens) of every message
     lock = threading.Lock()
+    calls: set = set()
+    stop = threading.Event()
+    counter = iter(range(10**9))
+    t0 = time.perf_counter()
+    window = (t0 + warmup_s, t0 + warmup_s + seconds)
 
-    repeat = max(1, -(-min_streams // n))
-
-    def worker(w):
-        for r in range(repeat):
-            one(w * repeat + r)
-
-    def one(i):
+    def one(channel, i):
         start = last = time.perf_counter()
+        call = pb_grpc.OrchestratorServiceStub(channel).Generate(pb.GenerateRequest(
+            prompt_token_ids=pb.PromptTokenIds(ids=prompts[i % len(prompts)]),
+            max_new_tokens=max_new, **fields), timeout=1800)
+        with lock:
+            calls.add(call)
+        if stop.is_set():
+            call.cancel()
         got = 0
         try:
-            with grpc.insecure_channel(address) as ch:
-                for r in pb_grpc.OrchestratorServiceStub(ch).Generate(pb.GenerateRequest(
-                        prompt_token_ids=pb.PromptTokenIds(ids=prompts[i % len(prompts)]),
-                        max_new_tokens=max_new, **fields), timeout=1800):
-                    now = time.perf_counter()
-                    with lock:
-                        if got == 0:
-                            ttft.append(now - start)
-                        elif r.token_ids:
-                            itl.extend([(now - last) / len(r.token_ids)] * len(r.token_ids))
-                    got += len(r.token_ids)
-                    last = now
+            for r in call:
+                now = time.perf_counter()
+                with lock:
+                    arrivals.append((now, len(r.token_ids)))
+                    if got == 0 and window[0] <= start < window[1]:
+                        ttft.append(now - start)
+                    elif got and r.token_ids and window[0] <= now < window[1]:
+                        itl.extend([(now - last) / len(r.token_ids)] * len(r.token_ids))
+                got += len(r.token_ids)
+                last = now
         except grpc.RpcError as e:
-            errors.append(f"{e.code().name}: {e.details()}")
-        with lock:
-            tokens[0] += got
+            if not (stop.is_set() and e.code() == grpc.StatusCode.CANCELLED):
+                errors.append(f"{e.code().name}: {e.details()}")
+        finally:
+            with lock:
+                calls.discard(call)
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(n)]
-    start = time.perf_counter()
+    def worker():
+        with grpc.insecure_channel(address) as channel:
+            while not stop.is_set():
+                one(channel, next(counter))
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
     for t in threads:
         t.start()
+    time.sleep(max(0.0, window[1] - time.perf_counter()))
+    stop.set()
+    with lock:
+        for call in list(calls):
+            call.cancel()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
     if errors:
         raise RuntimeError(f"{len(errors)} streams failed, e.g. {errors[0]}")
-    return dict(streams=n, requests=n * repeat, tokens=tokens[0], seconds=round(wall, 3), tokens_per_s=round(tokens[0] / wall, 2),
+    tokens = sum(k for when, k in arrivals if window[0] <= when < window[1])
+    return dict(streams=n, requests=next(counter), tokens=tokens, seconds=seconds, tokens_per_s=round(tokens / seconds, 2),
                 ttft_ms_p50=round(1e3 * pct(ttft, 0.5), 1), itl_ms_p50=round(1e3 * pct(itl, 0.5), 2),
                 itl_ms_p99=round(1e3 * pct(itl, 0.99), 2))
 
@@ -123,11 +146,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--unbatched-levels", type=int, nargs="*", default=[1, 4, 16],
                     help="levels run again with one session per verify forward")
+    ap.add_argument("--seconds", type=float, default=20.0, help="measured time per level (after --warmup-s)")
+    ap.add_argument("--warmup-s", type=float, default=3.0, help="time per level before the measurement")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "load.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.levels, args.max_new_tokens, args.unbatched_levels = [1, 4], 24, [4]
+        args.levels, args.max_new_tokens, args.unbatched_levels, args.seconds = [1, 4], 24, [4], 5.0
 
     target = cost_scaled_target(args.target, args.min_params)
     tok = load_tokenizer(str(args.target))
@@ -140,11 +165,12 @@ def main(argv=None) -> int:
     for kind, verifier_args, settings in runs:
         stack = Stack(str(target), str(args.drafter), service_args, verifier_args=verifier_args)
         try:
-            run_level(stack.orchestrator.address, prompts, SETTINGS["fixed K=2"], 2, 8, 2)    # warm-up
+            run_level(stack.orchestrator.address, prompts, SETTINGS["fixed K=2"], 2, 8, 2.0, 0.0)    # warm-up
             for setting in settings:
                 levels = args.levels if kind == "batched" else args.unbatched_levels
                 for n in levels:
-                    row = run_level(stack.orchestrator.address, prompts, SETTINGS[setting], n, args.max_new_tokens)
+                    row = run_level(stack.orchestrator.address, prompts, SETTINGS[setting], n, args.max_new_tokens,
+                                    args.seconds, args.warmup_s)
                     row["setting"] = setting if kind == "batched" else UNBATCHED
                     rows.append(row)
                     print(f"{row['setting']:>22} x{n:<3} {row['tokens_per_s']:7.1f} tok/s  ttft p50 "
@@ -166,7 +192,7 @@ def main(argv=None) -> int:
         summary.append(d)
     meta = dict(machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}",
                 target=str(target), drafter=str(args.drafter), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                prompt_tokens=args.prompt_tokens, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                prompt_tokens=args.prompt_tokens, seconds=args.seconds, warmup_s=args.warmup_s, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows, summary=summary), indent=2))
     plot(rows, args.out.with_suffix(".png"))

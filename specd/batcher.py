@@ -12,9 +12,9 @@ verify forward and 3 per draft batch). So before a batch runs, when fewer
 sessions have a call queued than are expected, the worker waits for the rest -
 at most `wait_fraction` of the last batch's run time, since a latecomer that
 misses the batch costs a whole forward of its own later. Expected are the open
-sessions that called within the last few batch times (`active_sessions(s)`): a
-session stalled by a slow client must not make every batch wait. A lone
-session, or a full batch, never waits.
+sessions that called lately (`active_sessions()`, see ModelCore): a session
+stalled by a slow client must not make every batch wait. A lone session, or a
+full batch, never waits.
 """
 from __future__ import annotations
 
@@ -26,16 +26,12 @@ from typing import Callable
 
 from .errors import CapacityExceeded
 
-# Sessions that called within this many batch run times are expected to call again soon.
-ACTIVE_CYCLES = 4.0
-
-
 class Batcher:
     """run_batch(jobs) -> one result or Exception per job; jobs have .session_id."""
 
     def __init__(self, run_batch: Callable[[list], list], max_sessions: int, name: str,
                  on_batch: Callable[[list], None] | None = None, max_queued: int = 1024,
-                 active_sessions: Callable[[float], int] | None = None, wait_fraction: float = 0.0):
+                 active_sessions: Callable[[], int] | None = None, wait_fraction: float = 0.0):
         self.run_batch, self.max_sessions, self.on_batch = run_batch, max_sessions, on_batch
         self.name, self.max_queued = name, max_queued
         self.active_sessions, self.wait_fraction = active_sessions, wait_fraction
@@ -81,11 +77,8 @@ class Batcher:
         if self.wait_fraction <= 0 or self.active_sessions is None or self.max_sessions <= 1:
             return
         deadline = time.monotonic() + self.wait_fraction * self._last_run_s
-        # A session in step calls once per cycle: a batch, the other service's
-        # batch and the messages between. Quiet for longer, it is not coming soon.
-        horizon = ACTIVE_CYCLES * self._last_run_s
         while not self._stopped:
-            want = min(self.max_sessions, self.active_sessions(horizon))
+            want = min(self.max_sessions, self.active_sessions())
             if len({job.session_id for job, _ in self._queue}) >= want:
                 return
             left = deadline - time.monotonic()

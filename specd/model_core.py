@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 # than "unknown"; bounded so that a stream of abandoned sessions cannot grow it.
 EXPIRED_IDS_KEPT = 4096
 MAX_SESSION_ID = 256
+# active_sessions: a session with a call within this many typical call intervals
+# is expected to call again soon; the moving average's weight per call.
+ACTIVE_INTERVALS = 3.0
+INTERVAL_EMA = 0.05
 
 
 class ModelCore:
@@ -36,6 +40,7 @@ class ModelCore:
         self._sessions: dict = {}
         self._touched: dict[str, float] = {}          # session id -> time.monotonic() of its last call
         self._expired: collections.OrderedDict[str, float] = collections.OrderedDict()   # id -> idle seconds
+        self._call_interval_s = 0.0   # moving average of the time between a session's calls
         # Ids closed before they were opened (bounded like _expired). A caller
         # that gives up while its OpenSession is in flight closes the id at once;
         # that close can overtake the open (another thread, a queued call), and
@@ -50,10 +55,12 @@ class ModelCore:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
-    def active_sessions(self, within_s: float) -> int:
-        """Open sessions with a call in the last within_s seconds (the batcher's
-        gather window waits for these; specd/batcher.py)."""
-        since = time.monotonic() - within_s
+    def active_sessions(self) -> int:
+        """Open sessions expected to call soon: those with a call within the last
+        ACTIVE_INTERVALS typical intervals between a session's calls (the
+        batcher's gather window waits for these; specd/batcher.py). A session
+        stalled by a slow client drops out, so it makes no batch wait."""
+        since = time.monotonic() - ACTIVE_INTERVALS * self._call_interval_s
         return sum(1 for sid, t in list(self._touched.items()) if t >= since and sid in self._sessions)
 
     def _check_request(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -151,7 +158,14 @@ class ModelCore:
         s = self._sessions.get(session_id)
         if s is None:
             self._raise_missing(session_id)
-        # A plain dict store, atomic under the GIL; a stale entry left by a
+        # Plain dict stores, atomic under the GIL; a stale entry left by a
         # session closed meanwhile is ignored and dropped by expire_idle.
-        self._touched[session_id] = time.monotonic()
+        now = time.monotonic()
+        last = self._touched.get(session_id)
+        self._touched[session_id] = now
+        if last is not None:      # a moving average over all sessions' calls (races only blur it)
+            ema = self._call_interval_s
+            # Clipped: one session back after a long stall must not make every
+            # other session look active for minutes.
+            self._call_interval_s = (now - last) if ema == 0 else ema + INTERVAL_EMA * (min(now - last, 4 * ema) - ema)
         return s

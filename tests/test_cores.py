@@ -207,7 +207,17 @@ def test_prefills_share_a_forward_and_admission_counts_the_batch(pairs):
         assert first == alone.open_session(sid, prompts[sid], GREEDY)
     assert isinstance(got[3], CapacityExceeded) and "limit of 3 sessions" in str(got[3])
     assert v.num_sessions == 3
-    # The gather window's count: sessions with a call lately.
-    time.sleep(0.3)
-    v.verify("b", [1])
-    assert v.active_sessions(0.2) == 1 and v.active_sessions(60) == 3
+    # The gather window's count: sessions with a call within 3 typical call
+    # intervals. All three call every ~20 ms; then a falls quiet and drops out.
+    for _ in range(20):
+        for sid in "abc":
+            v.verify(sid, [1])
+        time.sleep(0.02)
+    assert v.active_sessions() == 3
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < 1.0:
+        for sid in "bc":
+            v.verify(sid, [1])
+        time.sleep(0.02)
+    assert v._call_interval_s < 0.3, v._call_interval_s
+    assert v.active_sessions() == 2
