@@ -37,6 +37,9 @@ class DrafterConfig:
     # Propose calls of concurrent sessions share forwards (lean engine; chains
     # level by level, trees one session at a time), up to this many sessions.
     max_batch_sessions: int = 32
+    # Pipelined drafting: the most alternative corrections per chain depth an
+    # ahead call may ask to pre-draft (each is a chain of K; drafter_svc/branches.py).
+    max_ahead_alternatives: int = 4
     tls: TlsConfig | None = None     # TLS / mTLS on this server (specd.security); None = plaintext
     max_message_bytes: int = MAX_MESSAGE_BYTES   # per message, both ways; over it: RESOURCE_EXHAUSTED
     # Method eagle (model_dir is an EAGLE head): the target directory whose
