@@ -219,19 +219,23 @@ def test_hf_engine_makes_only_the_all_kept_branch(drafter_pair):
 def test_pipelined_greedy_equals_target_only(pairs, stacks):
     target_dir, _ = pairs["llama"]
     model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
-    used = dropped = 0
+    used = dropped = alternative = 0
     for n, p in enumerate(prompts(tok, 12)):
         want, gaps = reference(model, p)
         for k in (1, 3):
+            alts = (n + k) % 3             # 0 = the all-kept branch only
             got, last = stacks["llama"].generate(prompt_token_ids={"ids": p}, max_new_tokens=len(want),
-                                                 num_speculative_tokens=k, pipeline_drafting=True)
-            assert_same_or_near_tie(got, want, gaps, f"pipelined prompt {n} K={k}")
+                                                 num_speculative_tokens=k, pipeline_drafting=True,
+                                                 pipeline_alternatives=alts)
+            assert_same_or_near_tie(got, want, gaps, f"pipelined prompt {n} K={k} alternatives {alts}")
             s = last.stats
             used += s.pipelined_drafts
             dropped += s.drafts - s.pipelined_drafts - 1     # the first draft is never pipelined
+            alternative += s.pipelined_alternative_drafts
             assert s.draft_call_ms > 0
-    # Both branches of the rule ran: pre-drafts used and pre-drafts dropped.
-    assert used > 0 and dropped > 0, (used, dropped)
+            assert alts or not s.pipelined_alternative_drafts
+    # Every outcome ran: pre-drafts used (also rejection branches) and dropped.
+    assert used > 0 and dropped > 0 and alternative > 0, (used, dropped, alternative)
 
 
 def test_pipelining_needs_a_drafter_chain(stacks):
