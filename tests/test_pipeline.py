@@ -252,26 +252,33 @@ def test_pipelining_needs_a_drafter_chain(stacks):
 N = 2000
 
 
-@pytest.mark.parametrize("prompt,temperature,top_p,top_k", [([40, 41, 42, 43, 44], 1.0, 1.0, 3),
-                                                          ([100, 7, 9], 0.7, 0.8, 0)], ids=["T1k3", "T0.7p0.8"])
-def test_pipelined_sampling_matches_target(prompt, temperature, top_p, top_k, pairs, stacks):
+@pytest.mark.parametrize("prompt,temperature,top_p,top_k,alternatives",
+                         [([40, 41, 42, 43, 44], 1.0, 1.0, 3, 0), ([100, 7, 9], 0.7, 0.8, 0, 0),
+                          ([40, 41, 42, 43, 44], 1.0, 1.0, 3, 2), ([100, 7, 9], 0.7, 0.8, 0, 2)],
+                         ids=["T1k3", "T0.7p0.8", "T1k3-alt2", "T0.7p0.8-alt2"])
+def test_pipelined_sampling_matches_target(prompt, temperature, top_p, top_k, alternatives, pairs, stacks):
     """Chains of 1: token 1 comes from the prefill, tokens 2-3 from cycle 1, and
     when cycle 1 kept its draft, token 4 from cycle 2, whose draft was made
     ahead: used iff the bonus (token 3) equals the drafter's guess, else
-    dropped and redrafted. The joint of the first 4 tokens must be the target's."""
+    dropped and redrafted. The joint of the first 4 tokens must be the target's.
+    With alternatives, cycle 1's rejection (its correction = the drafter's 2nd
+    choice) and 2nd bonus guesses also have pre-drafts that cycle 2 uses."""
     target_dir, drafter_dir = pairs["llama"]
     params = SamplingParams(temperature, top_p, top_k)
     joint = exact_joint(target_dir, prompt, params, length=4)
-    counts, used, dropped = {}, 0, 0
+    counts, used, dropped, alternative = {}, 0, 0, 0
     for seed in range(N):
         ids, last = stacks["llama"].generate(
             prompt_token_ids={"ids": prompt}, max_new_tokens=6, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, num_speculative_tokens=1, pipeline_drafting=True)
+            top_k=top_k, seed=seed, num_speculative_tokens=1, pipeline_drafting=True,
+            pipeline_alternatives=alternatives)
         counts[tuple(ids[:4])] = counts.get(tuple(ids[:4]), 0) + 1
         used += last.stats.pipelined_drafts > 0
         dropped += last.stats.drafts - last.stats.pipelined_drafts > 1
+        alternative += last.stats.pipelined_alternative_drafts > 0
     threshold = null_threshold(joint, N)
     assert used > 0.05 * N and dropped > 0.05 * N, (used, dropped)   # both outcomes are frequent
+    assert (alternative > 0.05 * N) if alternatives else not alternative, alternative
     assert tv(joint, counts, N) < threshold, (tv(joint, counts, N), threshold)
     # The threshold must be able to fail: the drafter's own joint is farther away.
     drafter_joint = exact_joint(drafter_dir, prompt, params, length=4)
