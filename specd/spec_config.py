@@ -13,7 +13,7 @@
       top_k: 4
     adaptive: true             # depth per cycle from measured acceptance and costs (false: always K)
     pipeline: false            # draft the next chain during each verify (draft_model chains)
-    pipeline_alternatives: 1   # ... also for this many rejection outcomes per depth (0: all-kept only)
+    pipeline_alternatives: 2   # ... also for this many rejection outcomes per depth (0: all-kept only)
 
 Read from YAML or TOML (`specd up --speculative-config FILE`) or flags; every
 error names the key and the value. Requests may override method, K and tree
@@ -63,7 +63,7 @@ class SpeculativeConfig:
     # there (besides the drafted token) pre-drafted as the verifier's possible
     # correction, and as many further bonus guesses (drafter_svc/branches.py).
     # 0 = only the all-kept branch. Default from benchmarks/pipeline.py (README).
-    pipeline_alternatives: int = 1
+    pipeline_alternatives: int = 2
     max_num_speculative_tokens: int = 16    # limits that requests cannot exceed
     max_tree_nodes: int = 64
 
