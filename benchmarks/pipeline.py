@@ -5,7 +5,8 @@ measured from the per-cycle traces.
     python -m benchmarks.pipeline --quick
 
 One stream at a time, greedy, held-out prompts; chains of K = 1..4 with
-pipelining off and on. The services export their traces to a real OTLP
+pipelining off and on, on with each number of pre-drafted alternatives per
+depth (--alternatives; 0 = the all-kept branch only). The services export their traces to a real OTLP
 receiver in this process, which keeps the `specdec.cycle` spans' attributes.
 Per run, from those spans: the draft time a cycle waited for (`draft.wait_ms`),
 the Propose calls' own time (`draft.call_ms`), and the cycles whose draft was
@@ -90,6 +91,8 @@ def from_traces(spans: list[dict]) -> dict:
     wait = sum(s["specdec.draft.wait_ms"] for s in drafted)
     return dict(cycles=len(spans), drafted_cycles=len(drafted),
                 pipelined_cycles=sum(bool(s["specdec.draft.pipelined"]) for s in drafted),
+                alternative_cycles=sum(bool(s["specdec.draft.pipelined"]) and s.get("specdec.draft.branch", 0) > 0
+                                       for s in drafted),
                 draft_call_ms=round(call, 1), draft_wait_ms=round(wait, 1),
                 hidden_in_run=round(1 - wait / call, 3) if call else 0.0,
                 draft_wait_ms_per_cycle=round(wait / max(1, len(drafted)), 2),
@@ -107,6 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--alternatives", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "pipeline.json")
     args = ap.parse_args(argv)
@@ -125,32 +129,36 @@ def main(argv=None) -> int:
         _, warm = stack.generate(prompt_token_ids={"ids": prompts[0]}, max_new_tokens=8, num_speculative_tokens=2)
         sink.take(warm.stats.cycles)
         for k in args.ks:
-            outputs = {}
-            for pipeline in (False, True):
+            outputs, off = {}, None
+            for alts in (None, *args.alternatives):       # None: pipelining off
+                pipeline = alts is not None
                 tokens, cycles, seconds, outs = 0, 0, 0.0, []
                 for p in prompts:
                     start = time.perf_counter()
                     ids, last = stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=args.max_new_tokens,
                                                num_speculative_tokens=k, adaptive_speculation=False,
-                                               pipeline_drafting=pipeline)
+                                               pipeline_drafting=pipeline, pipeline_alternatives=alts or 0)
                     seconds += time.perf_counter() - start
                     tokens, cycles = tokens + len(ids), cycles + last.stats.cycles
                     outs.append(ids)
-                outputs[pipeline] = outs
-                row = dict(k=k, pipeline=pipeline, tokens=tokens, seconds=round(seconds, 3), stats_cycles=cycles,
-                           tokens_per_s=round(tokens / seconds, 2), **from_traces(sink.take(cycles)))
+                outputs[alts] = outs
+                row = dict(k=k, pipeline=pipeline, alternatives=alts, tokens=tokens, seconds=round(seconds, 3),
+                           stats_cycles=cycles, tokens_per_s=round(tokens / seconds, 2),
+                           **from_traces(sink.take(cycles)))
                 if pipeline:
-                    off = rows[-1]
                     row["hidden"] = round(1 - row["draft_wait_ms_per_cycle"] / off["draft_call_ms_per_cycle"], 3)
                     row["speedup_vs_off"] = round(row["tokens_per_s"] / off["tokens_per_s"], 3)
+                    # Exactness: greedy output must not depend on pipelining.
+                    same = sum(a == b for a, b in zip(outputs[None], outs))
+                    row["outputs_equal_to_pipeline_off"] = f"{same}/{len(prompts)}"
+                else:
+                    off = row
                 rows.append(row)
-                print(f"K={k} pipeline {'on ' if pipeline else 'off'}: {row['tokens_per_s']:6.1f} tok/s, "
+                print(f"K={k} pipeline {f'on, {alts} alt' if pipeline else 'off'}: {row['tokens_per_s']:6.1f} tok/s, "
                       f"draft wait {row['draft_wait_ms_per_cycle']} of call {row['draft_call_ms_per_cycle']} ms/cycle "
-                      f"({row['pipelined_cycles']}/{row['drafted_cycles']} cycles pipelined), "
+                      f"({row['pipelined_cycles']}/{row['drafted_cycles']} cycles pipelined, "
+                      f"{row['alternative_cycles']} on a rejection branch), "
                       f"verify {row['verify_ms_per_cycle']} ms/cycle", flush=True)
-            # Exactness: greedy output must not depend on pipelining.
-            same = sum(a == b for a, b in zip(outputs[False], outputs[True]))
-            rows[-1]["outputs_equal_to_pipeline_off"] = f"{same}/{len(prompts)}"
     finally:
         stack.stop()
         sink.stop()
@@ -160,13 +168,16 @@ def main(argv=None) -> int:
                 max_new_tokens=args.max_new_tokens, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-    print("\n| K | pipeline | tok/s | vs off | cycles with a used pre-draft | draft wait / call ms per cycle "
-          "| draft time hidden | verify ms/cycle |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| K | pipeline (alternatives) | tok/s | vs off | cycles with a used pre-draft (of them, a rejection "
+          "branch) | draft wait / call ms per cycle | draft time hidden (in-run) | verify ms/cycle | output = off |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['k']} | {'on' if r['pipeline'] else 'off'} | {r['tokens_per_s']} | {r.get('speedup_vs_off', '')} "
-              f"| {r['pipelined_cycles']}/{r['drafted_cycles']} | {r['draft_wait_ms_per_cycle']} / "
-              f"{r['draft_call_ms_per_cycle']} | {r.get('hidden', '')} | {r['verify_ms_per_cycle']} |")
+        mode = f"on ({r['alternatives']})" if r["pipeline"] else "off"
+        print(f"| {r['k']} | {mode} | {r['tokens_per_s']} "
+              f"| {r.get('speedup_vs_off', '')} | {r['pipelined_cycles']}/{r['drafted_cycles']} "
+              f"({r['alternative_cycles']}) | {r['draft_wait_ms_per_cycle']} / {r['draft_call_ms_per_cycle']} "
+              f"| {r.get('hidden', '')} ({r['hidden_in_run']}) | {r['verify_ms_per_cycle']} "
+              f"| {r.get('outputs_equal_to_pipeline_off', '')} |")
     print(f"\nwrote {args.out}")
     return 0
 

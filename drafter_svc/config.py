@@ -42,6 +42,9 @@ class DrafterConfig:
     # gather window; without it sessions split into groups that take turns).
     # 0 = run at once with what is queued.
     batch_wait_fraction: float = 0.5
+    # Pipelined drafting: the most alternative corrections per chain depth an
+    # ahead call may ask to pre-draft (each is a chain of K; drafter_svc/branches.py).
+    max_ahead_alternatives: int = 4
     tls: TlsConfig | None = None     # TLS / mTLS on this server (specd.security); None = plaintext
     max_message_bytes: int = MAX_MESSAGE_BYTES   # per message, both ways; over it: RESOURCE_EXHAUSTED
     # Method eagle (model_dir is an EAGLE head): the target directory whose

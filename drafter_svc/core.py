@@ -12,6 +12,9 @@ arrives while the verifier checks the last chain. It commits that chain plus the
 drafter's own guess of the verifier's bonus token and drafts the next chain from
 there, keeping a checkpoint (token count, cache length, the chain) so that a
 `rewind` call can undo it by truncation alone when the guess was wrong.
+On the lean engine it also pre-drafts likely rejection outcomes (branches.py):
+all branches' rows sit past the checkpoint, and the next call names the branch
+the verdict matched (`branch`), whose rows are compacted into place.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from specd.phases import Phases
 from specd.sampling import SamplingParams
 from specd.validation import check_token_ids
 
+from .branches import Branch, alternatives_that_fit, grow_branches, outcomes
 from .config import DrafterConfig
 from .tree_builder import DraftTree, build_tree, grow_chains
 
@@ -41,6 +45,7 @@ class Proposal:
     batch_sessions: int = 1      # sessions drafted together
     batch_tokens: int = 0        # draft nodes of the whole batch
     guess: int | None = None     # ahead calls: the bonus token assumed
+    branches: list[Branch] = field(default_factory=list)   # ahead calls: the other outcomes pre-drafted
 
 
 @dataclass
@@ -54,6 +59,8 @@ class ProposeJob:
     ahead: bool = False
     rewind: bool = False
     hidden: torch.Tensor | None = None   # method eagle: target features of the committed tokens, (n, C)
+    alternatives: int = 0        # ahead: alternative corrections per depth to pre-draft
+    branch: int = 0              # after an ahead call: the branch its verdict matched (0 = all kept)
 
 
 @dataclass
@@ -74,6 +81,9 @@ class _Session:
     last: DraftTree = field(default_factory=DraftTree)
     base: int = 0                # cache rows before the last tree's nodes
     checkpoint: _Checkpoint | None = None    # set while an ahead proposal is unconfirmed
+    # After an ahead call on the lean engine: its outcomes, [0] = all kept. Until
+    # one is taken, `tokens` end at the chain and the branches' rows follow.
+    branches: list[Branch] | None = None
 
 
 class Drafter(ModelCore):
@@ -101,14 +111,25 @@ class Drafter(ModelCore):
         return _Session(self.runner.new_session(), params, gen, list(prompt_ids))
 
     def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
-                shape: DraftShape, ahead: bool = False, rewind: bool = False, hidden=None) -> Proposal:
-        return self.propose_batch([self.prepare(session_id, accepted_path, committed, shape, ahead, rewind,
-                                                hidden)])[0]
+                shape: DraftShape, ahead: bool = False, rewind: bool = False, hidden=None,
+                alternatives: int = 0, branch: int = 0) -> Proposal:
+        result = self.propose_batch([self.prepare(session_id, accepted_path, committed, shape, ahead, rewind,
+                                                  hidden, alternatives, branch)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def prepare(self, session_id: str, accepted_path: list[int], committed: list[int],
-                shape: DraftShape, ahead: bool = False, rewind: bool = False, hidden=None) -> ProposeJob:
+                shape: DraftShape, ahead: bool = False, rewind: bool = False, hidden=None,
+                alternatives: int = 0, branch: int = 0) -> ProposeJob:
         """Check one Propose call (no lock, no forward): a bad call fails here,
-        alone, before it could join a batch. hidden: HiddenStates (method eagle)."""
+        alone, before it could join a batch. hidden: HiddenStates (method eagle);
+        alternatives / branch: ProposeRequest.ahead_alternatives / ahead_branch."""
+        if not 0 <= alternatives <= self.config.max_ahead_alternatives:
+            raise InvalidRequest(f"ahead_alternatives {alternatives} is outside [0, "
+                                 f"{self.config.max_ahead_alternatives}]")
+        if alternatives and not ahead:
+            raise InvalidRequest("ahead_alternatives is only for ahead calls")
         if hidden is not None:
             raise InvalidRequest("hidden_states were sent to a draft_model drafter (they are for method eagle)")
         s = self._get(session_id)
@@ -122,11 +143,38 @@ class Drafter(ModelCore):
         check_token_ids(committed, self.vocab_size, None, "committed_token_ids", allow_empty=True)
         if rewind and s.checkpoint is None:
             raise InvalidRequest("rewind: there is no ahead proposal to undo")
-        known = s.checkpoint.tokens if rewind else len(s.tokens)
+        self._check_branch(s, rewind, branch)
+        known = self._outcome_of(s, rewind, branch)[1]
         shape = shape.fit_rows(self.context_length - known - len(committed) - ahead)
-        job = ProposeJob(session_id, s, list(accepted_path), list(committed), shape, ahead, rewind)
+        job = ProposeJob(session_id, s, list(accepted_path), list(committed), shape, ahead, rewind,
+                         alternatives=alternatives, branch=branch)
         self._check_state(job)
         return job
+
+    @staticmethod
+    def _check_branch(s: _Session, rewind: bool, branch: int) -> None:
+        """ahead_branch names an outcome of the last ahead call."""
+        if not branch:
+            return
+        if rewind:
+            raise InvalidRequest("ahead_branch and rewind exclude each other (a rewind drops every branch)")
+        if s.checkpoint is None:
+            raise InvalidRequest(f"ahead_branch {branch}: there is no ahead proposal to take a branch of")
+        n = len(s.branches) if s.branches else 1
+        if not 0 <= branch < n:
+            raise InvalidRequest(f"ahead_branch {branch}: the last ahead proposal has branches 0..{n - 1}")
+
+    @staticmethod
+    def _outcome_of(s: _Session, rewind: bool, branch: int) -> tuple[DraftTree, int]:
+        """(the draft this call's accepted_path refers to, the committed tokens
+        the drafter will know before this call's own): after a rewind, the
+        proposal before the ahead call; after a branched ahead call, the branch's."""
+        if rewind:
+            return s.checkpoint.last, s.checkpoint.tokens
+        if s.branches:
+            b = s.branches[branch]
+            return b.tree, b.visible + 1
+        return s.last, len(s.tokens)
 
     def _check_state(self, j: ProposeJob) -> None:
         """The checks that depend on the session's state. Run in prepare AND again
@@ -137,11 +185,11 @@ class Drafter(ModelCore):
         s = j.session
         if j.rewind and s.checkpoint is None:
             raise InvalidRequest("rewind: there is no ahead proposal to undo")
-        last = s.checkpoint.last if j.rewind else s.last
+        self._check_branch(s, j.rewind, j.branch)
+        last, known = self._outcome_of(s, j.rewind, j.branch)
         self._check_outcome(last, j.accepted_path, j.committed)
         if j.ahead:
             self._check_ahead(last, j.accepted_path, j.committed, j.shape)
-        known = s.checkpoint.tokens if j.rewind else len(s.tokens)
         # The tree's forwards (not only its depth: a wide static tree forwards
         # more rows than it is deep) must fit in the context; an ahead call
         # also forwards its guess.
@@ -159,27 +207,60 @@ class Drafter(ModelCore):
             for j in live:
                 self._catch_up(j)
             roots = self._root_logits(live)
-            guesses = self._guess_bonus(live, roots)
-            for j in live:
+            # Lean engine: ahead calls grow branches (all outcomes at once, tree
+            # attention); the HF engine guesses the bonus and drafts one chain.
+            batched = self.runner.lean is not None
+            branched = self._grow_ahead([(j, r) for j, r in zip(live, roots) if j.ahead]) if batched else {}
+            guesses = {} if batched else self._guess_bonus(live, roots)
+            rest = [(j, r) for j, r in zip(live, roots) if id(j) not in branched]
+            for j, _ in rest:
                 j.session.base = j.session.cache.length          # the root's row is cached
             phases.mark("forward")
             # Chains grow together level by level on the lean engine; the rest one by one.
-            batched = self.runner.lean is not None
-            chains = [(j, r) for j, r in zip(live, roots) if batched and j.shape.is_chain]
+            chains = [(j, r) for j, r in rest if batched and j.shape.is_chain]
             trees = dict(zip((id(j) for j, _ in chains), grow_chains(
                 self.runner, [(j.session.cache, j.session.params, j.session.generator, j.shape.depth, r[0])
-                              for j, r in chains], self.config.draft_top_n)))
-            for j, r in zip(live, roots):
+                              for j, r in chains], self.config.draft_top_n, self._tops)))
+            for j, r in rest:
                 if id(j) not in trees:
                     trees[id(j)] = build_tree(j.session.cache, r[0], j.shape, j.session.params,
                                               self.config.draft_top_n, j.session.generator)
-            phases.mark("tree")
-            ms, nodes = (time.perf_counter() - start) * 1e3, sum(len(t.tokens) for t in trees.values())
             for j in live:
+                if id(j) in branched:
+                    main, *others = branched[id(j)]
+                    trees[id(j)], guesses[id(j)] = main.tree, main.token
                 j.session.last = trees[id(j)]
+            phases.mark("tree")
+            ms = (time.perf_counter() - start) * 1e3
+            nodes = sum(len(t.tokens) for t in trees.values()) + sum(
+                len(b.tree.tokens) for bs in branched.values() for b in bs[1:])
             return self._in_order(jobs, {id(j): Proposal(trees[id(j)], ms, phases.spans, len(live), nodes,
-                                                          guesses.get(id(j)))
+                                                          guesses.get(id(j)), branched.get(id(j), [None])[1:])
                                          for j in live} | refused, "Propose")
+
+    @property
+    def _tops(self) -> int:
+        """Ranked choices kept per chain node: an ahead call's alternatives
+        plus the drafted token itself (which need not be the top one when sampled)."""
+        return self.config.max_ahead_alternatives + 1
+
+    def _grow_ahead(self, pairs: list) -> dict[int, list[Branch]]:
+        """Ahead jobs on the lean engine, (job, logits after the chain's last
+        token): their branches, the all-kept one first, grown together. A
+        session's tokens stay at the chain; the branch taken is kept later."""
+        groups, out = [], {}
+        for j, root in pairs:
+            s, k = j.session, len(j.committed)
+            n = alternatives_that_fit(j.alternatives, k, j.shape.depth, self.context_length - s.cache.length)
+            bonus = torch.topk(root[0], n + 1).indices.tolist()
+            first = len(s.tokens) - k                       # the chain's first token's row (and position)
+            s.branches = [Branch(kept, token, first + kept)
+                          for kept, token in outcomes(j.committed, s.checkpoint.last.tops, bonus, n)]
+            groups.append((s.cache, s.params, s.generator, j.shape.depth, s.branches))
+            out[id(j)] = s.branches
+        if groups:
+            grow_branches(self.runner, groups, self.config.draft_top_n, self._tops)
+        return out
 
     def _catch_up(self, j: ProposeJob) -> None:
         """Bring a session up to the verifier's verdict (no forward): undo a
@@ -191,7 +272,9 @@ class Drafter(ModelCore):
             c = s.checkpoint
             del s.tokens[c.tokens:]
             s.cache.rollback(c.cache_length)
-            s.base, s.last = c.base, c.last
+            s.base, s.last, s.branches = c.base, c.last, None
+        elif s.branches:
+            self._take_branch(s, j.branch)
         s.checkpoint = (_Checkpoint(len(s.tokens), s.cache.length, s.base, s.last)
                         if j.ahead else None)   # any other call confirms an earlier ahead
         # Keep the rows of the accepted path's forwarded nodes (ancestors are
@@ -201,6 +284,18 @@ class Drafter(ModelCore):
         if s.cache.length > s.base:
             s.cache.compact(s.base, keep) if keep else s.cache.rollback(s.base)
         s.tokens += j.committed
+
+    @staticmethod
+    def _take_branch(s: _Session, index: int) -> None:
+        """The verdict matched this branch of the last ahead call: commit its
+        kept tokens and its token, and move its rows (the token's, then its
+        chain's) into place after them - no recompute; the other rows go.
+        The session is then what a fresh proposal from that prefix leaves."""
+        b = s.branches[index]
+        del s.tokens[b.visible:]
+        s.tokens.append(b.token)
+        s.cache.compact(b.visible, [r - b.visible for r in b.rows])
+        s.base, s.last, s.branches = b.visible + 1, b.tree, None
 
     def _root_logits(self, live: list[ProposeJob]) -> list[torch.Tensor]:
         """Forward every session's committed tokens not yet cached, in one

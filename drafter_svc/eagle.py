@@ -187,8 +187,9 @@ class EagleDrafter(Drafter):
             self._add(session_id, self._new_session(prompt_ids, params))   # idle expiry counts from now
 
     def prepare(self, session_id: str, accepted_path: list[int], committed: list[int], shape,
-                ahead: bool = False, rewind: bool = False, hidden=None) -> ProposeJob:
-        if ahead or rewind:
+                ahead: bool = False, rewind: bool = False, hidden=None, alternatives: int = 0,
+                branch: int = 0) -> ProposeJob:
+        if ahead or rewind or alternatives or branch:
             raise InvalidRequest("method eagle does not draft ahead (pipelined drafting is for draft_model)")
         job = super().prepare(session_id, accepted_path, committed, shape)
         s = job.session

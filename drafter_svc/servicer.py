@@ -40,7 +40,8 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                      else DraftShape.chain(request.num_draft_tokens, self.core.config.max_draft_tokens))
             job = self.core.prepare(request.session_id, list(request.accepted_path),
                                     list(request.committed_token_ids), shape, request.ahead, request.rewind,
-                                    hidden_from_proto(request.hidden_states, request.HasField("hidden_states")))
+                                    hidden_from_proto(request.hidden_states, request.HasField("hidden_states")),
+                                    request.ahead_alternatives, request.ahead_branch)
             proposal = self.batcher.submit(job).result()
             if span is not None:
                 telemetry.add_phases(span, "drafter", proposal.phases)
@@ -50,7 +51,9 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                                      "specdec.compute_ms": proposal.compute_ms,
                                      "specdec.batch_sessions": proposal.batch_sessions,
                                      "specdec.draft.ahead": request.ahead,
-                                     "specdec.draft.rewind": request.rewind})
+                                     "specdec.draft.rewind": request.rewind,
+                                     "specdec.draft.ahead_branch": request.ahead_branch,
+                                     "specdec.draft.branches": 1 + len(proposal.branches) if request.ahead else 0})
         self.metrics.observe_proposal(proposal)
         tree = proposal.tree
         return pb.ProposeResponse(
@@ -58,6 +61,9 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
             draft_distributions=dists_to_proto(tree.row_dists), compute_ms=proposal.compute_ms,
             batch_sessions=proposal.batch_sessions, batch_tokens=proposal.batch_tokens,
             guessed_token_id=proposal.guess,
+            branches=[pb.AheadBranch(kept=b.kept, token_id=b.token, draft_token_ids=b.tree.tokens,
+                                     draft_distributions=dists_to_proto(b.tree.row_dists))
+                      for b in proposal.branches],
         )
 
     @grpc_errors

@@ -31,6 +31,10 @@ class DraftTree:
     row_dists: list[tuple[list[int], list[float]]] = field(default_factory=list)
     # Node indices in the order their KV rows follow the committed tokens in the cache.
     forwarded: list[int] = field(default_factory=list)
+    # Chains on the lean engine: per node, the drafter's ranked top choices
+    # where that node was drafted - an ahead call's likely corrections
+    # (drafter_svc/branches.py). Empty when not recorded.
+    tops: list[list[int]] = field(default_factory=list)
 
 
 def _sample_without_replacement(ids: torch.Tensor, probs: torch.Tensor, n: int, gen) -> list[int]:
@@ -126,12 +130,12 @@ def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen) ->
         g.tree.row_dists = [dists.get(r, ([], [])) for r in range(len(g.tree.tokens) + 1)]
 
 
-def grow_chains(runner, chains: list, top_n: int) -> list[DraftTree]:
+def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTree]:
     """Chains of several sessions with one batched forward per level (what
     _grow_static does for one chain): chains are (cache, params, generator,
     depth, root logits); each level picks every session's next token and
     forwards those still drafting together. The caches must hold exactly the
-    committed tokens."""
+    committed tokens. tops: ranked choices kept per node (DraftTree.tops)."""
     grown = [DraftTree() for _ in chains]
     active = [(i, root) for i, (*_, root) in enumerate(chains)]
     level = 0
@@ -145,6 +149,8 @@ def grow_chains(runner, chains: list, top_n: int) -> list[DraftTree]:
                 tree.row_dists.append(dist)
             tree.tokens.append(token)
             tree.parents.append(level - 1)
+            if tops:
+                tree.tops.append(torch.topk(logits, min(tops, logits.shape[-1])).indices.tolist())
             if level + 1 < depth:
                 tree.forwarded.append(level)
                 forward.append(i)

@@ -176,10 +176,16 @@ class GrpcDrafter(_Client):
             "specdec.draft_prefill", "OpenSession")
 
     async def propose(self, session_id, accepted_path, committed, shape, *, ahead=False, rewind=False,
-                      hidden=None) -> Draft:
+                      hidden=None, alternatives=0, branch=0) -> Draft:
         r = await self._stream(pb.ProposeRequest(
             session_id=session_id, accepted_path=accepted_path, committed_token_ids=committed,
-            shape=shape_to_proto(shape), ahead=ahead, rewind=rewind, hidden_states=hidden_to_proto(hidden)),
-            "specdec.draft", "ProposeStream")
+            shape=shape_to_proto(shape), ahead=ahead, rewind=rewind, hidden_states=hidden_to_proto(hidden),
+            ahead_alternatives=alternatives, ahead_branch=branch), "specdec.draft", "ProposeStream")
         return Draft(list(r.draft_token_ids), list(r.draft_parents), dists_from_proto(r.draft_distributions),
-                     r.compute_ms, r.batch_tokens, r.guessed_token_id if r.HasField("guessed_token_id") else None)
+                     r.compute_ms, r.batch_tokens, r.guessed_token_id if r.HasField("guessed_token_id") else None,
+                     branches=[(b.kept, b.token_id, _chain(b.draft_token_ids, b.draft_distributions))
+                               for b in r.branches])
+
+
+def _chain(tokens, dists) -> Draft:
+    return Draft(list(tokens), list(range(-1, len(tokens) - 1)), dists_from_proto(dists))

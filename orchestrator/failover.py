@@ -222,6 +222,7 @@ class FailoverDrafter:
                 # committed since the rebuild (a concurrent, pipelined verify).
                 accepted_path, committed = [], self.committed()[self.base:]
                 kw.pop("rewind", None)
+                kw.pop("branch", None)
             try:
                 draft = await self.lease.client.propose(session_id, accepted_path, committed, shape, **kw)
             except ServiceError as exc:

@@ -18,6 +18,10 @@ bears that out the next cycle verifies that draft at once; otherwise it is
 dropped (the drafter rewinds) and a fresh draft is made. Output is exact either
 way: a pre-draft is used only when its assumed prefix is the committed one, and
 its tokens were drawn independently of the verifier's randomness.
+With spec.pipeline_alternatives the drafter also pre-drafts likely rejection
+outcomes (d1..dj kept, its next choice at j+1 as the correction) and further
+bonus guesses; whichever branch the verdict matches is verified at once
+(drafter_svc/branches.py), and the next Propose names it (`branch`).
 
 The clients are injected (grpc in production, anything with the same async
 methods in a unit test); this module never imports grpc. So are the trace hooks
@@ -51,6 +55,10 @@ class Draft:
     call_ms: float = 0.0      # the Propose call's wall time, as the orchestrator saw it
     wait_ms: float = 0.0      # of the cycle's wall time, spent waiting for this draft
     ahead: bool = False       # drafted during the previous verify (pipelined)
+    # An ahead draft: the other outcomes it pre-drafted, (kept, correction or
+    # bonus token, the chain after it); this draft itself assumes all kept + guess.
+    branches: list[tuple[int, int, "Draft"]] = field(default_factory=list)
+    branch: int = 0           # a pipelined draft: its branch (0 = all kept + guess, i = branches[i-1])
 
 
 @dataclass
@@ -72,9 +80,11 @@ class VerifierClient(Protocol):
 
 class DrafterClient(Protocol):
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None: ...
+    # alternatives (ahead calls) / branch (the call after one): ProposeRequest's
+    # ahead_alternatives / ahead_branch; sent only when not 0.
     async def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
                       shape: DraftShape, *, ahead: bool = False, rewind: bool = False,
-                      hidden: HiddenStates | None = None) -> Draft: ...
+                      hidden: HiddenStates | None = None, alternatives: int = 0, branch: int = 0) -> Draft: ...
     async def close(self, session_id: str) -> None: ...
 
 
@@ -129,6 +139,7 @@ class Stats:
     accepted_per_position: list[int] = field(default_factory=list)
     adaptive: bool = False     # the depth was chosen per cycle
     pipelined_drafts: int = 0  # cycles that verified a draft made during the previous verify
+    pipelined_alternative_drafts: int = 0   # ... from a branch other than the all-kept one
     draft_wait_ms: float = 0.0   # of the cycles' wall time, waiting for drafts
     draft_call_ms: float = 0.0   # the used drafts' Propose calls' own wall time
     feature_bytes: int = 0       # spec.features: hidden-state bytes carried (prefill + cycles)
@@ -155,6 +166,7 @@ class Stats:
         self.verify_compute_ms += verdict.compute_ms
         self.cycles_wall_ms += wall_ms
         self.pipelined_drafts += draft.ahead
+        self.pipelined_alternative_drafts += draft.ahead and draft.branch > 0
         self.draft_wait_ms += draft.wait_ms
         self.draft_call_ms += draft.call_ms
         record = CycleRecord(self.cycles - 1, draft, verdict, wall_ms)
@@ -196,12 +208,35 @@ def draft_budget(k: int, remaining: int, committed: int, target_ctx: int, drafte
     return max(0, min(k, remaining - 1, target_ctx - committed - 1, drafter_ctx - committed + 1))
 
 
-def ahead_holds(draft: Draft, verdict: Verdict, ahead: Draft) -> bool:
-    """The ahead draft assumed all of `draft` (a chain) kept and its guess as the
-    bonus. (An empty ahead draft - a drafter rebuilt elsewhere mid-call makes
-    none - holds nothing.)"""
-    return (bool(ahead.tokens) and len(verdict.path) == len(draft.tokens)
-            and verdict.tokens[-1:] == [ahead.guess])
+def ahead_branch(draft: Draft, verdict: Verdict, ahead: Draft) -> int | None:
+    """The branch of the ahead draft whose assumed verdict on `draft` (a chain)
+    is the real one: 0 = all kept with the guessed bonus, i = ahead.branches[i-1]
+    (kept tokens, then that correction or bonus); None = none. Depends on the
+    verdict alone, which keeps sampling exact. (An empty ahead draft - a drafter
+    rebuilt elsewhere mid-call makes none - holds nothing.)"""
+    if not ahead.tokens:
+        return None
+    outcome = (len(verdict.path), verdict.tokens[-1])
+    if outcome == (len(draft.tokens), ahead.guess):
+        return 0
+    return next((i + 1 for i, (kept, token, _) in enumerate(ahead.branches) if (kept, token) == outcome), None)
+
+
+def branch_draft(ahead: Draft, index: int) -> Draft:
+    """Branch `index` of an ahead draft as the draft to verify (timings are the
+    ahead call's: all its branches were drafted together)."""
+    if index == 0:
+        pre = ahead
+    else:
+        pre = ahead.branches[index - 1][2]
+        pre.compute_ms, pre.batch_tokens, pre.call_ms = ahead.compute_ms, ahead.batch_tokens, ahead.call_ms
+    pre.ahead, pre.branch, pre.branches = True, index, []
+    return pre
+
+
+def after_ahead(rewind: bool, branch: int) -> dict:
+    """What the next Propose tells the drafter about its last ahead call."""
+    return {"rewind": True} if rewind else {"branch": branch} if branch else {}
 
 
 def keep_features(pending: list[HiddenStates], got: HiddenStates | None) -> int:
@@ -259,7 +294,8 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
         # What the drafter has not heard of yet: tokens committed since its last
         # proposal, and the path of that proposal that was kept; `rewind`: its
         # last (ahead) proposal guessed wrong and is to be undone.
-        unsent, kept_path, rewind = [results[0]], [], False
+        # `branch`: its last (ahead) proposal held, in this branch.
+        unsent, kept_path, rewind, branch = [results[0]], [], False, 0
         draft = verdict = None
 
         def next_shape(committed: int, remaining: int) -> DraftShape | None:
@@ -274,26 +310,30 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                 pre = None
                 if ahead is not None:
                     pre, ahead = await ahead, None
-                    if ahead_holds(draft, verdict, pre):
-                        pre.ahead, unsent = True, []      # the drafter already has those tokens
+                    if (hit := ahead_branch(draft, verdict, pre)) is not None:
+                        pre, branch, unsent = branch_draft(pre, hit), hit, []   # the drafter has those tokens
                     else:
                         pre, rewind = None, True
                 if pre is not None:
                     draft = pre
                 elif use_drafter and (cycle_shape := next_shape(committed, tracker.remaining)) is not None:
                     extra = {"hidden": HiddenStates.concat(feats)} if spec.features else {}
-                    draft = await timed_propose(drafter, session_id, kept_path, unsent, cycle_shape, rewind=rewind,
-                                                **extra)
-                    unsent, rewind, feats = [], False, []
+                    draft = await timed_propose(drafter, session_id, kept_path, unsent, cycle_shape,
+                                                **after_ahead(rewind, branch), **extra)
+                    unsent, rewind, branch, feats = [], False, 0, []
                 else:
                     draft = Draft()
                 draft.wait_ms = (time.perf_counter() - start) * 1e3 if draft.tokens else 0.0
                 if spec.pipeline and draft.tokens:
-                    # Assume every draft token kept plus a bonus: what the next cycle would start from.
+                    # Assume every draft token kept plus a bonus: what the next cycle would start from
+                    # (a branch that keeps fewer commits fewer tokens, so the same shape fits it).
                     n = len(draft.tokens) + 1
                     if (shape_after := next_shape(committed + n, tracker.remaining - n)) is not None:
+                        alts = {"alternatives": spec.pipeline_alternatives} if spec.pipeline_alternatives else {}
                         ahead = asyncio.ensure_future(timed_propose(
-                            drafter, session_id, list(range(n - 1)), draft.tokens, shape_after, ahead=True))
+                            drafter, session_id, list(range(n - 1)), draft.tokens, shape_after, ahead=True,
+                            **after_ahead(False, branch), **alts))
+                        branch = 0
                 verdict = await verifier.verify(session_id, draft)
                 if spec.features:
                     stats.feature_bytes += keep_features(feats, verdict.hidden)

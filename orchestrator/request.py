@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from specd.draft_shape import DraftShape
 from specd.errors import InvalidRequest
-from specd.spec_config import DRAFTER_METHODS, METHODS, SpeculativeConfig
+from specd.spec_config import DRAFTER_METHODS, MAX_PIPELINE_ALTERNATIVES, METHODS, SpeculativeConfig
 from specd.sampling import SamplingParams
 from specd.validation import check_token_ids
 from specd.wire import shape_from_proto
@@ -29,6 +29,7 @@ class GenerationSpec:
     stop: tuple[str, ...] = ()
     adaptive: bool = False        # choose the depth per cycle (orchestrator/adaptive.py), up to shape's
     pipeline: bool = False        # draft the next chain during each verify (orchestrator/loop.py)
+    pipeline_alternatives: int = 0   # ... also for this many rejection outcomes per depth
 
     @property
     def features(self) -> bool:
@@ -68,8 +69,19 @@ def build_spec(req, config: OrchestratorConfig, tokenizer, vocab_size: int, cont
         adaptive = req.adaptive_speculation
     else:   # a request that names its own K or tree gets exactly that
         adaptive = config.speculative.adaptive and not (req.HasField("num_speculative_tokens") or req.HasField("tree"))
+    pipeline = pipelining(req, config.speculative, method, shape)
     return GenerationSpec(prompt_ids, max_new, sampling, method, shape, tuple(req.stop), adaptive and shape is not None,
-                          pipelining(req, config.speculative, method, shape))
+                          pipeline, alternatives(req, config.speculative) if pipeline else 0)
+
+
+def alternatives(req, sc: SpeculativeConfig) -> int:
+    """Rejection outcomes pre-drafted per depth (pipelined drafting)."""
+    if not req.HasField("pipeline_alternatives"):
+        return sc.pipeline_alternatives
+    n = req.pipeline_alternatives
+    if not 0 <= n <= MAX_PIPELINE_ALTERNATIVES:
+        raise InvalidRequest(f"pipeline_alternatives must be in [0, {MAX_PIPELINE_ALTERNATIVES}], got {n}")
+    return n
 
 
 def pipelining(req, sc: SpeculativeConfig, method: str, shape: DraftShape | None) -> bool:

@@ -32,7 +32,7 @@ def response_for(chunk) -> pb.GenerateResponse:
             cycles_wall_ms=s.cycles_wall_ms, cycle_overhead_ms=s.cycle_overhead_ms, method=s.method,
             drafts=s.drafts, accepted_per_position=s.accepted_per_position, adaptive=s.adaptive,
             pipelined_drafts=s.pipelined_drafts, draft_wait_ms=s.draft_wait_ms, draft_call_ms=s.draft_call_ms,
-            feature_bytes=s.feature_bytes))
+            feature_bytes=s.feature_bytes, pipelined_alternative_drafts=s.pipelined_alternative_drafts))
     return r
 
 

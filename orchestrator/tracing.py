@@ -37,6 +37,9 @@ def cycle_attributes(c: CycleRecord, method: str) -> dict:
         "specdec.draft.pipelined": c.draft.ahead,
         "specdec.draft.call_ms": c.draft.call_ms,
         "specdec.draft.wait_ms": c.draft.wait_ms,
+        # Which pre-drafted outcome it was: 0 = all kept + guessed bonus, i > 0 =
+        # the ahead call's i-th alternative (a rejection outcome or bonus guess).
+        "specdec.draft.branch": c.draft.branch,
     }
 
 

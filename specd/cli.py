@@ -119,6 +119,8 @@ def cmd_generate(args) -> int:
         req.adaptive_speculation = args.adaptive
     if getattr(args, "pipeline", None) is not None:
         req.pipeline_drafting = args.pipeline
+    if getattr(args, "pipeline_alternatives", None) is not None:
+        req.pipeline_alternatives = args.pipeline_alternatives
     if args.tree or args.tree_budget or args.tree_paths:
         req.tree.CopyFrom(pb.DraftShape(branching=args.tree or [], node_budget=args.tree_budget or 0,
                                         max_depth=args.tree_depth or (6 if args.tree_budget else 0),

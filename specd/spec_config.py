@@ -13,6 +13,7 @@
       top_k: 4
     adaptive: true             # depth per cycle from measured acceptance and costs (false: always K)
     pipeline: false            # draft the next chain during each verify (draft_model chains)
+    pipeline_alternatives: 2   # ... also for this many rejection outcomes per depth (0: all-kept only)
 
 Read from YAML or TOML (`specd up --speculative-config FILE`) or flags; every
 error names the key and the value. Requests may override method, K and tree
@@ -33,6 +34,9 @@ METHODS = ("draft_model", "eagle", "ngram", "off")
 # target's features (the verifier then returns them; drafter_svc/eagle.py).
 DRAFTER_METHODS = ("draft_model", "eagle")
 TREE_KEYS = ("branching", "paths", "node_budget", "max_depth", "top_k")
+# Alternatives per depth a request may ask for (the drafter's own limit is
+# DrafterConfig.max_ahead_alternatives, by default the same).
+MAX_PIPELINE_ALTERNATIVES = 4
 
 
 class ConfigError(ValueError):
@@ -55,6 +59,11 @@ class SpeculativeConfig:
     # hardware and the drafter has spare time; off by default because each
     # failed guess is drafting thrown away (see README, "Pipelined drafting").
     pipeline: bool = False
+    # With pipeline: per depth of the chain in flight, the drafter's next choices
+    # there (besides the drafted token) pre-drafted as the verifier's possible
+    # correction, and as many further bonus guesses (drafter_svc/branches.py).
+    # 0 = only the all-kept branch. Default from benchmarks/pipeline.py (README).
+    pipeline_alternatives: int = 2
     max_num_speculative_tokens: int = 16    # limits that requests cannot exceed
     max_tree_nodes: int = 64
 
@@ -62,12 +71,15 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ConfigError(f"speculative_config.method: {self.method!r} is not one of {', '.join(METHODS)}")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                    "max_num_speculative_tokens", "max_tree_nodes"):
+                    "max_num_speculative_tokens", "max_tree_nodes", "pipeline_alternatives"):
             if not isinstance(getattr(self, key), int) or isinstance(getattr(self, key), bool):
                 raise ConfigError(f"speculative_config.{key}: must be an integer, got {getattr(self, key)!r}")
         for key in ("adaptive", "pipeline"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"speculative_config.{key}: must be true or false, got {getattr(self, key)!r}")
+        if not 0 <= self.pipeline_alternatives <= MAX_PIPELINE_ALTERNATIVES:
+            raise ConfigError(f"speculative_config.pipeline_alternatives: {self.pipeline_alternatives} is outside "
+                              f"[0, {MAX_PIPELINE_ALTERNATIVES}]")
         k = self.num_speculative_tokens
         if not (0 <= k <= self.max_num_speculative_tokens):
             raise ConfigError(f"speculative_config.num_speculative_tokens: {k} is outside "
@@ -147,6 +159,8 @@ def add_draft_shape_flags(g) -> None:
                         "but a request that names its own K or tree gets exactly that)")
     g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
                    help="pipelined drafting: draft the next chain while the verifier checks this one")
+    g.add_argument("--pipeline-alternatives", type=int, default=None,
+                   help="pipelined drafting: rejection outcomes pre-drafted per chain depth (0: all-kept only)")
 
 
 def _branching(text: str) -> list[int]:  # argparse type, also used by the CLI
@@ -168,7 +182,8 @@ def tree_paths_arg(text: str) -> list[list[int]]:  # argparse type, also used by
 def speculative_config_from_args(args) -> SpeculativeConfig:
     base = load(args.speculative_config) if args.speculative_config else SpeculativeConfig()
     changes = {k: getattr(args, k) for k in ("method", "num_speculative_tokens", "prompt_lookup_max",
-                                              "prompt_lookup_min", "adaptive", "pipeline") if getattr(args, k, None) is not None}
+                                              "prompt_lookup_min", "adaptive", "pipeline",
+                                              "pipeline_alternatives") if getattr(args, k, None) is not None}
     if args.tree:
         changes["tree"] = {"branching": args.tree}
     elif getattr(args, "tree_paths", None):

@@ -11,6 +11,7 @@ checks cycle n, assuming the whole chain kept and its own guess as the bonus.
 """
 import grpc
 import pytest
+import torch
 
 from drafter_svc.config import DrafterConfig
 from drafter_svc.core import Drafter
@@ -88,22 +89,153 @@ def test_malformed_ahead_calls_are_refused(drafter_pair):
         piped.prepare("bad", [0, 1, 2], chain + [1], CHAIN, rewind=True)
 
 
+# ------------------------------------------------- branches (rejection outcomes) --
+
+def test_branch_outcomes_and_mask():
+    from drafter_svc.branches import alternatives_that_fit, branch_mask, outcomes
+    # Chain 7, 8, 9; the drafter's ranked choices where it drafted each (the
+    # second was sampled, not its top); bonus guesses 4, 5, 6.
+    tops = [[7, 1, 2], [3, 8, 2], [9, 0, 1]]
+    assert outcomes([7, 8, 9], tops, [4], 0) == [(3, 4)]
+    assert outcomes([7, 8, 9], tops, [4, 5, 6], 1) == [(3, 4), (0, 1), (1, 3), (2, 0), (3, 5)]
+    assert outcomes([7, 8, 9], tops[:1], [4, 5, 6], 2) == [(3, 4), (0, 1), (0, 2), (3, 5), (3, 6)]
+    # K=3, depth 4: n alternatives make 1 + 4n branches of 4 rows each.
+    assert [alternatives_that_fit(2, 3, 4, rows) for rows in (36, 35, 20, 19)] == [2, 1, 1, 0]
+    m = branch_mask([2, 4], [[5], [6]], 7)        # rows 7, 8 appended after 7 cached
+    assert (m == 0).tolist() == [[True, True, False, False, False, True, False, True, False],
+                                 [True, True, True, True, False, False, True, False, True]]
+
+
+ALTS = 2
+
+
+def _state(d, sid):
+    s = d._sessions[sid]
+    return s.tokens, s.cache.length, s.last.tokens
+
+
+def _same_cache(a, b, sid):
+    """Both drafters' KV rows for the session agree (up to float noise: different
+    batch shapes round differently)."""
+    ca, cb = a._sessions[sid].cache, b._sessions[sid].cache
+    assert ca.length == cb.length
+    assert torch.allclose(ca.kv[..., :ca.length, :], cb.kv[..., :cb.length, :], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def lean_pair(pairs):
+    _, drafter_dir = pairs["llama"]
+    model = load_model(drafter_dir, "cpu")
+    return [Drafter(DrafterConfig(drafter_dir, device="cpu", engine="lean"), model) for _ in range(2)]
+
+
+@pytest.mark.parametrize("kept", [0, 1, 2, 3])
+def test_taking_a_branch_equals_a_fresh_draft(lean_pair, kept):
+    """Every branch of an ahead call, once taken, leaves the drafter where a
+    plain drafter that got that verdict stands: same tokens, same cache rows,
+    same last chain, and the cycle after agrees."""
+    plain, piped = lean_pair
+    sid = f"br{kept}"
+    first, _ = _open_both(lean_pair, [8, 3, 19, 4, 25, 6], sid)
+    chain = first.tree.tokens
+    ahead = piped.propose(sid, [0, 1, 2], chain, CHAIN, ahead=True, alternatives=ALTS)
+    assert len(ahead.branches) == ALTS * 4
+    index, branch = next((i + 1, b) for i, b in enumerate(ahead.branches) if b.kept == kept)
+    verdict = (list(range(kept)), chain[:kept] + [branch.token])
+    want = plain.propose(sid, *verdict, CHAIN)
+    assert branch.tree.tokens == want.tree.tokens
+    nxt = ([0], [branch.tree.tokens[0], 5])
+    got = piped.propose(sid, *nxt, CHAIN, branch=index)
+    want = plain.propose(sid, *nxt, CHAIN)
+    assert got.tree.tokens == want.tree.tokens
+    assert _state(piped, sid) == _state(plain, sid)
+    _same_cache(plain, piped, sid)       # the branch's rows were compacted into place, not recomputed
+
+
+def test_branched_ahead_rewinds_and_chains_of_branches(lean_pair):
+    """A miss rewinds a branched ahead call to the plain state; a branch taken by
+    the next ahead call (pipelining goes on) pre-drafts again from that branch."""
+    plain, piped = lean_pair
+    sid = "brw"
+    first, _ = _open_both(lean_pair, [2, 30, 11, 9], sid)
+    chain = first.tree.tokens
+    ahead = piped.propose(sid, [0, 1, 2], chain, CHAIN, ahead=True, alternatives=ALTS)
+    miss = [t for t in range(100) if t not in {chain[1]} | {b.token for b in ahead.branches if b.kept == 1}][0]
+    verdict = ([0], [chain[0], miss])
+    got = piped.propose(sid, *verdict, CHAIN, rewind=True)
+    want = plain.propose(sid, *verdict, CHAIN)
+    assert got.tree.tokens == want.tree.tokens and _state(piped, sid) == _state(plain, sid)
+    _same_cache(plain, piped, sid)
+    # Ahead again; the verdict is the all-kept branch's 2nd bonus guess, and the
+    # next ahead call takes that branch as it goes.
+    chain = got.tree.tokens
+    ahead = piped.propose(sid, [0, 1, 2], chain, CHAIN, ahead=True, alternatives=1)
+    index, branch = next((i + 1, b) for i, b in enumerate(ahead.branches) if b.kept == 3)
+    plain.propose(sid, [0, 1, 2], chain + [branch.token], CHAIN)
+    again = piped.propose(sid, [0, 1, 2], branch.tree.tokens, CHAIN, ahead=True, alternatives=1, branch=index)
+    want = plain.propose(sid, [0, 1, 2], branch.tree.tokens + [again.guess], CHAIN)
+    assert again.tree.tokens == want.tree.tokens
+    got = piped.propose(sid, [0], [again.tree.tokens[0], 1], CHAIN)     # branch 0 by default
+    assert got.tree.tokens == plain.propose(sid, [0], [again.tree.tokens[0], 1], CHAIN).tree.tokens
+    assert _state(piped, sid) == _state(plain, sid)
+    _same_cache(plain, piped, sid)
+
+
+def test_malformed_branch_calls_are_refused(lean_pair):
+    _, piped = lean_pair
+    first = _open_both([piped], [3, 4, 5, 6], "badbr")[0]
+    chain = first.tree.tokens
+    with pytest.raises(InvalidRequest, match="only for ahead"):
+        piped.prepare("badbr", [0], chain[:1] + [1], CHAIN, alternatives=1)
+    with pytest.raises(InvalidRequest, match="outside"):
+        piped.prepare("badbr", [0, 1, 2], chain, CHAIN, ahead=True, alternatives=-1)
+    with pytest.raises(InvalidRequest, match="outside"):
+        piped.prepare("badbr", [0, 1, 2], chain, CHAIN, ahead=True, alternatives=99)
+    with pytest.raises(InvalidRequest, match="no ahead proposal"):
+        piped.prepare("badbr", [0], chain[:1] + [1], CHAIN, branch=1)
+    ahead = piped.propose("badbr", [0, 1, 2], chain, CHAIN, ahead=True, alternatives=1)
+    n = len(ahead.branches) + 1
+    with pytest.raises(InvalidRequest, match=f"branches 0..{n - 1}"):
+        piped.prepare("badbr", [0], ahead.tree.tokens[:1] + [1], CHAIN, branch=n)
+    with pytest.raises(InvalidRequest, match=f"branches 0..{n - 1}"):
+        piped.prepare("badbr", [0], ahead.tree.tokens[:1] + [1], CHAIN, branch=-1)
+    with pytest.raises(InvalidRequest, match="exclude"):
+        piped.prepare("badbr", [0], chain[:1] + [1], CHAIN, branch=1, rewind=True)
+    # The outcome is checked against the branch's own chain.
+    b = ahead.branches[0]
+    with pytest.raises(InvalidRequest, match="committed_token_ids"):
+        piped.prepare("badbr", [0], ahead.tree.tokens[:1] + [1], CHAIN, branch=1)
+    piped.prepare("badbr", [0], b.tree.tokens[:1] + [1], CHAIN, branch=1)
+
+
+def test_hf_engine_makes_only_the_all_kept_branch(drafter_pair):
+    _, piped = drafter_pair
+    first = _open_both([piped], [7, 7, 2, 40], "hfbr")[0]
+    ahead = piped.propose("hfbr", [0, 1, 2], first.tree.tokens, CHAIN, ahead=True, alternatives=2)
+    lean = piped.runner.lean is not None
+    assert (len(ahead.branches) == 2 * 4) if lean else not ahead.branches
+
+
 def test_pipelined_greedy_equals_target_only(pairs, stacks):
     target_dir, _ = pairs["llama"]
     model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
-    used = dropped = 0
+    used = dropped = alternative = 0
     for n, p in enumerate(prompts(tok, 12)):
         want, gaps = reference(model, p)
         for k in (1, 3):
+            alts = (n + k) % 3             # 0 = the all-kept branch only
             got, last = stacks["llama"].generate(prompt_token_ids={"ids": p}, max_new_tokens=len(want),
-                                                 num_speculative_tokens=k, pipeline_drafting=True)
-            assert_same_or_near_tie(got, want, gaps, f"pipelined prompt {n} K={k}")
+                                                 num_speculative_tokens=k, pipeline_drafting=True,
+                                                 pipeline_alternatives=alts)
+            assert_same_or_near_tie(got, want, gaps, f"pipelined prompt {n} K={k} alternatives {alts}")
             s = last.stats
             used += s.pipelined_drafts
             dropped += s.drafts - s.pipelined_drafts - 1     # the first draft is never pipelined
+            alternative += s.pipelined_alternative_drafts
             assert s.draft_call_ms > 0
-    # Both branches of the rule ran: pre-drafts used and pre-drafts dropped.
-    assert used > 0 and dropped > 0, (used, dropped)
+            assert alts or not s.pipelined_alternative_drafts
+    # Every outcome ran: pre-drafts used (also rejection branches) and dropped.
+    assert used > 0 and dropped > 0 and alternative > 0, (used, dropped, alternative)
 
 
 def test_pipelining_needs_a_drafter_chain(stacks):
@@ -120,26 +252,33 @@ def test_pipelining_needs_a_drafter_chain(stacks):
 N = 2000
 
 
-@pytest.mark.parametrize("prompt,temperature,top_p,top_k", [([40, 41, 42, 43, 44], 1.0, 1.0, 3),
-                                                          ([100, 7, 9], 0.7, 0.8, 0)], ids=["T1k3", "T0.7p0.8"])
-def test_pipelined_sampling_matches_target(prompt, temperature, top_p, top_k, pairs, stacks):
+@pytest.mark.parametrize("prompt,temperature,top_p,top_k,alternatives",
+                         [([40, 41, 42, 43, 44], 1.0, 1.0, 3, 0), ([100, 7, 9], 0.7, 0.8, 0, 0),
+                          ([40, 41, 42, 43, 44], 1.0, 1.0, 3, 2), ([100, 7, 9], 0.7, 0.8, 0, 2)],
+                         ids=["T1k3", "T0.7p0.8", "T1k3-alt2", "T0.7p0.8-alt2"])
+def test_pipelined_sampling_matches_target(prompt, temperature, top_p, top_k, alternatives, pairs, stacks):
     """Chains of 1: token 1 comes from the prefill, tokens 2-3 from cycle 1, and
     when cycle 1 kept its draft, token 4 from cycle 2, whose draft was made
     ahead: used iff the bonus (token 3) equals the drafter's guess, else
-    dropped and redrafted. The joint of the first 4 tokens must be the target's."""
+    dropped and redrafted. The joint of the first 4 tokens must be the target's.
+    With alternatives, cycle 1's rejection (its correction = the drafter's 2nd
+    choice) and 2nd bonus guesses also have pre-drafts that cycle 2 uses."""
     target_dir, drafter_dir = pairs["llama"]
     params = SamplingParams(temperature, top_p, top_k)
     joint = exact_joint(target_dir, prompt, params, length=4)
-    counts, used, dropped = {}, 0, 0
+    counts, used, dropped, alternative = {}, 0, 0, 0
     for seed in range(N):
         ids, last = stacks["llama"].generate(
             prompt_token_ids={"ids": prompt}, max_new_tokens=6, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, num_speculative_tokens=1, pipeline_drafting=True)
+            top_k=top_k, seed=seed, num_speculative_tokens=1, pipeline_drafting=True,
+            pipeline_alternatives=alternatives)
         counts[tuple(ids[:4])] = counts.get(tuple(ids[:4]), 0) + 1
         used += last.stats.pipelined_drafts > 0
         dropped += last.stats.drafts - last.stats.pipelined_drafts > 1
+        alternative += last.stats.pipelined_alternative_drafts > 0
     threshold = null_threshold(joint, N)
     assert used > 0.05 * N and dropped > 0.05 * N, (used, dropped)   # both outcomes are frequent
+    assert (alternative > 0.05 * N) if alternatives else not alternative, alternative
     assert tv(joint, counts, N) < threshold, (tv(joint, counts, N), threshold)
     # The threshold must be able to fail: the drafter's own joint is farther away.
     drafter_joint = exact_joint(drafter_dir, prompt, params, length=4)

@@ -81,7 +81,7 @@ class OpenDraftSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "accepted_path", "committed_token_ids", "num_draft_tokens", "shape", "request_id", "traceparent", "ahead", "rewind", "hidden_states")
+    __slots__ = ("session_id", "accepted_path", "committed_token_ids", "num_draft_tokens", "shape", "request_id", "traceparent", "ahead", "rewind", "hidden_states", "ahead_alternatives", "ahead_branch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class ProposeRequest(_message.Message):
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     REWIND_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_BRANCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -102,10 +104,24 @@ class ProposeRequest(_message.Message):
     ahead: bool
     rewind: bool
     hidden_states: HiddenStates
-    def __init__(self, session_id: _Optional[str] = ..., accepted_path: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., shape: _Optional[_Union[DraftShape, _Mapping]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ..., rewind: _Optional[bool] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
+    ahead_alternatives: int
+    ahead_branch: int
+    def __init__(self, session_id: _Optional[str] = ..., accepted_path: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., shape: _Optional[_Union[DraftShape, _Mapping]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ..., rewind: _Optional[bool] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ..., ahead_alternatives: _Optional[int] = ..., ahead_branch: _Optional[int] = ...) -> None: ...
+
+class AheadBranch(_message.Message):
+    __slots__ = ("kept", "token_id", "draft_token_ids", "draft_distributions")
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    kept: int
+    token_id: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, kept: _Optional[int] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_parents", "draft_distributions", "compute_ms", "request_id", "error", "batch_sessions", "batch_tokens", "guessed_token_id")
+    __slots__ = ("draft_token_ids", "draft_parents", "draft_distributions", "compute_ms", "request_id", "error", "batch_sessions", "batch_tokens", "guessed_token_id", "branches")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +131,7 @@ class ProposeResponse(_message.Message):
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GUESSED_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
@@ -124,7 +141,8 @@ class ProposeResponse(_message.Message):
     batch_sessions: int
     batch_tokens: int
     guessed_token_id: int
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., guessed_token_id: _Optional[int] = ...) -> None: ...
+    branches: _containers.RepeatedCompositeFieldContainer[AheadBranch]
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., guessed_token_id: _Optional[int] = ..., branches: _Optional[_Iterable[_Union[AheadBranch, _Mapping]]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -197,7 +215,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_path: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method", "adaptive_speculation", "pipeline_drafting")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method", "adaptive_speculation", "pipeline_drafting", "pipeline_alternatives")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +229,7 @@ class GenerateRequest(_message.Message):
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_DRAFTING_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: PromptTokenIds
     max_new_tokens: int
@@ -224,7 +243,8 @@ class GenerateRequest(_message.Message):
     speculative_method: str
     adaptive_speculation: bool
     pipeline_drafting: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ..., adaptive_speculation: _Optional[bool] = ..., pipeline_drafting: _Optional[bool] = ...) -> None: ...
+    pipeline_alternatives: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ..., adaptive_speculation: _Optional[bool] = ..., pipeline_drafting: _Optional[bool] = ..., pipeline_alternatives: _Optional[int] = ...) -> None: ...
 
 class PromptTokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -233,7 +253,7 @@ class PromptTokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position", "adaptive", "pipelined_drafts", "draft_wait_ms", "draft_call_ms", "feature_bytes")
+    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position", "adaptive", "pipelined_drafts", "draft_wait_ms", "draft_call_ms", "feature_bytes", "pipelined_alternative_drafts")
     CYCLES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +273,7 @@ class GenerationStats(_message.Message):
     DRAFT_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CALL_MS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_ALTERNATIVE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     cycles: int
     drafted_tokens: int
     accepted_tokens: int
@@ -272,7 +293,8 @@ class GenerationStats(_message.Message):
     draft_wait_ms: float
     draft_call_ms: float
     feature_bytes: int
-    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., adaptive: _Optional[bool] = ..., pipelined_drafts: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_call_ms: _Optional[float] = ..., feature_bytes: _Optional[int] = ...) -> None: ...
+    pipelined_alternative_drafts: int
+    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., adaptive: _Optional[bool] = ..., pipelined_drafts: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_call_ms: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., pipelined_alternative_drafts: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
