@@ -6,8 +6,8 @@ with batching off (one session per verify forward) to show what batching buys.
     python -m benchmarks.load --quick        # 1, 4 streams, fewer tokens
 
 Per setting and concurrency (n streams in flight all along, each worker
-starting a new stream when its last one ends; measured over --seconds after a
-warm-up): total tokens/s, time to first token (p50) and inter-token latency
+starting a new stream when its last one ends; measured over --seconds, in
+rounds that alternate the settings' order, each after a warm-up): total tokens/s, time to first token (p50) and inter-token latency
 (p50, p99; a message of n tokens counts as n gaps of its wait / n). Only ratios
 within one run are results. Writes benchmarks/results/load.json and load.png and
 prints a table.
@@ -111,8 +111,22 @@ def run_level(address: str, prompts, fields: dict, n: int, max_new: int, seconds
         raise RuntimeError(f"{len(errors)} streams failed, e.g. {errors[0]}")
     tokens = sum(k for when, k in arrivals if window[0] <= when < window[1])
     return dict(streams=n, requests=next(counter), tokens=tokens, seconds=seconds, tokens_per_s=round(tokens / seconds, 2),
-                ttft_ms_p50=round(1e3 * pct(ttft, 0.5), 1), itl_ms_p50=round(1e3 * pct(itl, 0.5), 2),
+                # None: no stream started in the window (streams longer than it)
+                ttft_ms_p50=round(1e3 * pct(ttft, 0.5), 1) if ttft else None, itl_ms_p50=round(1e3 * pct(itl, 0.5), 2),
                 itl_ms_p99=round(1e3 * pct(itl, 0.99), 2))
+
+
+def merge_rounds(parts: list[dict]) -> dict:
+    """One row from a level's rounds: tokens over the summed time; latencies
+    as the mean of the rounds' (None where no round had one)."""
+    def mean(key):
+        vals = [p[key] for p in parts if p[key] is not None]
+        return round(sum(vals) / len(vals), 2) if vals else None
+    tokens, seconds = sum(p["tokens"] for p in parts), sum(p["seconds"] for p in parts)
+    return dict(streams=parts[0]["streams"], requests=sum(p["requests"] for p in parts), tokens=tokens,
+                seconds=seconds, tokens_per_s=round(tokens / seconds, 2), ttft_ms_p50=mean("ttft_ms_p50"),
+                itl_ms_p50=mean("itl_ms_p50"), itl_ms_p99=mean("itl_ms_p99"),
+                rounds_tokens_per_s=[p["tokens_per_s"] for p in parts])
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -151,13 +165,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--unbatched-levels", type=int, nargs="*", default=[1, 4, 16],
                     help="levels run again with one session per verify forward")
-    ap.add_argument("--seconds", type=float, default=20.0, help="measured time per level (after --warmup-s)")
-    ap.add_argument("--warmup-s", type=float, default=3.0, help="time per level before the measurement")
+    ap.add_argument("--seconds", type=float, default=20.0,
+                    help="measured time per setting and level, split over the rounds (each after --warmup-s)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per level, settings in alternating order")
+    ap.add_argument("--warmup-s", type=float, default=2.0, help="time per round before the measurement")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "load.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.levels, args.max_new_tokens, args.unbatched_levels, args.seconds = [1, 4], 24, [4], 5.0
+        args.levels, args.max_new_tokens, args.unbatched_levels, args.seconds, args.rounds = [1, 4], 24, [4], 5.0, 1
 
     target = cost_scaled_target(args.target, args.min_params)
     tok = load_tokenizer(str(args.target))
@@ -178,14 +194,21 @@ def main(argv=None) -> int:
             runs = [("batched", setting) for setting in SETTINGS]
             if n in args.unbatched_levels and "unbatched" in stacks:
                 runs.append(("unbatched", "fixed K=4"))
-            for kind, setting in runs:
-                row = run_level(stacks[kind].orchestrator.address, prompts, SETTINGS[setting], n,
-                                args.max_new_tokens, args.seconds, args.warmup_s)
+            # Rounds in alternating order (A B C, C B A, ...): a drift of the
+            # machine's speed during a level then weighs on every setting alike.
+            got = {run: [] for run in runs}
+            for r in range(args.rounds):
+                for run in (runs if r % 2 == 0 else runs[::-1]):
+                    got[run].append(run_level(stacks[run[0]].orchestrator.address, prompts, SETTINGS[run[1]], n,
+                                              args.max_new_tokens, args.seconds / args.rounds, args.warmup_s))
+            for (kind, setting), parts in got.items():
+                row = merge_rounds(parts)
                 row["setting"] = setting if kind == "batched" else UNBATCHED
                 rows.append(row)
+                ttft = "–" if row["ttft_ms_p50"] is None else f"{row['ttft_ms_p50']:.1f}"
                 print(f"{row['setting']:>22} x{n:<3} {row['tokens_per_s']:7.1f} tok/s  ttft p50 "
-                      f"{row['ttft_ms_p50']:7.1f} ms  itl p50/p99 {row['itl_ms_p50']}/{row['itl_ms_p99']} ms",
-                      flush=True)
+                      f"{ttft:>7} ms  itl p50/p99 {row['itl_ms_p50']}/{row['itl_ms_p99']} ms  rounds "
+                      f"{[p['tokens_per_s'] for p in parts]}", flush=True)
     finally:
         for stack in stacks.values():
             stack.stop()
@@ -203,7 +226,8 @@ def main(argv=None) -> int:
         summary.append(d)
     meta = dict(machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}",
                 target=str(target), drafter=str(args.drafter), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                prompt_tokens=args.prompt_tokens, seconds=args.seconds, warmup_s=args.warmup_s, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                prompt_tokens=args.prompt_tokens, seconds=args.seconds, rounds=args.rounds,
+                warmup_s=args.warmup_s, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows, summary=summary), indent=2))
     plot(rows, args.out.with_suffix(".png"))

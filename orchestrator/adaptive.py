@@ -13,9 +13,13 @@ correlated (after a kept token the next is likelier kept), so one i.i.d. rate,
 
 With this session at depth k and the forward's other sessions as they are
 (R_rest rows, S_rest sessions, E_rest tokens, L_rest draft levels), a round
-costs T = max(V, D) + min(V, D) / n: alone (n = 1) drafting and verifying
+costs T = max(V, D) + min(V, D) / n + o: alone (n = 1) drafting and verifying
 follow each other; with n sessions the drafter drafts some while the verifier
-verifies others, so mostly the busier of the two counts. The server's goodput
+verifies others, so mostly the busier of the two counts. o is what a cycle
+costs besides the two computations (the messages, the orchestrator's work,
+waiting for a batch): measured, because it is a fixed cost per cycle that
+makes depth pay more - left out, the choice runs shallow when the forwards are
+cheap (measured at batch 1: adaptive 0.90 x fixed K = 4). The server's goodput
 
     G(k) = (E(k) + E_rest) / T(k),  V = a + b*(R_rest + k + 1) + c*(S_rest + 1),  D = d*(L_rest + k)
 
@@ -47,16 +51,16 @@ class Load:
     levels: float = 0.0      # L_rest: their draft levels (drafter work)
 
 
-def round_ms(k: int, a: float, b: float, c: float, d: float, load: Load) -> float:
+def round_ms(k: int, a: float, b: float, c: float, d: float, load: Load, o: float = 0.0) -> float:
     v = a + b * (load.rows + k + 1) + c * (load.sessions + 1)
     dr = d * (load.levels + k)
-    return max(v, dr) + min(v, dr) / (load.sessions + 1)
+    return max(v, dr) + min(v, dr) / (load.sessions + 1) + o
 
 
 def best_depth(rates: list[float], k_max: int, a: float, b: float, c: float, d: float,
-               load: Load = Load()) -> int:
+               load: Load = Load(), o: float = 0.0) -> int:
     def goodput(k: int) -> float:
-        return (expected_tokens(rates, k) + load.tokens) / round_ms(k, a, b, c, d, load)
+        return (expected_tokens(rates, k) + load.tokens) / round_ms(k, a, b, c, d, load, o)
     return max(range(k_max + 1), key=lambda k: (goodput(k), -k))
 
 
@@ -81,6 +85,7 @@ class CostModel:
     _y: float = 0.0
     draft_ms_per_level: float = 0.0    # drafter time per draft token, over its batches
     tokens_per_cycle: float = 1.0      # per session-cycle
+    overhead_ms: float = 0.0           # o: a cycle's wall time besides its verify and draft compute
     # Per draft level: kept given the level above was kept.
     level_rates: list[float] = field(default_factory=lambda: [0.7] * 16)
     _seen_draft: bool = field(default=False, repr=False)
@@ -99,6 +104,11 @@ class CostModel:
             per = ms / nodes
             self.draft_ms_per_level = per if not self._seen_draft else 0.9 * self.draft_ms_per_level + 0.1 * per
             self._seen_draft = True
+
+    def observe_cycle(self, cycle_ms: float, verify_ms: float, draft_ms: float) -> None:
+        """A session's cycle took cycle_ms of wall time, of which its verify
+        forward (its batch's) and the draft it waited for computed the rest."""
+        self.overhead_ms = 0.95 * self.overhead_ms + 0.05 * max(0.0, cycle_ms - verify_ms - draft_ms)
 
     def observe_tokens(self, committed: int) -> None:
         self.tokens_per_cycle = 0.95 * self.tokens_per_cycle + 0.05 * committed
@@ -166,7 +176,7 @@ class SessionDepth:
         a, b, c = costs.line()
         rates = [costs.level_rates[0] if self.first is None else self.first] + costs.level_rates[1:]
         load = Load(rest_rows, rest_sessions, rest_sessions * costs.tokens_per_cycle, rest_rows - rest_sessions)
-        k = best_depth(rates, self.k_max, a, b, c, costs.draft_ms_per_level, load)
+        k = best_depth(rates, self.k_max, a, b, c, costs.draft_ms_per_level, load, costs.overhead_ms)
         if k == 0:
             self._zeros += 1
             if self._zeros >= self.probe_every:

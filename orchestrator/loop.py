@@ -348,6 +348,8 @@ async def run_generation(spec: GenerationSpec, session_id: str, verifier: Verifi
                 costs.observe_verify(verdict.batch_tokens or rows, verdict.batch_sessions or 1, verdict.compute_ms)
                 costs.observe_draft(draft.batch_tokens or len(draft.tokens), draft.compute_ms)
                 costs.observe_tokens(len(verdict.tokens))
+                # A pre-draft's compute ran beside an earlier verify: only the draft waited for counts.
+                costs.observe_cycle(cycle.wall_ms, verdict.compute_ms, 0.0 if draft.ahead else draft.compute_ms)
                 if depth:
                     depth.observe(cycle.depth, cycle.accepted, costs)
                 elif cycle.depth:

@@ -67,3 +67,19 @@ def test_session_acceptance_and_probing():
     costs.observe_draft(1, 30.0)          # drafting costs nearly a verify step
     picks = [s.choose(costs, rest_rows=0, rest_sessions=0) for _ in range(16)]
     assert picks.count(0) == 14 and picks.count(1) == 2   # a probe every 8th cycle keeps alpha fresh
+
+
+def test_fixed_cycle_overhead_makes_depth_pay():
+    """A cost every cycle pays whatever its depth (messages, the orchestrator)
+    favours deeper drafts: the same rates and forward costs pick a deeper k
+    once it is counted, and the model learns it from cycles' wall times."""
+    rates = [0.7] * 8
+    shallow = best_depth(rates, 8, a=25, b=1.0, c=0, d=3.0)
+    deep = best_depth(rates, 8, a=25, b=1.0, c=0, d=3.0, o=20.0)
+    assert deep > shallow, (shallow, deep)
+    costs = CostModel()
+    for _ in range(200):
+        costs.observe_cycle(cycle_ms=50.0, verify_ms=30.0, draft_ms=8.0)
+    assert abs(costs.overhead_ms - 12.0) < 0.1
+    costs.observe_cycle(cycle_ms=10.0, verify_ms=30.0, draft_ms=8.0)     # never negative
+    assert costs.overhead_ms > 11.0
