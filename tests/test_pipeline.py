@@ -252,10 +252,11 @@ def test_pipelining_needs_a_drafter_chain(stacks):
 N = 2000
 
 
+# One sampling setting per branch mode (the all-kept branch only; 2 alternatives
+# per depth, the default): each case costs ~80 s of CI on 2 cores.
 @pytest.mark.parametrize("prompt,temperature,top_p,top_k,alternatives",
-                         [([40, 41, 42, 43, 44], 1.0, 1.0, 3, 0), ([100, 7, 9], 0.7, 0.8, 0, 0),
-                          ([40, 41, 42, 43, 44], 1.0, 1.0, 3, 2), ([100, 7, 9], 0.7, 0.8, 0, 2)],
-                         ids=["T1k3", "T0.7p0.8", "T1k3-alt2", "T0.7p0.8-alt2"])
+                         [([40, 41, 42, 43, 44], 1.0, 1.0, 3, 0), ([100, 7, 9], 0.7, 0.8, 0, 2)],
+                         ids=["T1k3", "T0.7p0.8-alt2"])
 def test_pipelined_sampling_matches_target(prompt, temperature, top_p, top_k, alternatives, pairs, stacks):
     """Chains of 1: token 1 comes from the prefill, tokens 2-3 from cycle 1, and
     when cycle 1 kept its draft, token 4 from cycle 2, whose draft was made
