@@ -113,11 +113,8 @@ class Drafter(ModelCore):
     def propose(self, session_id: str, accepted_path: list[int], committed: list[int],
                 shape: DraftShape, ahead: bool = False, rewind: bool = False, hidden=None,
                 alternatives: int = 0, branch: int = 0) -> Proposal:
-        result = self.propose_batch([self.prepare(session_id, accepted_path, committed, shape, ahead, rewind,
-                                                  hidden, alternatives, branch)])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return self._alone(self.propose_batch([self.prepare(session_id, accepted_path, committed, shape, ahead,
+                                                            rewind, hidden, alternatives, branch)]))
 
     def prepare(self, session_id: str, accepted_path: list[int], committed: list[int],
                 shape: DraftShape, ahead: bool = False, rewind: bool = False, hidden=None,

@@ -148,6 +148,14 @@ class ModelCore:
         return ok, refused
 
     @staticmethod
+    def _alone(results: list):
+        """A batch of one job run directly (not through the batcher): its
+        result, or the exception that stopped it, raised."""
+        if isinstance(results[0], Exception):
+            raise results[0]
+        return results[0]
+
+    @staticmethod
     def _in_order(jobs: list, done: dict, call: str) -> list:
         """Each job's result (done: id(job) -> result), or UnknownSession for a job
         whose session was closed during its call."""

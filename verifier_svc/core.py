@@ -103,10 +103,7 @@ class Verifier(ModelCore):
 
         The servicer sends prepare_open's job through the batcher instead, so
         that prefills share forwards with each other and with verifies."""
-        result = self.verify_batch([self.prepare_open(session_id, prompt_ids, params, resume, hidden)])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return self._alone(self.verify_batch([self.prepare_open(session_id, prompt_ids, params, resume, hidden)]))
 
     def prepare_open(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                      resume: bool = False, hidden: bool = False) -> OpenJob:
@@ -145,7 +142,7 @@ class Verifier(ModelCore):
         parents: None/empty = a chain. row_dists: per row (N+1; 0 = root), the
         truncated q that row's children were sampled from (empty rows for
         childless nodes); None = children chosen without sampling."""
-        return self.verify_batch([self.prepare(session_id, draft_ids, parents, row_dists)])[0]
+        return self._alone(self.verify_batch([self.prepare(session_id, draft_ids, parents, row_dists)]))
 
     def prepare(self, session_id: str, draft_ids: list[int], parents: list[int] | None = None,
                 row_dists: list[tuple[list[int], list[float]]] | None = None) -> VerifyJob:
