@@ -2,15 +2,16 @@
 services, for speculation off, fixed K and adaptive depth; and the same fixed K
 with batching off (one session per verify forward) to show what batching buys.
 
-    python -m benchmarks.load                # demo pair, cost-scaled target, bf16
+    python -m benchmarks.load                # demo pair, cost-scaled target, bf16 (~45 min)
     python -m benchmarks.load --quick        # 1, 4 streams, fewer tokens
 
 Per setting and concurrency (n streams in flight all along, each worker
 starting a new stream when its last one ends; measured over --seconds, in
-rounds that alternate the settings' order, each after a warm-up): total tokens/s, time to first token (p50) and inter-token latency
-(p50, p99; a message of n tokens counts as n gaps of its wait / n). Only ratios
-within one run are results. Writes benchmarks/results/load.json and load.png and
-prints a table.
+rounds that alternate the settings' order, each after a warm-up): total
+tokens/s, time to first token (p50), inter-token latency (p50, p99; a message
+of n tokens counts as n gaps of its wait / n) and the mean draft depth. Only
+ratios within one run are results, each with an interval from its rounds.
+Writes benchmarks/results/load.json and load.png and prints a table.
 
 Prompts of 96 tokens, 128 new tokens by default. Every stream's prefill joins
 a verify forward, and batching cannot shrink a prefill (it is already a forward
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import threading
 import time
@@ -56,6 +58,7 @@ def run_level(address: str, prompts, fields: dict, n: int, max_new: int, seconds
     the streams that started in the window; inter-token latency: the gaps in
     it (a message of k tokens counts as k gaps of its wait / k)."""
     ttft, itl, errors = [], [], []
+    drafted = [0, 0]                                 # draft tokens, cycles of the streams that finished
     arrivals: list[tuple[float, int]] = []          # (time, tokens) of every message
     lock = threading.Lock()
     calls: set = set()
@@ -85,6 +88,10 @@ def run_level(address: str, prompts, fields: dict, n: int, max_new: int, seconds
                         itl.extend([(now - last) / len(r.token_ids)] * len(r.token_ids))
                 got += len(r.token_ids)
                 last = now
+                if r.HasField("stats") and r.stats.cycles:
+                    with lock:
+                        drafted[0] += r.stats.drafted_tokens
+                        drafted[1] += r.stats.cycles
         except grpc.RpcError as e:
             if not (stop.is_set() and e.code() == grpc.StatusCode.CANCELLED):
                 errors.append(f"{e.code().name}: {e.details()}")
@@ -113,7 +120,9 @@ def run_level(address: str, prompts, fields: dict, n: int, max_new: int, seconds
     return dict(streams=n, requests=next(counter), tokens=tokens, seconds=seconds, tokens_per_s=round(tokens / seconds, 2),
                 # None: no stream started in the window (streams longer than it)
                 ttft_ms_p50=round(1e3 * pct(ttft, 0.5), 1) if ttft else None, itl_ms_p50=round(1e3 * pct(itl, 0.5), 2),
-                itl_ms_p99=round(1e3 * pct(itl, 0.99), 2))
+                itl_ms_p99=round(1e3 * pct(itl, 0.99), 2),
+                # What adaptive chose (fixed K: K, less near the context's end)
+                draft_depth=round(drafted[0] / drafted[1], 2) if drafted[1] else None)
 
 
 def merge_rounds(parts: list[dict]) -> dict:
@@ -125,8 +134,22 @@ def merge_rounds(parts: list[dict]) -> dict:
     tokens, seconds = sum(p["tokens"] for p in parts), sum(p["seconds"] for p in parts)
     return dict(streams=parts[0]["streams"], requests=sum(p["requests"] for p in parts), tokens=tokens,
                 seconds=seconds, tokens_per_s=round(tokens / seconds, 2), ttft_ms_p50=mean("ttft_ms_p50"),
-                itl_ms_p50=mean("itl_ms_p50"), itl_ms_p99=mean("itl_ms_p99"),
+                itl_ms_p50=mean("itl_ms_p50"), itl_ms_p99=mean("itl_ms_p99"), draft_depth=mean("draft_depth"),
                 rounds_tokens_per_s=[p["tokens_per_s"] for p in parts])
+
+
+def ratio_interval(a: dict, b: dict, z: float = 2.0) -> list[float] | None:
+    """A rough 95 % interval for a's tokens/s over b's, from the per-round
+    ratios (round i of a against round i of b, which ran next to it): the
+    geometric mean of the ratios times / over exp(z * their log standard
+    error). None with fewer than 3 rounds."""
+    ratios = [x / y for x, y in zip(a["rounds_tokens_per_s"], b["rounds_tokens_per_s"]) if x > 0 and y > 0]
+    if len(ratios) < 3:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / len(logs)
+    se = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1) / len(logs))
+    return [round(math.exp(mean - z * se), 3), round(math.exp(mean + z * se), 3)]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -165,9 +188,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--unbatched-levels", type=int, nargs="*", default=[1, 4, 16],
                     help="levels run again with one session per verify forward")
-    ap.add_argument("--seconds", type=float, default=20.0,
+    ap.add_argument("--seconds", type=float, default=80.0,
                     help="measured time per setting and level, split over the rounds (each after --warmup-s)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds per level, settings in alternating order")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds per level, settings in alternating order")
     ap.add_argument("--warmup-s", type=float, default=2.0, help="time per round before the measurement")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "load.json")
@@ -207,22 +230,27 @@ def main(argv=None) -> int:
                 rows.append(row)
                 ttft = "–" if row["ttft_ms_p50"] is None else f"{row['ttft_ms_p50']:.1f}"
                 print(f"{row['setting']:>22} x{n:<3} {row['tokens_per_s']:7.1f} tok/s  ttft p50 "
-                      f"{ttft:>7} ms  itl p50/p99 {row['itl_ms_p50']}/{row['itl_ms_p99']} ms  rounds "
+                      f"{ttft:>7} ms  itl p50/p99 {row['itl_ms_p50']}/{row['itl_ms_p99']} ms  depth {row['draft_depth']}  rounds "
                       f"{[p['tokens_per_s'] for p in parts]}", flush=True)
     finally:
         for stack in stacks.values():
             stack.stop()
 
     # Goals: adaptive vs the best of off / fixed K per level; batching gain.
+    # Each ratio also per round (the settings of a round ran minutes apart at
+    # most), and an interval from the rounds' spread: the machine's speed
+    # drifts by 10-20 % within minutes, so one round's ratio says little.
     summary = []
     for n in args.levels:
         at = {r["setting"]: r for r in rows if r["streams"] == n}
         best = max((s for s in at if s in ("off", "fixed K=2", "fixed K=4")), key=lambda s: at[s]["tokens_per_s"])
         d = dict(streams=n, best_fixed=best, best_fixed_tokens_per_s=at[best]["tokens_per_s"],
                  adaptive_tokens_per_s=at["adaptive (K<=4)"]["tokens_per_s"],
-                 adaptive_vs_best=round(at["adaptive (K<=4)"]["tokens_per_s"] / at[best]["tokens_per_s"], 3))
+                 adaptive_vs_best=round(at["adaptive (K<=4)"]["tokens_per_s"] / at[best]["tokens_per_s"], 3),
+                 adaptive_vs_best_interval=ratio_interval(at["adaptive (K<=4)"], at[best]))
         if UNBATCHED in at:
             d["batching_gain_fixed_K4"] = round(at["fixed K=4"]["tokens_per_s"] / at[UNBATCHED]["tokens_per_s"], 3)
+            d["batching_gain_interval"] = ratio_interval(at["fixed K=4"], at[UNBATCHED])
         summary.append(d)
     meta = dict(machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}",
                 target=str(target), drafter=str(args.drafter), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
@@ -231,11 +259,15 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, rows=rows, summary=summary), indent=2))
     plot(rows, args.out.with_suffix(".png"))
-    print("\n| streams | best of off / fixed | its tok/s | adaptive tok/s | adaptive / best | batching gain (K=4) |")
+    def span(d, key):
+        return f" ({d[key][0]:.2f}-{d[key][1]:.2f})" if d.get(key) else ""
+    print("\n| streams | best of off / fixed | its tok/s | adaptive tok/s | adaptive / best (interval) "
+          "| batching gain, K=4 (interval) |")
     print("|---|---|---|---|---|---|")
     for d in summary:
+        gain = f"{d['batching_gain_fixed_K4']}{span(d, 'batching_gain_interval')}" if "batching_gain_fixed_K4" in d else ""
         print(f"| {d['streams']} | {d['best_fixed']} | {d['best_fixed_tokens_per_s']} | {d['adaptive_tokens_per_s']} "
-              f"| {d['adaptive_vs_best']} | {d.get('batching_gain_fixed_K4', '')} |")
+              f"| {d['adaptive_vs_best']}{span(d, 'adaptive_vs_best_interval')} | {gain} |")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
