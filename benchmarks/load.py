@@ -121,7 +121,7 @@ def run_level(address: str, prompts, fields: dict, n: int, max_new: int, seconds
                 # None: no stream started in the window (streams longer than it)
                 ttft_ms_p50=round(1e3 * pct(ttft, 0.5), 1) if ttft else None, itl_ms_p50=round(1e3 * pct(itl, 0.5), 2),
                 itl_ms_p99=round(1e3 * pct(itl, 0.99), 2),
-                # What adaptive chose (fixed K: K, less near the context's end)
+                # What adaptive chose (fixed K: K, cut near max_new_tokens)
                 draft_depth=round(drafted[0] / drafted[1], 2) if drafted[1] else None)
 
 
