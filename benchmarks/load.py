@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -130,7 +131,7 @@ def merge_rounds(parts: list[dict]) -> dict:
     as the mean of the rounds' (None where no round had one)."""
     def mean(key):
         vals = [p[key] for p in parts if p[key] is not None]
-        return round(sum(vals) / len(vals), 2) if vals else None
+        return round(statistics.fmean(vals), 2) if vals else None
     tokens, seconds = sum(p["tokens"] for p in parts), sum(p["seconds"] for p in parts)
     return dict(streams=parts[0]["streams"], requests=sum(p["requests"] for p in parts), tokens=tokens,
                 seconds=seconds, tokens_per_s=round(tokens / seconds, 2), ttft_ms_p50=mean("ttft_ms_p50"),
@@ -147,8 +148,7 @@ def ratio_interval(a: dict, b: dict, z: float = 2.0) -> list[float] | None:
     if len(ratios) < 3:
         return None
     logs = [math.log(r) for r in ratios]
-    mean = sum(logs) / len(logs)
-    se = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1) / len(logs))
+    mean, se = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
     return [round(math.exp(mean - z * se), 3), round(math.exp(mean + z * se), 3)]
 
 
