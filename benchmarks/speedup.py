@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from specd.local_stack import Stack
-from specd.models import load_model, load_tokenizer
+from specd.ops.local_stack import Stack
+from specd.runtime.models import load_model, load_tokenizer
 
 from .costs import expected_tokens_per_cycle, predicted_speedup
 from .tree_search import load_searched

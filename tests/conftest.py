@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from specd.local_stack import Stack
+from specd.ops.local_stack import Stack
 from tests.tiny_models import build_pair, build_perturbed_drafter
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

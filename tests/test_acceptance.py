@@ -43,14 +43,9 @@ import numpy as np
 import pytest
 import torch
 
-from specd.acceptance import (
-    accept_deterministic,
-    accept_greedy,
-    accept_sampled,
-    dense_q,
-    residual,
-)
-from specd.sampling import SamplingParams, logits_to_probs, sample, truncate_top
+from specd.rules.sampling import SamplingParams, logits_to_probs, sample, truncate_top
+from specd.rules.tree import dense_q, residual
+from tests.chain_rules import accept_deterministic, accept_greedy, accept_sampled
 
 V = 6          # vocabulary
 BOS = V        # context row for the first token

@@ -1,7 +1,7 @@
-"""orchestrator/adaptive.py: the depth rule, the cost fit, a session's acceptance."""
+"""specd/orchestrator/adaptive.py: the depth rule, the cost fit, a session's acceptance."""
 import pytest
 
-from orchestrator.adaptive import CostModel, Load, SessionDepth, best_depth, expected_tokens
+from specd.orchestrator.adaptive import CostModel, Load, SessionDepth, best_depth, expected_tokens
 
 
 def test_expected_tokens():

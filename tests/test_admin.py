@@ -5,8 +5,8 @@ FAILED_PRECONDITION (there is no launcher), and the service goes on serving."""
 import grpc
 import pytest
 
-from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 
 
 def test_status_and_scale_without_ray(stacks):

@@ -5,8 +5,8 @@ import math
 import grpc
 import pytest
 
-from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 
 PROMPT = {"ids": [40, 41, 42]}
 

@@ -1,4 +1,4 @@
-"""The batcher's gather window (specd/batcher.py), as a unit: jobs are plain
+"""The batcher's gather window (specd/runtime/batcher.py), as a unit: jobs are plain
 objects and run_batch records the batches it got."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from specd.batcher import Batcher
+from specd.runtime.batcher import Batcher
 
 
 @dataclass

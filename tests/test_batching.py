@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from specd.models import load_model, load_tokenizer
+from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts
 from tests.test_metrics import scrape, value
 

@@ -15,8 +15,8 @@ import time
 
 import grpc
 
-from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 from tests.test_metrics import scrape, value
 
 STREAMS = 1000

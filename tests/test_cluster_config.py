@@ -6,12 +6,12 @@ specd's own parser."""
 import copy
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import click
 import jsonschema
 import pytest
+import tomllib
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
@@ -61,7 +61,7 @@ def awaited_pools(config: dict) -> dict[str, float]:
 
 
 def parse_specd_up(config: dict):
-    from specd.cli import build_parser
+    from specd.ops.cli import build_parser
 
     argv = specd_up_argv(config)
     assert argv[:2] == ["specd", "up"]

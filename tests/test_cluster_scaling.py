@@ -19,14 +19,14 @@ import time
 import grpc
 import pytest
 
-from specd import cluster
-from specd.models import load_model, load_tokenizer
-from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.ops import ray_cluster
+from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie
 from tests.tiny_models import build_model, build_perturbed_drafter, build_tokenizer, corpus_lines
 
-SPECD = [sys.executable, "-m", "specd.cli"]
+SPECD = [sys.executable, "-m", "specd"]
 LONG, SHORT = 3500, 2500        # tokens per stream: each must outlive the scale steps after its start
 
 
@@ -48,12 +48,12 @@ def long_pair(tmp_path_factory):
 @pytest.fixture
 def multinode(tmp_path):
     """head + drafter nodes D1, D2 + verifier nodes V1, V2; yields (address, {node_id: pool})."""
-    address, head = cluster.start_local_ray(log_dir=str(tmp_path), resources={}, num_cpus=1)
+    address, head = ray_cluster.start_local_ray(log_dir=str(tmp_path), resources={}, num_cpus=1)
     groups = [head]
     pools = {}
     try:
         for i, (pool, units) in enumerate([("drafter", 2), ("drafter", 1), ("verifier", 1), ("verifier", 1)]):
-            groups.append(cluster.start_worker_node(address, {pool: units}, tmp_path / f"node-{i}.log"))
+            groups.append(ray_cluster.start_worker_node(address, {pool: units}, tmp_path / f"node-{i}.log"))
             # One at a time: nodes joining at once on one host race for ports.
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -66,7 +66,7 @@ def multinode(tmp_path):
         yield address, pools
     finally:
         for pid in reversed(groups):
-            cluster.stop_local_ray(pid)
+            ray_cluster.stop_local_ray(pid)
 
 
 def _nodes(address) -> dict:

@@ -3,14 +3,14 @@ chains and trees (static and dynamic)."""
 import pytest
 import torch
 
-from drafter_svc.config import DrafterConfig
-from drafter_svc.core import Drafter
-from specd.draft_shape import DraftShape
+from specd.drafter.config import DrafterConfig
+from specd.drafter.core import Drafter
 from specd.errors import CapacityExceeded, InvalidRequest
-from specd.sampling import SamplingParams
-from specd.tree import TokenTree, path_to, paths_to_parents
-from verifier_svc.config import VerifierConfig
-from verifier_svc.core import Verifier
+from specd.rules.draft_shape import DraftShape
+from specd.rules.sampling import SamplingParams
+from specd.rules.tree import TokenTree, path_to, paths_to_parents
+from specd.verifier.config import VerifierConfig
+from specd.verifier.core import Verifier
 
 GREEDY = SamplingParams()
 

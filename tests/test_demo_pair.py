@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.models import load_model, load_tokenizer
+from specd.runtime.models import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models/demo"
@@ -38,7 +38,7 @@ def test_demo_pair_shape_and_size():
 def test_specd_demo_offline(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(SPECD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-m", "specd.cli", "demo", "--max-new-tokens", "40"], env=env,
+    r = subprocess.run([sys.executable, "-m", "specd", "demo", "--max-new-tokens", "40"], env=env,
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def read_config(path):") and len(r.stdout) > 70

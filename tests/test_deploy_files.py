@@ -40,10 +40,10 @@ class _Parsed(Exception):
 def test_compose_commands_parse_with_the_services_flags(monkeypatch):
     """Each command's flags are ones its service accepts (argparse exits 2 on
     an unknown flag); stop right after parsing, before anything loads."""
-    from drafter_svc.config import DrafterConfig
-    from orchestrator.__main__ import main as orchestrator_main
-    from specd.service_main import model_service_main
-    from verifier_svc.config import VerifierConfig
+    from specd.drafter.config import DrafterConfig
+    from specd.net.service_main import model_service_main
+    from specd.orchestrator.__main__ import main as orchestrator_main
+    from specd.verifier.config import VerifierConfig
 
     real_parse = argparse.ArgumentParser.parse_args
 
@@ -51,9 +51,9 @@ def test_compose_commands_parse_with_the_services_flags(monkeypatch):
         raise _Parsed(real_parse(self, args, namespace))
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    mains = {"orchestrator": orchestrator_main,
-             "verifier_svc": lambda a: model_service_main("verifier_svc", VerifierConfig, None, a),
-             "drafter_svc": lambda a: model_service_main("drafter_svc", DrafterConfig, None, a)}
+    mains = {"specd.orchestrator": orchestrator_main,
+             "specd.verifier": lambda a: model_service_main("specd.verifier", VerifierConfig, None, a),
+             "specd.drafter": lambda a: model_service_main("specd.drafter", DrafterConfig, None, a)}
     services = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())["services"]
     for name in ("verifier", "drafter", "orchestrator"):
         # ${VAR:-default} as compose expands it with VAR unset.

@@ -1,8 +1,8 @@
-"""Streaming text and end conditions (orchestrator/detok.py, orchestrator/loop.py)."""
+"""Streaming text and end conditions (specd/orchestrator/detok.py, specd/orchestrator/loop.py)."""
 import pytest
 
-from orchestrator.detok import OutputTracker
-from orchestrator.loop import draft_budget
+from specd.orchestrator.detok import OutputTracker
+from specd.orchestrator.loop import draft_budget
 from tests.tiny_models import build_tokenizer
 
 

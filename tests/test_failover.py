@@ -18,10 +18,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from specd.local_stack import Stack
-from specd.models import load_model, load_tokenizer
-from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.ops.local_stack import Stack
+from specd.runtime.models import load_model, load_tokenizer
 from tests.tiny_models import corpus_lines
 
 MAX_NEW = 160          # long enough that the stream is far from its end when frozen

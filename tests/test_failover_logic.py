@@ -1,4 +1,4 @@
-"""orchestrator/failover.py as units: the real loop (orchestrator/loop.py) over
+"""specd/orchestrator/failover.py as units: the real loop (specd/orchestrator/loop.py) over
 fake replicas that hold real per-session state and can die; the same on real
 processes is tests/test_failover.py.
 
@@ -11,14 +11,14 @@ import asyncio
 import grpc
 import pytest
 
-from orchestrator.clients import ServiceError
-from orchestrator.detok import OutputTracker
-from orchestrator.failover import FailoverDrafter, FailoverVerifier, is_lost, reseeded
-from orchestrator.loop import Draft, Verdict, run_generation
-from orchestrator.pool import Pool, ReplicaSpec
-from orchestrator.request import GenerationSpec
-from specd.draft_shape import DraftShape
-from specd.sampling import SamplingParams
+from specd.orchestrator.clients import ServiceError
+from specd.orchestrator.detok import OutputTracker
+from specd.orchestrator.failover import FailoverDrafter, FailoverVerifier, is_lost, reseeded
+from specd.orchestrator.loop import Draft, Verdict, run_generation
+from specd.orchestrator.pool import Pool, ReplicaSpec
+from specd.orchestrator.request import GenerationSpec
+from specd.rules.draft_shape import DraftShape
+from specd.rules.sampling import SamplingParams
 
 V = 50
 

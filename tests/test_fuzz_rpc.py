@@ -17,12 +17,19 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config import OrchestratorConfig
-from specd.local_stack import Stack
-from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from tests.fuzz_strategies import (drafts, generate_requests, message_strategy, prompts, sampling_params,
-                                   shapes, token_ids)
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.ops.local_stack import Stack
+from specd.orchestrator.config import OrchestratorConfig
+from tests.fuzz_strategies import (
+    drafts,
+    generate_requests,
+    message_strategy,
+    prompts,
+    sampling_params,
+    shapes,
+    token_ids,
+)
 from tests.test_metrics import value, wait_idle
 
 OK = grpc.StatusCode.OK

@@ -7,7 +7,7 @@ itself: the reference's top-2 logit gap at that position is < 1e-4.
 import pytest
 import torch
 
-from specd.models import load_model, load_tokenizer
+from specd.runtime.models import load_model, load_tokenizer
 from tests.tiny_models import corpus_lines
 
 NEAR_TIE = 1e-4

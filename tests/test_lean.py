@@ -1,10 +1,10 @@
-"""The lean forward (specd/lean.py) gives Hugging Face's logits, through prefill,
+"""The lean forward (specd/runtime/lean.py) gives Hugging Face's logits, through prefill,
 decode steps, rollback, growth of the cache and compaction."""
 import pytest
 import torch
 
-from specd.lean import LeanModel, supports
-from specd.models import Runner, SessionCache, load_model
+from specd.runtime.lean import LeanModel, supports
+from specd.runtime.models import Runner, SessionCache, load_model
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

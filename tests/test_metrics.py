@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.local_stack import Stack
+from specd.ops.local_stack import Stack
 
 PROMPT = {"ids": [40, 41, 42, 43, 44]}
 # (fields, method that runs): chains, a static and a dynamic tree, sampling, ngram, off.
@@ -120,8 +120,9 @@ def test_metrics_count_the_request_stats(metered_stack):
 def test_gauges_see_open_sessions(metered_stack):
     """While a session is open the verifier's gauges show it; they fall back after."""
     import grpc
-    from specdec.v1 import specdec_pb2 as pb
-    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    from specd.api.v1 import specdec_pb2 as pb
+    from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 
     v = pb_grpc.VerifierServiceStub(grpc.insecure_channel(metered_stack.verifier.address))
     v.OpenSession(pb.OpenVerifySessionRequest(session_id="m1", prompt_token_ids=[1, 2, 3, 4]), timeout=30)

@@ -1,4 +1,4 @@
-from specd.ngram import propose_ngram
+from specd.rules.ngram import propose_ngram
 
 
 def test_longest_suffix_match_wins_and_latest_occurrence_first():

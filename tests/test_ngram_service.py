@@ -5,8 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specd.models import load_model, load_tokenizer
-from specd.sampling import SamplingParams, logits_to_probs
+from specd.rules.sampling import SamplingParams, logits_to_probs
+from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import MAX_NEW, assert_same_or_near_tie, prompts, reference
 from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold
 

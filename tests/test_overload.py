@@ -16,9 +16,9 @@ import grpc
 import pytest
 import torch
 
-from specd.local_stack import ServiceProcess, Stack
-from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.ops.local_stack import ServiceProcess, Stack
 from tests.test_metrics import scrape, value
 
 N = 4
@@ -78,9 +78,9 @@ class TargetOnly(Stack):
 
     def __init__(self, target: str, *verifier_args: str, orchestrator_args: tuple[str, ...] = ()):
         self.target, self.drafter, self.drafter_proc, self.drafters = target, None, None, []
-        self.verifier = ServiceProcess("verifier_svc", "--model", target, "--metrics-port", "0", *verifier_args)
+        self.verifier = ServiceProcess("specd.verifier", "--model", target, "--metrics-port", "0", *verifier_args)
         self.verifiers = [self.verifier]
-        self.orchestrator = ServiceProcess("orchestrator", "--target", target, "--verifier-address",
+        self.orchestrator = ServiceProcess("specd.orchestrator", "--target", target, "--verifier-address",
                                            self.verifier.address, "--method", "off", *orchestrator_args)
         self.channel = grpc.insecure_channel(self.orchestrator.address)
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)

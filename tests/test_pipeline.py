@@ -13,12 +13,12 @@ import grpc
 import pytest
 import torch
 
-from drafter_svc.config import DrafterConfig
-from drafter_svc.core import Drafter
-from specd.draft_shape import DraftShape
+from specd.drafter.config import DrafterConfig
+from specd.drafter.core import Drafter
 from specd.errors import InvalidRequest
-from specd.models import load_model, load_tokenizer
-from specd.sampling import SamplingParams
+from specd.rules.draft_shape import DraftShape
+from specd.rules.sampling import SamplingParams
+from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts, reference
 from tests.test_sampling_lossless import exact_joint, null_threshold, tv
 
@@ -92,7 +92,7 @@ def test_malformed_ahead_calls_are_refused(drafter_pair):
 # ------------------------------------------------- branches (rejection outcomes) --
 
 def test_branch_outcomes_and_mask():
-    from drafter_svc.branches import alternatives_that_fit, branch_mask, outcomes
+    from specd.drafter.branches import alternatives_that_fit, branch_mask, outcomes
     # Chain 7, 8, 9; the drafter's ranked choices where it drafted each (the
     # second was sampled, not its top); bonus guesses 4, 5, 6.
     tops = [[7, 1, 2], [3, 8, 2], [9, 0, 1]]

@@ -1,12 +1,12 @@
-"""orchestrator/pool.py and scaling.py as pure units (a fake launcher; the real
+"""specd/orchestrator/pool.py and scaling.py as pure units (a fake launcher; the real
 thing on a multi-node Ray cluster is tests/test_cluster_scaling.py)."""
 import asyncio
 
 import pytest
 
-from orchestrator.pool import Pool, ReplicaSpec
-from orchestrator.scaling import AutoscalePolicy, ReplicaGone, Scaler
 from specd.errors import CapacityExceeded, InvalidRequest
+from specd.orchestrator.pool import Pool, ReplicaSpec
+from specd.orchestrator.scaling import AutoscalePolicy, ReplicaGone, Scaler
 
 
 class FakeClient:

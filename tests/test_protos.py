@@ -1,6 +1,6 @@
-"""The committed stubs in specdec/v1 must be what grpcio-tools generates from protos/."""
-from specd.protogen import stale_files
+"""The committed stubs in specd/api/v1 must be what grpcio-tools generates from protos/."""
+from specd.ops.protogen import stale_files
 
 
 def test_generated_stubs_are_fresh():
-    assert stale_files() == [], "run `python -m specd.protogen` and commit the result"
+    assert stale_files() == [], "run `python -m specd.ops.protogen` and commit the result"

@@ -11,26 +11,26 @@ import sys
 import pytest
 import ray
 
-from specd import cluster
-from specd.auth import bearer_metadata
-from specd.grpc_util import open_channel
-from specd.security import TlsConfig
-from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from tests.test_greedy_exact import reference
-from specd.models import load_model
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.net.auth import bearer_metadata
+from specd.net.grpc_util import open_channel
+from specd.net.security import TlsConfig
+from specd.ops import ray_cluster
+from specd.runtime.models import load_model
 from tests.certs import make_pki
+from tests.test_greedy_exact import reference
 
-SPECD = [sys.executable, "-m", "specd.cli"]
+SPECD = [sys.executable, "-m", "specd"]
 
 
 @pytest.fixture
 def ray_cluster(tmp_path):
-    address, pid = cluster.start_local_ray(log_dir=str(tmp_path))
+    address, pid = ray_cluster.start_local_ray(log_dir=str(tmp_path))
     try:
         yield address
     finally:
-        cluster.stop_local_ray(pid)
+        ray_cluster.stop_local_ray(pid)
 
 
 def run(args, env, timeout=300):

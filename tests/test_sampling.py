@@ -1,4 +1,4 @@
-"""`specd.sampling`: the one definition of "plain sampling" (DESIGN.md, "The rules
+"""`specd.rules.sampling`: the one definition of "plain sampling" (DESIGN.md, "The rules
 that keep output exact": p is the target distribution after exactly the processing
 plain sampling would apply).
 
@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 )
 
 from specd.errors import InvalidRequest
-from specd.sampling import SamplingParams, logits_to_probs, sample, truncate_top
+from specd.rules.sampling import SamplingParams, logits_to_probs, sample, truncate_top
 
 
 def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -18,8 +18,8 @@ rule that accepted drafts too readily would fail.
 import pytest
 import torch
 
-from specd.models import load_model
-from specd.sampling import SamplingParams, logits_to_probs
+from specd.rules.sampling import SamplingParams, logits_to_probs
+from specd.runtime.models import load_model
 
 N = 2000
 

@@ -9,18 +9,18 @@ import time
 import grpc
 import pytest
 
-from drafter_svc.config import DrafterConfig
-from drafter_svc.core import Drafter
-from specd.draft_shape import DraftShape
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.drafter.config import DrafterConfig
+from specd.drafter.core import Drafter
 from specd.errors import SessionExpired, UnknownSession
-from specd.grpc_util import status_for
-from specd.local_stack import ServiceProcess
-from specd.sampling import SamplingParams
-from specdec.v1 import specdec_pb2 as pb
-from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from specd.net.grpc_util import status_for
+from specd.ops.local_stack import ServiceProcess
+from specd.rules.draft_shape import DraftShape
+from specd.rules.sampling import SamplingParams
+from specd.verifier.config import VerifierConfig
+from specd.verifier.core import Verifier
 from tests.test_metrics import scrape, value
-from verifier_svc.config import VerifierConfig
-from verifier_svc.core import Verifier
 
 
 def test_verifier_core_expires_only_idle_sessions(pairs):
@@ -63,8 +63,8 @@ def test_timeout_zero_never_expires(pairs):
 def test_services_expire_idle_sessions(pairs):
     target, drafter = pairs["llama"]
     flags = ("--session-idle-timeout-s", "0.5", "--metrics-port", "0")
-    procs = [ServiceProcess("verifier_svc", "--model", target, *flags),
-             ServiceProcess("drafter_svc", "--model", drafter, *flags)]
+    procs = [ServiceProcess("specd.verifier", "--model", target, *flags),
+             ServiceProcess("specd.drafter", "--model", drafter, *flags)]
     try:
         v = pb_grpc.VerifierServiceStub(grpc.insecure_channel(procs[0].address))
         d = pb_grpc.DrafterServiceStub(grpc.insecure_channel(procs[1].address))

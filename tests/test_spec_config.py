@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from specd.spec_config import ConfigError, SpeculativeConfig, load
+from specd.orchestrator.spec_config import ConfigError, SpeculativeConfig, load
 
 BAD = [
     ({"method": "medusa"}, "speculative_config.method"),
@@ -47,19 +47,19 @@ def test_specd_up_refuses_a_bad_config_before_starting_anything(tmp_path, pairs)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["SPECD_HOME"] = str(tmp_path / "home")
     target, drafter = pairs["llama"]
-    r = subprocess.run([sys.executable, "-m", "specd.cli", "up", "--target", target, "--drafter", drafter,
+    r = subprocess.run([sys.executable, "-m", "specd", "up", "--target", target, "--drafter", drafter,
                         "--speculative-config", str(bad)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "speculative_config.prompt_lookup_mx: unknown key" in r.stderr
     assert "started a local Ray cluster" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "specd.cli", "up", "--target", target, "--method", "ngram",
+    r = subprocess.run([sys.executable, "-m", "specd", "up", "--target", target, "--method", "ngram",
                         "--prompt-lookup-min", "6"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "prompt_lookup_min (6) is greater than prompt_lookup_max (4)" in r.stderr
 
 
 def test_tree_paths_in_config_and_flags():
     """A static tree node by node: a deep chain plus the second choice at depth 1."""
-    from specd.cli import build_parser
-    from specd.spec_config import speculative_config_from_args
+    from specd.ops.cli import build_parser
+    from specd.orchestrator.spec_config import speculative_config_from_args
     sc = SpeculativeConfig.from_dict({"tree": {"paths": [[0], [1], [0, 0], [0, 0, 0]]}})
     shape = sc.tree_shape()
     assert shape.max_nodes == 4 and shape.depth == 3

@@ -16,8 +16,8 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from specd import telemetry
-from specd.local_stack import Stack
+from specd.ops.local_stack import Stack
+from specd.telemetry import tracing
 
 PROMPT = {"ids": [40, 41, 42, 43, 44, 45]}
 MAX_NEW = 20
@@ -184,22 +184,22 @@ def test_one_generate_is_one_trace_across_services(fields, traced_stack, receive
 def test_tracing_is_off_without_an_endpoint(monkeypatch):
     for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
-    assert not telemetry.configured()
+    assert not tracing.configured()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
-    assert telemetry.configured()
+    assert tracing.configured()
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
-    assert not telemetry.configured()
+    assert not tracing.configured()
     # Off: the helpers hand back one shared no-op context, no span objects.
-    assert not telemetry.ENABLED
-    assert telemetry.client_span("x") is telemetry.server_span("y", "00-ab-cd-01") is telemetry.span("z")
-    assert telemetry.outgoing_metadata() is None
+    assert not tracing.ENABLED
+    assert tracing.client_span("x") is tracing.server_span("y", "00-ab-cd-01") is tracing.span("z")
+    assert tracing.outgoing_metadata() is None
 
 
 def test_cycle_record_and_attributes():
     """The per-cycle data the loop produces (pure): depth, bonus vs correction,
     per-position acceptance, in Stats and in the cycle span's attributes."""
-    from orchestrator.loop import Draft, Stats, Verdict
-    from orchestrator.tracing import cycle_attributes
+    from specd.orchestrator.loop import Draft, Stats, Verdict
+    from specd.orchestrator.tracing import cycle_attributes
 
     tree = Draft(tokens=[5, 6, 7, 8], parents=[-1, -1, 0, 2], compute_ms=1.0)   # 0 -> 2 -> 3, and 1
     stats = Stats(num_speculative_tokens=3, method="draft_model")

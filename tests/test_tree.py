@@ -27,15 +27,25 @@ import numpy as np
 import pytest
 import torch
 
-from specd.acceptance import residual
 from specd.errors import InvalidRequest
-from specd.sampling import SamplingParams, logits_to_probs, sample
-from specd.tree import (
-    TokenTree, TreeAcceptance, accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled,
-    children, compaction_indices, depth, path_to, paths_to_parents, static_tree, static_tree_paths,
+from specd.rules.sampling import SamplingParams, logits_to_probs, sample
+from specd.rules.tree import (
+    TokenTree,
+    TreeAcceptance,
+    accept_tree_deterministic,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    children,
+    compaction_indices,
+    depth,
+    path_to,
+    paths_to_parents,
+    residual,
+    static_tree,
+    static_tree_paths,
     validate_tree,
 )
-from tests.test_acceptance import BOS, L, V, GoodnessOfFit, exact_sequence_law, goodness_of_fit
+from tests.test_acceptance import BOS, GoodnessOfFit, L, V, exact_sequence_law, goodness_of_fit
 from tests.test_acceptance import model_tables as acceptance_tables
 
 N_TRIALS = 15_000        # sequences per correct rule

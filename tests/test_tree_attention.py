@@ -11,9 +11,15 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specd.tree import (
-    TokenTree, compact_cache, compaction_indices, path_to, paths_to_parents, static_tree_paths,
-    tree_attention, validate_tree,
+from specd.rules.tree import (
+    TokenTree,
+    compact_cache,
+    compaction_indices,
+    path_to,
+    paths_to_parents,
+    static_tree_paths,
+    tree_attention,
+    validate_tree,
 )
 
 VOCAB = 100

@@ -4,8 +4,8 @@ the branch a chain misses."""
 import torch
 
 from benchmarks.tree_search import bfs_paths, candidates, chain, grow, measure_ranks, tokens_per_cycle
-from specd.draft_shape import DraftShape
-from specd.models import load_model, load_tokenizer
+from specd.rules.draft_shape import DraftShape
+from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import prompts
 
 

@@ -14,8 +14,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-    PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 VOCAB = 384

@@ -1,0 +1,8 @@
+"""`python -m specd ...`: the same as the `specd` command."""
+
+import sys
+
+from specd.ops.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.net.grpc_util import start_sync_server
+from specd.runtime.reaper import start_reaper
+
+from .config import DrafterConfig
+from .core import Drafter
+from .eagle import make_drafter
+from .servicer import SERVICE_NAME, DrafterServicer
+
+
+def start(config: DrafterConfig, core: Drafter | None = None):
+    """Load the model (unless given a core), start serving; return (server, port)."""
+    core = core or make_drafter(config)
+    start_reaper(core)  # idle sessions expire (config.session_idle_timeout_s)
+    return start_sync_server(
+        pb_grpc.add_DrafterServiceServicer_to_server,
+        DrafterServicer(core),
+        SERVICE_NAME,
+        config.host,
+        config.port,
+        config.grpc_workers,
+        config.tls,
+        config.max_message_bytes,
+    )

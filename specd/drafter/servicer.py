@@ -1,0 +1,124 @@
+"""Thin gRPC shell: proto <-> core calls, errors -> status (specd.net.grpc_util)."""
+
+from __future__ import annotations
+
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.net.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors
+from specd.net.wire import dists_to_proto, hidden_from_proto, sampling_from_proto, shape_from_proto
+from specd.rules.draft_shape import DraftShape
+from specd.runtime.batcher import Batcher
+from specd.telemetry import tracing
+
+from .core import Drafter
+from .metrics import DrafterMetrics
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
+
+
+class DrafterServicer(pb_grpc.DrafterServiceServicer):
+    def __init__(self, core: Drafter):
+        self.core = core
+        self.metrics = DrafterMetrics(core)
+        self.batcher = Batcher(
+            core.propose_batch,
+            core.config.max_batch_sessions,
+            "propose",
+            self.metrics.observe_batch,
+            max_queued=core.config.max_queued_calls,
+            active_sessions=core.active_sessions,
+            wait_fraction=core.config.batch_wait_fraction,
+        )
+
+    @grpc_errors
+    def OpenSession(self, request, context):
+        with tracing.server_span(
+            "drafter.prefill",
+            grpc_context=context,
+            attributes={
+                "specdec.session_id": request.session_id,
+                "specdec.prompt_tokens": len(request.prompt_token_ids),
+            }
+            if tracing.ENABLED
+            else None,
+        ):
+            self.core.open_session(
+                request.session_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling)
+            )
+        close_if_caller_left(self.core, request.session_id, context)
+        return pb.OpenDraftSessionResponse()
+
+    def _propose(self, request) -> pb.ProposeResponse:
+        with tracing.server_span("drafter.propose", request.traceparent) as span:
+            shape = (
+                shape_from_proto(request.shape)
+                if request.HasField("shape")
+                else DraftShape.chain(request.num_draft_tokens, self.core.config.max_draft_tokens)
+            )
+            job = self.core.prepare(
+                request.session_id,
+                list(request.accepted_path),
+                list(request.committed_token_ids),
+                shape,
+                request.ahead,
+                request.rewind,
+                hidden_from_proto(request.hidden_states, request.HasField("hidden_states")),
+                request.ahead_alternatives,
+                request.ahead_branch,
+            )
+            proposal = self.batcher.submit(job).result()
+            if span is not None:
+                tracing.add_phases(span, "drafter", proposal.phases)
+                span.set_attributes(
+                    {
+                        "specdec.session_id": request.session_id,
+                        "specdec.draft.depth": shape.depth,
+                        "specdec.draft.nodes": len(proposal.tree.tokens),
+                        "specdec.compute_ms": proposal.compute_ms,
+                        "specdec.batch_sessions": proposal.batch_sessions,
+                        "specdec.draft.ahead": request.ahead,
+                        "specdec.draft.rewind": request.rewind,
+                        "specdec.draft.ahead_branch": request.ahead_branch,
+                        "specdec.draft.branches": 1 + len(proposal.branches) if request.ahead else 0,
+                    }
+                )
+        self.metrics.observe_proposal(proposal)
+        tree = proposal.tree
+        return pb.ProposeResponse(
+            draft_token_ids=tree.tokens,
+            draft_parents=tree.parents,
+            draft_distributions=dists_to_proto(tree.row_dists),
+            compute_ms=proposal.compute_ms,
+            batch_sessions=proposal.batch_sessions,
+            batch_tokens=proposal.batch_tokens,
+            guessed_token_id=proposal.guess,
+            branches=[
+                pb.AheadBranch(
+                    kept=b.kept,
+                    token_id=b.token,
+                    draft_token_ids=b.tree.tokens,
+                    draft_distributions=dists_to_proto(b.tree.row_dists),
+                )
+                for b in proposal.branches
+            ],
+        )
+
+    @grpc_errors
+    def Propose(self, request, context):
+        return self._propose(request)
+
+    def ProposeStream(self, request_iterator, context):
+        """Messages of many sessions, answered as they finish (by request_id)."""
+        yield from concurrent_stream(
+            self._propose,
+            request_iterator,
+            pb.ProposeResponse,
+            self.core.config.max_batch_sessions + 1,
+            self.core.config.max_queued_calls,
+        )
+
+    @grpc_errors
+    def CloseSession(self, request, context):
+        with tracing.server_span("drafter.close", grpc_context=context):
+            self.core.close_session(request.session_id)
+        return pb.CloseSessionResponse()

@@ -1,0 +1,202 @@
+"""Growing a draft token tree on the drafter's model (pure of grpc).
+
+Shapes are data (`DraftShape`): a chain of K is the static tree (1,)*K, a static
+tree is a branching factor per depth (Medusa / SpecInfer style), and a dynamic
+tree grows the nodes of highest cumulative draft probability until a node budget
+is spent (EAGLE-2, Li et al. 2024). One forward per depth: the nodes of a level
+go through the model together, each seeing the committed tokens, its own
+ancestors among the tree nodes already in the cache, and itself.
+
+Children are chosen by top-k (greedy requests and dynamic trees: the verifier
+uses the greedy / deterministic-children rule) or, for sampled requests on
+static trees, drawn WITHOUT replacement from the drafter's truncated q, which
+travels with the tree (the verifier uses the sampled-children rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.rules.draft_shape import DraftShape
+from specd.rules.sampling import SamplingParams, logits_to_probs, truncate_top
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    # Per row (0 = root, i+1 = node i): the truncated q that row's children were
+    # drawn from, only when children were sampled; else empty.
+    row_dists: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # Node indices in the order their KV rows follow the committed tokens in the cache.
+    forwarded: list[int] = field(default_factory=list)
+    # Chains on the lean engine: per node, the drafter's ranked top choices
+    # where that node was drafted - an ahead call's likely corrections
+    # (specd/drafter/branches.py). Empty when not recorded.
+    tops: list[list[int]] = field(default_factory=list)
+
+
+def _sample_without_replacement(ids: torch.Tensor, probs: torch.Tensor, n: int, gen) -> list[int]:
+    probs, out = probs.clone(), []
+    for _ in range(min(n, int((probs > 0).sum()))):
+        j = int(torch.multinomial(probs, 1, generator=gen))
+        out.append(int(ids[j]))
+        probs[j] = 0.0
+    return out
+
+
+class _Grower:
+    """Holds the tree while it grows; `forward_level` runs one depth."""
+
+    def __init__(self, session, past_len: int):
+        self.s, self.past = session, past_len
+        self.tree = DraftTree()
+        self.depth: list[int] = []
+        self.ancestors: list[list[int]] = []  # per node: ancestor node indices
+
+    def add(self, token: int, parent: int) -> int:
+        self.tree.tokens.append(token)
+        self.tree.parents.append(parent)
+        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        self.ancestors.append([] if parent < 0 else self.ancestors[parent] + [parent])
+        return len(self.tree.tokens) - 1
+
+    def forward_level(self, nodes: list[int]) -> torch.Tensor:
+        """Forward these nodes in one pass; return their logits (len(nodes), V)."""
+        fwd = self.tree.forwarded
+        cached = self.past + len(fwd)
+        if len(nodes) == 1 and len(self.ancestors[nodes[0]]) == len(fwd):
+            # One node that sees everything cached (every level of a chain): the
+            # plain causal forward, no mask to build.
+            logits = self.s.forward([self.tree.tokens[nodes[0]]])
+            fwd += nodes
+            return logits
+        row_of = {n: i for i, n in enumerate(fwd)}
+        mask = torch.full((len(nodes), cached + len(nodes)), float("-inf"))
+        mask[:, : self.past] = 0.0  # committed tokens
+        for r, n in enumerate(nodes):
+            for a in self.ancestors[n]:
+                mask[r, self.past + row_of[a]] = 0.0  # its ancestors
+            mask[r, cached + r] = 0.0  # itself
+        # The root (last committed token) sits at past-1; a node at depth d at past-1+d.
+        positions = torch.tensor([self.past - 1 + self.depth[n] for n in nodes])
+        logits = self.s.forward([self.tree.tokens[n] for n in nodes], positions=positions, mask=mask)
+        fwd += nodes
+        return logits
+
+
+def build_tree(
+    session, root_logits: torch.Tensor, shape: DraftShape, params: SamplingParams, top_n: int, gen: torch.Generator
+) -> DraftTree:
+    """Grow a tree below the root. The session's cache must hold exactly the
+    committed tokens (the root is the last of them); tree nodes are appended."""
+    g = _Grower(session, session.length)
+    if shape.dynamic:
+        _grow_dynamic(g, root_logits, shape)
+    else:
+        _grow_static(g, root_logits, shape.children(), params, top_n, gen)
+    return g.tree
+
+
+def _choose(logits: torch.Tensor, n: int, params, top_n: int, gen):
+    """A node's n children: the drafter's top n (greedy), or n draws without
+    replacement from its truncated q, returned with them (sampled)."""
+    if params.greedy:
+        return torch.topk(logits, n).indices.tolist(), None
+    ids, probs = truncate_top(logits_to_probs(logits, params), top_n)
+    return _sample_without_replacement(ids, probs, n, gen), (ids.tolist(), probs.tolist())
+
+
+def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen) -> None:
+    """children: how many children each node path has (DraftShape.children);
+    the k-th child of a node is the drafter's k-th choice there."""
+    sampled = not params.greedy
+    frontier = [((), -1, root_logits)]  # (rank path, node index, its logits)
+    dists: dict[int, tuple[list[int], list[float]]] = {}
+    while frontier:
+        level = []
+        for path, node, logits in frontier:
+            chosen, dist = _choose(logits, children[path], params, top_n, gen)
+            if dist:
+                dists[node + 1] = dist
+            level += [(path + (k,), g.add(t, node)) for k, t in enumerate(chosen)]
+        # Only nodes with children of their own go through the model.
+        level = [(p, n) for p, n in level if p in children]
+        if not level:
+            break
+        logits = g.forward_level([n for _, n in level])
+        frontier = [(p, n, row) for (p, n), row in zip(level, logits)]
+    if sampled:
+        g.tree.row_dists = [dists.get(r, ([], [])) for r in range(len(g.tree.tokens) + 1)]
+
+
+def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTree]:
+    """Chains of several sessions with one batched forward per level (what
+    _grow_static does for one chain): chains are (cache, params, generator,
+    depth, root logits); each level picks every session's next token and
+    forwards those still drafting together. The caches must hold exactly the
+    committed tokens. tops: ranked choices kept per node (DraftTree.tops)."""
+    grown = [DraftTree() for _ in chains]
+    active = [(i, root) for i, (*_, root) in enumerate(chains)]
+    level = 0
+    while active:
+        forward = []
+        for i, logits in active:
+            cache, params, gen, depth, _ = chains[i]
+            (token,), dist = _choose(logits, 1, params, top_n, gen)
+            tree = grown[i]
+            if dist:
+                tree.row_dists.append(dist)
+            tree.tokens.append(token)
+            tree.parents.append(level - 1)
+            if tops:
+                tree.tops.append(torch.topk(logits, min(tops, logits.shape[-1])).indices.tolist())
+            if level + 1 < depth:
+                tree.forwarded.append(level)
+                forward.append(i)
+        level += 1
+        if not forward:
+            break
+        logits = runner.forward_batch([(chains[i][0], [grown[i].tokens[-1]], None, None) for i in forward])
+        active = [(i, lg[0]) for i, lg in zip(forward, logits)]
+    for tree in grown:
+        if tree.row_dists:  # the leaf's own row has no children
+            tree.row_dists.append(([], []))
+    return grown
+
+
+def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:
+    """EAGLE-2 style: expand the top_k best nodes of each depth, then keep the
+    node_budget nodes of highest cumulative log-probability. A child never
+    scores above its parent, so the kept set is closed under ancestors."""
+    score: list[float] = []
+
+    def expand(parent: int, logits: torch.Tensor) -> list[int]:
+        logp = torch.log_softmax(logits.float(), -1)
+        top = torch.topk(logp, shape.top_k)
+        base = score[parent] if parent >= 0 else 0.0
+        made = []
+        for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+            made.append(g.add(t, parent))
+            score.append(base + lp)
+        return made
+
+    level = expand(-1, root_logits)
+    for _ in range(shape.max_depth - 1):
+        best = sorted(level, key=lambda n: -score[n])[: shape.top_k]
+        logits = g.forward_level(best)
+        level = [c for n, row in zip(best, logits) for c in expand(n, row)]
+    keep = sorted(range(len(score)), key=lambda n: (-score[n], g.depth[n]))[: shape.node_budget]
+    keep.sort(key=lambda n: (g.depth[n], n))  # parents before children
+    new = {old: i for i, old in enumerate(keep)}
+    t = g.tree
+    g.tree = DraftTree(
+        tokens=[t.tokens[n] for n in keep],
+        parents=[new[t.parents[n]] if t.parents[n] >= 0 else -1 for n in keep],
+        # Forwarded rows stay in the cache in their order; pruned ones map to -1
+        # and are dropped by the next compaction.
+        forwarded=[new.get(n, -1) for n in t.forwarded],
+    )
+    assert all(p < i for i, p in enumerate(g.tree.parents)), "kept set must be closed under ancestors"

@@ -1,0 +1,136 @@
+"""Shared `python -m specd.drafter|specd.verifier` entry: flags -> config -> serve.
+
+Both model services take the same flags; each passes its config class and a
+`start(config) -> (server, port)` function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from specd.telemetry import metrics, tracing
+
+from .security import SecurityConfigError, add_tls_flags, tls_from_args
+
+
+def model_service_main(name: str, config_cls, start, argv=None) -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m {name}")
+    parser.add_argument("--model", required=True, help="Hugging Face causal LM directory")
+    parser.add_argument("--port", type=int, default=config_cls.port, help="0 = any free port")
+    parser.add_argument(
+        "--host",
+        default=config_cls.host,
+        help="interface to listen on (default loopback: only a local orchestrator can reach it)",
+    )
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--max-draft-tokens", type=int, default=config_cls.max_draft_tokens)
+    parser.add_argument("--torch-threads", type=int, default=0)
+    if hasattr(config_cls, "max_batch_sessions"):
+        parser.add_argument(
+            "--max-batch-sessions",
+            type=int,
+            default=config_cls.max_batch_sessions,
+            help="sessions whose verify calls may share one forward (1 = no batching)",
+        )
+        parser.add_argument(
+            "--batch-wait-fraction",
+            type=float,
+            default=config_cls.batch_wait_fraction,
+            help="wait for other open sessions' calls before a batch, at most this fraction "
+            "of the last batch's run time (0 = no waiting)",
+        )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=config_cls.max_sessions,
+        help="open sessions at once; past it OpenSession is RESOURCE_EXHAUSTED",
+    )
+    if hasattr(config_cls, "max_kv_tokens"):
+        parser.add_argument(
+            "--max-kv-tokens",
+            type=int,
+            default=config_cls.max_kv_tokens,
+            help="KV cache tokens over all sessions; past it OpenSession is RESOURCE_EXHAUSTED",
+        )
+    parser.add_argument(
+        "--session-idle-timeout-s",
+        type=float,
+        default=config_cls.session_idle_timeout_s,
+        help="close a session without a call for this long (0 = never)",
+    )
+    parser.add_argument(
+        "--max-queued-calls",
+        type=int,
+        default=config_cls.max_queued_calls,
+        help="calls waiting for a batch; past it RESOURCE_EXHAUSTED",
+    )
+    if hasattr(config_cls, "target_dir"):
+        parser.add_argument(
+            "--target-dir",
+            default="",
+            help="method eagle (--model is an EAGLE head): the "
+            "target directory it shares embedding and LM head with (default: the head's config)",
+        )
+    parser.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port; default: off)"
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=config_cls.max_message_bytes,
+        help="largest gRPC message either way (over it: RESOURCE_EXHAUSTED)",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="seconds running calls get after SIGTERM (health turns NOT_SERVING at once)",
+    )
+    add_tls_flags(parser, server=True)
+    args = parser.parse_args(argv)
+    try:
+        tls = tls_from_args(args)
+        if tls:
+            tls.check(server=True)  # before the (slow) model load, naming the bad file
+    except SecurityConfigError as exc:
+        parser.exit(2, f"{name}: {exc}\n")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
+    tracing.setup(name.rsplit(".", 1)[-1])
+    extra = {
+        k: getattr(args, k) for k in ("max_batch_sessions", "batch_wait_fraction", "max_kv_tokens") if hasattr(args, k)
+    }
+    if hasattr(args, "target_dir"):
+        extra["target_dir"] = args.target_dir
+    config = config_cls(
+        model_dir=args.model,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        max_draft_tokens=args.max_draft_tokens,
+        torch_threads=args.torch_threads,
+        tls=tls,
+        max_message_bytes=args.max_message_bytes,
+        max_sessions=args.max_sessions,
+        session_idle_timeout_s=args.session_idle_timeout_s,
+        max_queued_calls=args.max_queued_calls,
+        **extra,
+    )
+    server, port = start(config)
+    if args.metrics_port is not None:
+        # Printed before the "listening on" line, which tests and scripts wait for.
+        print(f"{name} metrics on {config.host}:{metrics.serve(args.metrics_port, config.host)}", flush=True)
+    # Tests and scripts wait for this exact line to learn the bound port.
+    print(f"{name} listening on {config.host}:{port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    # Graceful: health NOT_SERVING, refuse new calls, give running ones the grace period.
+    server.stop(grace=args.shutdown_grace).wait()
+    tracing.shutdown()  # export the spans still queued

@@ -1,0 +1,394 @@
+"""`specd` command line: up, generate, status, scale, down, demo."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from specd.net.auth import CLIENT_TOKEN_ENV, bearer_metadata, tokens_from_env_and_file
+from specd.net.grpc_util import MAX_MESSAGE_BYTES, open_channel
+from specd.net.security import SecurityConfigError, add_tls_flags, tls_from_args
+from specd.orchestrator.spec_config import (
+    DRAFTER_METHODS,
+    METHODS,
+    ConfigError,
+    add_draft_shape_flags,
+    add_speculative_flags,
+    speculative_config_from_args,
+)
+
+from . import ray_cluster
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO_TARGET = REPO_ROOT / "models/demo/target"
+DEMO_DRAFTER = REPO_ROOT / "models/demo/drafter"
+DEMO_EAGLE = REPO_ROOT / "models/demo/eagle"
+DEMO_PROMPT = "def read_config(path):\n    with open(path) as f:\n        return"
+
+
+def cmd_up(args, print_address: bool = True) -> int:
+    import ray
+
+    from specd.orchestrator.scaling import AutoscalePolicy
+
+    from .ray_deploy import DeploymentConfig, deploy
+
+    if ray_cluster.read_state():
+        print("specd is already up (run `specd down` first); state: " + str(ray_cluster.state_path()), file=sys.stderr)
+        return 1
+    try:
+        sc = speculative_config_from_args(args)
+        autoscale = {
+            kind: AutoscalePolicy.parse(text)
+            for kind, text in (("verifier", args.autoscale_verifiers), ("drafter", args.autoscale_drafters))
+            if text
+        }
+        # Certificates and tokens are checked here, before Ray starts, with the file named.
+        tls = tls_from_args(args)
+        if tls:
+            tls.check(server=True)
+        tokens_file = str(Path(args.auth_tokens_file).resolve()) if args.auth_tokens_file else None
+        tokens_from_env_and_file(tokens_file)
+    except (ConfigError, SecurityConfigError, OSError, ValueError) as exc:
+        print(f"specd up: {exc}", file=sys.stderr)
+        return 2
+    # The drafter: --drafter, else the config's `model`, else the demo drafter;
+    # '' deploys none (then only ngram and off can run).
+    drafter = (
+        args.drafter
+        if args.drafter is not None
+        else (sc.model or str(DEMO_EAGLE if sc.method == "eagle" else DEMO_DRAFTER))
+    )
+    args.drafter = drafter or None
+    for label, d in (("target", args.target), ("drafter", args.drafter)):
+        if d and not (Path(d) / "config.json").exists():
+            print(f"--{label} {d}: not a Hugging Face model directory (no config.json)", file=sys.stderr)
+            return 2
+    if sc.method in DRAFTER_METHODS and not args.drafter:
+        print(f"specd up: speculative_config.method is {sc.method} but no drafter is given", file=sys.stderr)
+        return 2
+    ray_address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    ray_pid = None
+    if not ray_address:
+        ray_address, ray_pid = ray_cluster.start_local_ray()
+        print(f"started a local Ray cluster at {ray_address}", file=sys.stderr)
+    try:
+        ray.init(address=ray_address, namespace="specd", logging_level="WARNING", log_to_driver=False)
+        address = deploy(
+            DeploymentConfig(
+                target_dir=str(Path(args.target).resolve()),
+                drafter_dir=str(Path(args.drafter).resolve()) if args.drafter else None,
+                port=args.port,
+                num_verifiers=args.verifiers,
+                num_drafters=args.drafters,
+                device=args.device,
+                dtype=args.dtype,
+                replica_gpus=args.replica_gpus,
+                speculative=sc,
+                autoscale=autoscale,
+                ready_timeout_s=args.ready_timeout,
+                tls=tls,
+                auth_tokens_file=tokens_file,
+                max_message_bytes=args.max_message_bytes,
+                replica_host=args.replica_host,
+            )
+        )
+    except BaseException:
+        if ray_pid:
+            ray_cluster.stop_local_ray(ray_pid)
+        raise
+    address = address.replace("0.0.0.0", "127.0.0.1")
+    ray_cluster.write_state({"address": address, "ray_address": ray_address, "ray_pid": ray_pid})
+    if print_address:  # stdout carries only the address, for scripts
+        print(address)
+    print(f"specd is up: Generate at {address} (ray {ray_address})", file=sys.stderr)
+    return 0
+
+
+def cmd_down(args) -> int:
+    state = ray_cluster.read_state()
+    if not state:
+        print("specd is not up (no state file)", file=sys.stderr)
+        return 0
+    if state.get("ray_pid"):
+        # We own this cluster: stopping it takes every actor with it.
+        ray_cluster.stop_local_ray(state["ray_pid"])
+    else:
+        import ray
+
+        from .ray_deploy import teardown
+
+        ray.init(address=state["ray_address"], namespace="specd", logging_level="WARNING", log_to_driver=False)
+        teardown()
+    ray_cluster.clear_state()
+    print("specd is down", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from specd.api.v1 import specdec_pb2 as pb
+    from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+
+    address = args.address or (ray_cluster.read_state() or {}).get("address") or "127.0.0.1:50051"
+    req = pb.GenerateRequest(
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop or [],
+    )
+    if args.seed is not None:
+        req.seed = args.seed
+    if args.num_speculative_tokens is not None:
+        req.num_speculative_tokens = args.num_speculative_tokens
+    if args.method:
+        req.speculative_method = args.method
+    if getattr(args, "adaptive", None) is not None:
+        req.adaptive_speculation = args.adaptive
+    if getattr(args, "pipeline", None) is not None:
+        req.pipeline_drafting = args.pipeline
+    if getattr(args, "pipeline_alternatives", None) is not None:
+        req.pipeline_alternatives = args.pipeline_alternatives
+    if args.tree or args.tree_budget or args.tree_paths:
+        req.tree.CopyFrom(
+            pb.DraftShape(
+                branching=args.tree or [],
+                node_budget=args.tree_budget or 0,
+                max_depth=args.tree_depth or (6 if args.tree_budget else 0),
+                paths=[pb.TreePath(ranks=p) for p in args.tree_paths or []],
+            )
+        )
+    try:
+        channel = _client_channel(args, address)
+    except SecurityConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with channel:
+        try:
+            for r in pb_grpc.OrchestratorServiceStub(channel).Generate(req, metadata=_auth(args)):
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+                if r.finish_reason:
+                    s = r.stats
+                    print(
+                        f"\n[finish={r.finish_reason} method={s.method} prompt_tokens={s.prompt_tokens} "
+                        f"completion_tokens={s.completion_tokens} K={s.num_speculative_tokens} "
+                        f"cycles={s.cycles} drafted={s.drafted_tokens} accepted={s.accepted_tokens} "
+                        f"mean_accepted_length={s.mean_accepted_length:.2f}]",
+                        file=sys.stderr,
+                    )
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _client_channel(args, address: str):
+    """The channel the client commands use: TLS when a --tls-* flag is given."""
+    tls = tls_from_args(args)
+    if tls:
+        tls.check(server=False)
+    return open_channel(address, tls)
+
+
+def _auth(args):
+    """--token, else $SPECD_TOKEN, as bearer metadata (nothing without one)."""
+    return bearer_metadata(args.token or os.environ.get(CLIENT_TOKEN_ENV))
+
+
+def _admin_call(args, method: str, request):
+    from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+
+    address = args.address or (ray_cluster.read_state() or {}).get("address") or "127.0.0.1:50051"
+    with _client_channel(args, address) as channel:
+        return getattr(pb_grpc.AdminServiceStub(channel), method)(request, timeout=args.timeout, metadata=_auth(args))
+
+
+def print_status(status) -> None:
+    rows = [("POOL", "REPLICA", "ADDRESS", "NODE", "SESSIONS", "STATE")]
+    for r in sorted(status.replicas, key=lambda r: (r.kind != "verifier", r.name)):
+        rows.append(
+            (
+                r.kind,
+                r.name,
+                r.address,
+                r.node[:12] or "-",
+                str(r.sessions),
+                "lost" if r.lost else "draining" if r.draining else "serving",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    for kind in ("verifier", "drafter"):
+        serving = sum(1 for r in status.replicas if r.kind == kind and not r.draining and not r.lost)
+        policy = status.autoscale.get(kind)
+        print(f"{kind}s: {serving} serving" + (f", autoscaling min:max:target_sessions {policy}" if policy else ""))
+    print(f"active requests: {status.active_requests}" + ("" if status.scalable else "  (fixed pools: not on Ray)"))
+
+
+def cmd_status(args) -> int:
+    import grpc
+
+    from specd.api.v1 import specdec_pb2 as pb
+
+    try:
+        print_status(_admin_call(args, "Status", pb.StatusRequest()))
+    except SecurityConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_scale(args) -> int:
+    import grpc
+
+    from specd.api.v1 import specdec_pb2 as pb
+
+    if args.drafters is None and args.verifiers is None:
+        print("specd scale: give --drafters N and/or --verifiers M", file=sys.stderr)
+        return 2
+    req = pb.ScaleRequest()
+    if args.drafters is not None:
+        req.drafters = args.drafters
+    if args.verifiers is not None:
+        req.verifiers = args.verifiers
+    try:
+        print_status(_admin_call(args, "Scale", req))
+    except SecurityConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_demo(args) -> int:
+    args.port = 0
+    if cmd_up(args, print_address=False) != 0:
+        return 1
+    try:
+        print(args.prompt, end="")
+        return cmd_generate(args)
+    finally:
+        cmd_down(args)
+
+
+def _add_deploy_flags(p) -> None:
+    p.add_argument("--target", default=str(DEMO_TARGET), help="target model dir (default: the demo pair)")
+    p.add_argument(
+        "--drafter", help="drafter model dir (default: the config's `model`, else the demo drafter; '' = none)"
+    )
+    p.add_argument("--verifiers", type=int, default=1, help="verifier replicas")
+    p.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="model weights dtype in every replica",
+    )
+    p.add_argument(
+        "--replica-gpus", type=float, default=0.0, help="GPUs each replica asks Ray for (1 on GPU pools; 0 = CPU)"
+    )
+    p.add_argument(
+        "--autoscale-verifiers",
+        metavar="MIN:MAX:TARGET",
+        help="autoscale the verifier pool: about TARGET sessions per replica, MIN..MAX replicas",
+    )
+    p.add_argument("--autoscale-drafters", metavar="MIN:MAX:TARGET", help="autoscale the drafter pool likewise")
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a replica may take to serve (scaling onto a new GPU node takes minutes)",
+    )
+    p.add_argument("--ray-address", help="attach to this Ray cluster (default: $RAY_ADDRESS, else start one)")
+    p.add_argument(
+        "--auth-tokens-file",
+        help="bearer tokens the public API accepts, one per line "
+        "($SPECD_AUTH_TOKENS adds comma-separated ones); default: no authentication",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=MAX_MESSAGE_BYTES,
+        help="largest gRPC message on every link (over it: RESOURCE_EXHAUSTED)",
+    )
+    p.add_argument("--replica-host", help="interface the replicas listen on (default: each one's Ray node IP)")
+    add_tls_flags(p, server=True)
+
+
+def _add_client_flags(p) -> None:
+    """How the client commands reach the orchestrator: TLS and the bearer token."""
+    p.add_argument("--token", help=f"bearer token for the public API (default: ${CLIENT_TOKEN_ENV})")
+    add_tls_flags(p, server=False)
+
+
+def _add_generate_flags(p) -> None:
+    p.add_argument("--address", help="Generate address (default: the one `specd up` printed)")
+    p.add_argument("--token", help=f"bearer token for the public API (default: ${CLIENT_TOKEN_ENV})")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description="distributed speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start (or attach to) Ray and deploy; prints the Generate address")
+    _add_deploy_flags(up)
+    up.add_argument("--port", type=int, default=50051, help="public Generate port (0 = any free)")
+    add_speculative_flags(up)
+    up.set_defaults(func=cmd_up)
+    gen = sub.add_parser("generate", help="stream a completion")
+    gen.add_argument("prompt")
+    _add_generate_flags(gen)
+    add_tls_flags(gen, server=False)
+    g = gen.add_argument_group("per-request speculation (default: the service's config)")
+    g.add_argument("--method", choices=METHODS, help="draft_model | eagle | ngram | off")
+    g.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
+    add_draft_shape_flags(g)
+    gen.set_defaults(func=cmd_generate)
+    status = sub.add_parser("status", help="pools, replicas, their nodes, addresses, sessions")
+    status.add_argument("--address", help="orchestrator address (default: the one `specd up` printed)")
+    status.add_argument("--timeout", type=float, default=10.0)
+    _add_client_flags(status)
+    status.set_defaults(func=cmd_status)
+    scale = sub.add_parser("scale", help="resize the drafter and/or verifier pool live (down = drain)")
+    scale.add_argument("--drafters", type=int, help="serving drafter replicas wanted")
+    scale.add_argument("--verifiers", type=int, help="serving verifier replicas wanted")
+    scale.add_argument("--address", help="orchestrator address (default: the one `specd up` printed)")
+    scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for new replicas")
+    _add_client_flags(scale)
+    scale.set_defaults(func=cmd_scale)
+    down = sub.add_parser("down", help="stop what `specd up` started")
+    down.set_defaults(func=cmd_down)
+    demo = sub.add_parser("demo", help="up, one generation with the demo pair, down")
+    _add_deploy_flags(demo)
+    _add_generate_flags(demo)
+    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    add_speculative_flags(demo)
+    demo.set_defaults(func=cmd_demo, max_new_tokens=64)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

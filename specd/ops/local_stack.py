@@ -1,0 +1,133 @@
+"""The three services as local processes on real ports (no Ray): used by the
+real-process tests and by the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.net.grpc_util import open_channel
+from specd.net.security import TlsConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ServiceProcess:
+    """`python -m MODULE ARGS --port 0`, waiting for its 'listening on H:P' line.
+
+    env: extra environment variables (e.g. OTEL_*). A 'metrics on H:P' line
+    (printed before it with --metrics-port) sets `metrics_address`."""
+
+    def __init__(self, module: str, *args: str, timeout_s: float = 120.0, env: dict | None = None):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args, "--port", "0"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        self.metrics_address: str | None = None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"{module} exited early:\n" + "".join(self.lines))
+            self.lines.append(line)
+            m = re.search(r"metrics on (\S*):(\d+)", line)
+            if m:
+                self.metrics_address = f"127.0.0.1:{m.group(2)}"
+            m = re.search(r"listening on (\S+):(\d+)", line)
+            if m:
+                self.address = f"127.0.0.1:{m.group(2)}"
+                break
+        else:
+            self.stop()
+            raise TimeoutError(f"{module} did not start:\n" + "".join(self.lines))
+        # Drain output in the background so the pipe never fills up.
+        threading.Thread(target=lambda: [self.lines.append(line) for line in self.proc.stdout], daemon=True).start()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class Stack:
+    """Verifier + drafter + orchestrator processes for one model pair.
+
+    env: extra environment variables for all three (e.g. OTEL_EXPORTER_OTLP_ENDPOINT);
+    metrics: serve Prometheus /metrics on free ports (each process's `metrics_address`);
+    verifier_args: flags for the verifier only (e.g. --max-batch-sessions 1);
+    verifiers / drafters: replicas of each, one process each (`verifiers`,
+    `drafters`; `verifier` and `drafter_proc` are the first), started in parallel;
+    orchestrator_args: flags for the orchestrator only (e.g. --auth-tokens-file F);
+    client_tls: how `channel` reaches the orchestrator (None: plaintext)."""
+
+    def __init__(
+        self,
+        target: str,
+        drafter: str | None,
+        service_args: tuple[str, ...] = (),
+        env: dict | None = None,
+        metrics: bool = False,
+        verifier_args: tuple[str, ...] = (),
+        verifiers: int = 1,
+        drafters: int = 1,
+        orchestrator_args: tuple[str, ...] = (),
+        client_tls: TlsConfig | None = None,
+    ):
+        self.target, self.drafter = target, drafter
+        extra = ("--metrics-port", "0") if metrics else ()
+        starts = [("specd.verifier", "--model", target, *service_args, *verifier_args, *extra)] * verifiers
+        starts += [("specd.drafter", "--model", drafter, *service_args, *extra)] * (drafters if drafter else 0)
+        with ThreadPoolExecutor(len(starts)) as pool:
+            futures = [pool.submit(ServiceProcess, *cmd, env=env) for cmd in starts]
+        procs = []
+        for f in futures:  # all waited for; on a failure stop the others, then raise
+            try:
+                procs.append(f.result())
+            except Exception:
+                for p in (g.result() for g in futures if g.exception() is None):
+                    p.stop()
+                raise
+        self.verifiers, self.drafters = procs[:verifiers], procs[verifiers:]
+        self.verifier = self.verifiers[0]
+        self.drafter_proc = self.drafters[0] if self.drafters else None
+        args = ["--target", target, *extra, *orchestrator_args]
+        for v in self.verifiers:
+            args += ["--verifier-address", v.address]
+        if drafter:
+            args += ["--drafter", drafter]
+            for d in self.drafters:
+                args += ["--drafter-address", d.address]
+        self.orchestrator = ServiceProcess("specd.orchestrator", *args, env=env)
+        self.channel = open_channel(self.orchestrator.address, client_tls)
+        self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
+
+    def generate(self, metadata=None, **fields) -> tuple[list[int], pb.GenerateResponse]:
+        """Run one Generate; return (all token ids, the final response)."""
+        ids, last = [], None
+        for r in self.stub.Generate(pb.GenerateRequest(**fields), timeout=120, metadata=metadata):
+            ids += r.token_ids
+            last = r
+        return ids, last
+
+    def stop(self) -> None:
+        self.channel.close()
+        for p in (self.orchestrator, *self.drafters, *self.verifiers):
+            p.stop()

@@ -1,0 +1,271 @@
+"""Placing the system on Ray: model-service replicas and the orchestrator as
+detached, named actors, each serving gRPC on its node.
+
+Ray places and supervises the replicas (custom resources `drafter` / `verifier`
+put each replica in its pool, so the two pools can be different node types);
+the per-cycle hot path is gRPC between the services, never Ray calls. The
+orchestrator actor holds a `RayLauncher`, so it can start and stop replicas
+itself when asked to scale (`specd scale`, or its autoscaling policy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from specd.drafter.config import DrafterConfig
+from specd.net.auth import TOKENS_ENV
+from specd.net.grpc_util import MAX_MESSAGE_BYTES
+from specd.net.security import TlsConfig
+from specd.orchestrator.config import OrchestratorConfig
+from specd.orchestrator.pool import ReplicaSpec
+from specd.orchestrator.scaling import AutoscalePolicy, ReplicaGone
+from specd.orchestrator.spec_config import SpeculativeConfig
+from specd.telemetry import tracing
+from specd.verifier.config import VerifierConfig
+
+log = logging.getLogger(__name__)
+NAMESPACE = "specd"
+ORCHESTRATOR_NAME = "specd-orchestrator"
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    target_dir: str
+    drafter_dir: str | None
+    port: int = 50051  # public Generate port
+    num_verifiers: int = 1
+    num_drafters: int = 1
+    device: str = "auto"
+    dtype: str = "float32"
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    verifier_resource: str = "verifier"  # Ray custom resource of the verifier pool
+    drafter_resource: str = "drafter"  # Ray custom resource of the drafter pool
+    replica_gpus: float = 0.0  # GPUs each replica asks Ray for (1 on GPU pools)
+    ready_timeout_s: float = 300.0  # a replica that does not serve by then is an error
+    replica_max_restarts: int = 3  # Ray restarts a dead replica this often (then it is gone)
+    locate_timeout_s: float = 2.0  # per scaler tick, asking a lost replica where it serves
+    autoscale: dict[str, AutoscalePolicy] = field(default_factory=dict)  # per pool, optional
+    # TLS on every link: the replicas' servers, the orchestrator's public server
+    # and its channels to the replicas. Paths must exist on every node.
+    tls: TlsConfig | None = None
+    auth_tokens_file: str | None = None  # bearer tokens of the public API (read on the head node)
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    # Where replicas listen: None = their Ray node's IP, the address the
+    # orchestrator (possibly on another node) dials; not 0.0.0.0, so a replica
+    # is not reachable on interfaces the cluster does not use.
+    replica_host: str | None = None
+
+
+@ray.remote(num_cpus=0)
+class ModelServiceActor:
+    """One drafter or verifier replica: loads its model, serves gRPC on this node."""
+
+    def __init__(self, kind: str, config_fields: dict):
+        logging.basicConfig(level=logging.INFO)
+        tracing.setup(kind)  # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
+        # The services default to loopback, which the orchestrator on another
+        # node could not reach: bind this node's IP unless told otherwise.
+        config_fields = dict(config_fields, host=config_fields.get("host") or ray.util.get_node_ip_address())
+        if kind == "verifier":
+            from specd.verifier.server import start
+
+            config = VerifierConfig(**config_fields)
+        else:
+            from specd.drafter.server import start
+
+            config = DrafterConfig(**config_fields)
+        self.server, self.port = start(config)
+        # The address the orchestrator dials: the bound host, or this node's IP
+        # when bound to every interface.
+        self.host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
+
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def node(self) -> str:
+        """The Ray node id: several nodes may share one IP (tests, big hosts)."""
+        return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        """Its process (tests kill it to check the restart)."""
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0, max_restarts=3)
+class OrchestratorActor:
+    def __init__(self, config: OrchestratorConfig, deployment: DeploymentConfig):
+        from specd.orchestrator.server import BackgroundServer
+
+        logging.basicConfig(level=logging.INFO)
+        tracing.setup("orchestrator")
+        self.server = BackgroundServer(config, RayLauncher(deployment))
+        self.host = ray.util.get_node_ip_address()
+
+    def address(self) -> str:
+        return f"{self.host}:{self.server.port}"
+
+
+def _actor_env(extra_env: tuple[str, ...] = ()) -> dict:
+    """The deploying shell's OTEL_* settings (and the named variables) for the
+    actors: workers of an attached cluster do not inherit this process's
+    environment. Nothing when none is set, so untraced deployments are unchanged."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("OTEL_") or k in extra_env}
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
+def replica_fields(cfg: DeploymentConfig, kind: str) -> dict:
+    """The replica's service config fields (host None: the actor's node IP)."""
+    model_dir = cfg.target_dir if kind == "verifier" else cfg.drafter_dir
+    return {
+        "model_dir": model_dir,
+        "host": cfg.replica_host,
+        "port": 0,
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "tls": cfg.tls,
+        "max_message_bytes": cfg.max_message_bytes,
+    }
+
+
+def _replica(cfg: DeploymentConfig, kind: str, name: str):
+    """One replica actor, asking for one unit of its pool's resource."""
+    resource = cfg.verifier_resource if kind == "verifier" else cfg.drafter_resource
+    # Restarted with the same arguments after its process dies; its new server
+    # listens on a new port, which the orchestrator asks for (RayLauncher.locate).
+    return ModelServiceActor.options(
+        name=name,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        max_restarts=cfg.replica_max_restarts,
+        resources={resource: 1},
+        num_gpus=cfg.replica_gpus,
+        **_actor_env(),
+    ).remote(kind, replica_fields(cfg, kind))
+
+
+def _not_ready(cfg: DeploymentConfig, kind: str) -> TimeoutError:
+    resource = cfg.verifier_resource if kind == "verifier" else cfg.drafter_resource
+    return TimeoutError(
+        f"{kind} replica not serving after {cfg.ready_timeout_s}s: does the cluster have "
+        f"(or can its autoscaler add) a node with free '{resource}' resource"
+        + (f" and {cfg.replica_gpus} GPU" if cfg.replica_gpus else "")
+        + "?"
+    )
+
+
+class RayLauncher:
+    """Starts replicas as detached Ray actors and kills them when handed back
+    (orchestrator.scaling.Launcher). Runs inside the orchestrator actor."""
+
+    def __init__(self, cfg: DeploymentConfig):
+        self.cfg = cfg
+        # Names in use (the first replicas, started by deploy()) are skipped.
+        self._taken = {
+            info["name"] for info in ray.util.list_named_actors(all_namespaces=True) if info["namespace"] == NAMESPACE
+        }
+
+    def _new_name(self, kind: str) -> str:
+        for i in itertools.count():
+            name = f"specd-{kind}-{i}"
+            if name not in self._taken:
+                self._taken.add(name)
+                return name
+
+    async def start(self, kind: str) -> ReplicaSpec:
+        name = self._new_name(kind)
+        actor = _replica(self.cfg, kind, name)
+        try:
+            address, node = await asyncio.wait_for(
+                asyncio.gather(_wait(actor.address.remote()), _wait(actor.node.remote())), self.cfg.ready_timeout_s
+            )
+        except asyncio.TimeoutError:
+            ray.kill(actor, no_restart=True)  # do not leave a pending actor behind
+            raise _not_ready(self.cfg, kind) from None
+        return ReplicaSpec(kind, name, address, node)
+
+    async def stop(self, spec: ReplicaSpec) -> None:
+        with contextlib.suppress(ValueError):  # already gone
+            ray.kill(ray.get_actor(spec.name, namespace=NAMESPACE), no_restart=True)
+
+    async def locate(self, spec: ReplicaSpec) -> ReplicaSpec | None:
+        """Ask a lost replica's actor where it serves: Ray restarts a dead actor
+        (max_restarts) and the new server has a new port. A call to a restarting
+        actor waits for it; a short wait here keeps the scaler's tick short, the
+        next tick asks again."""
+        try:
+            actor = ray.get_actor(spec.name, namespace=NAMESPACE)
+        except ValueError:
+            raise ReplicaGone(f"no actor named {spec.name}") from None
+        try:
+            address, node = await asyncio.wait_for(
+                asyncio.gather(_wait(actor.address.remote()), _wait(actor.node.remote())), self.cfg.locate_timeout_s
+            )
+        except asyncio.TimeoutError:
+            return None
+        except ray.exceptions.ActorDiedError as exc:  # out of restarts (or killed for good)
+            raise ReplicaGone(str(exc)) from None
+        except ray.exceptions.RayActorError:  # restarting, unreachable for now
+            return None
+        return ReplicaSpec(spec.kind, spec.name, address, node)
+
+
+def _wait(ref):
+    return asyncio.wrap_future(ref.future())
+
+
+def deploy(cfg: DeploymentConfig) -> str:
+    """Start replicas and the orchestrator; return the public Generate address.
+
+    Assumes ray.init() was called. Replicas ask for their pool's resource, so on
+    a cluster without it they stay pending (the timeout says which)."""
+    actors = [("verifier", f"specd-verifier-{i}") for i in range(cfg.num_verifiers)]
+    actors += [("drafter", f"specd-drafter-{i}") for i in range(cfg.num_drafters if cfg.drafter_dir else 0)]
+    handles = [_replica(cfg, kind, name) for kind, name in actors]
+    specs = []
+    for (kind, name), actor in zip(actors, handles):
+        try:
+            address, node = ray.get([actor.address.remote(), actor.node.remote()], timeout=cfg.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise _not_ready(cfg, kind) from None
+        specs.append(ReplicaSpec(kind, name, address, node))
+    orch_config = OrchestratorConfig(
+        target_dir=cfg.target_dir,
+        drafter_dir=cfg.drafter_dir,
+        port=cfg.port,
+        replicas=specs,
+        speculative=cfg.speculative,
+        autoscale=cfg.autoscale,
+        tls=cfg.tls,
+        auth_tokens_file=cfg.auth_tokens_file,
+        max_message_bytes=cfg.max_message_bytes,
+    )
+    # Pinned to the node that runs `specd up` (the head, in deploy/cluster.yaml):
+    # an actor asking for no resources could land anywhere, and clients are told
+    # to reach Generate on the head.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    orch = OrchestratorActor.options(
+        name=ORCHESTRATOR_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        scheduling_strategy=here,
+        **_actor_env((TOKENS_ENV,)),
+    ).remote(orch_config, cfg)
+    return ray.get(orch.address.remote(), timeout=cfg.ready_timeout_s)
+
+
+def teardown() -> list[str]:
+    """Kill every specd actor in the namespace; return their names."""
+    killed = []
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        if info["namespace"] == NAMESPACE and info["name"].startswith("specd-"):
+            ray.kill(ray.get_actor(info["name"], namespace=NAMESPACE), no_restart=True)
+            killed.append(info["name"])
+    return killed

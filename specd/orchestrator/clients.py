@@ -1,0 +1,256 @@
+"""grpc.aio clients for the drafter and verifier services (the loop's ports).
+
+Open and close are unary calls; the per-cycle Propose and Verify go over one
+long-lived bidirectional stream per replica, shared by all sessions and matched
+by request_id (`StreamMux`): a message on an open stream costs about half a
+unary round trip, and the cycle makes two of them.
+
+Tracing (specd.telemetry.tracing, a no-op unless configured): each call is a CLIENT
+span; unary calls carry its traceparent in metadata, stream messages in their
+`traceparent` field (stream metadata is sent once, for all sessions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import grpc
+
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.net.grpc_util import MAX_MESSAGE_BYTES, open_channel
+from specd.net.security import TlsConfig
+from specd.net.wire import (
+    dists_from_proto,
+    dists_to_proto,
+    hidden_from_proto,
+    hidden_to_proto,
+    sampling_to_proto,
+    shape_to_proto,
+)
+from specd.telemetry import tracing
+
+from .loop import Draft, Verdict
+
+
+class ServiceError(Exception):
+    """A replica refused or failed a call; carries the grpc status to pass on."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class StreamMux:
+    """Many in-flight requests over one bidi stream, answered in any order.
+
+    The stream opens on first use and reopens after it breaks; a break fails
+    every request in flight with the stream's status."""
+
+    def __init__(self, open_stream):
+        self._open_stream = open_stream
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._queue: asyncio.Queue | None = None
+
+    async def call(self, request, timeout: float):
+        if self._queue is None:
+            self._start()
+        request.request_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request.request_id] = future
+        self._queue.put_nowait(request)
+        try:
+            response = await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending.pop(request.request_id, None)
+        if response.HasField("error"):
+            raise ServiceError(_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN), response.error.message)
+        return response
+
+    def _start(self) -> None:
+        queue = self._queue = asyncio.Queue()
+
+        async def requests():
+            while (item := await queue.get()) is not None:
+                yield item
+
+        self._reader = asyncio.ensure_future(self._read(self._open_stream(requests()), queue))
+
+    async def _read(self, stream, queue) -> None:
+        error: Exception = ServiceError(grpc.StatusCode.UNAVAILABLE, "stream to the replica ended")
+        try:
+            async for response in stream:
+                future = self._pending.get(response.request_id)
+                if future is not None and not future.done():
+                    future.set_result(response)
+        except grpc.aio.AioRpcError as exc:
+            error = ServiceError(exc.code(), exc.details() or str(exc.code()))
+        except asyncio.CancelledError:
+            raise
+        if self._queue is queue:
+            self._queue = None  # next call opens a fresh stream
+        for future in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(error)
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._queue.put_nowait(None)
+            self._queue = None
+
+
+class _Client:
+    stub_cls = None
+    service = ""  # the grpc service name, for span attributes
+
+    def __init__(
+        self, address: str, timeout_s: float, tls: TlsConfig | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES
+    ):
+        self.address = address
+        self.timeout = timeout_s
+        self.channel = open_channel(address, tls, max_message_bytes, aio=True)
+        self.stub = self.stub_cls(self.channel)
+        self.active = 0  # sessions this orchestrator has open here (for routing)
+
+    def _span_attributes(self, rpc_method: str) -> dict:
+        return {
+            "rpc.system": "grpc",
+            "rpc.service": self.service,
+            "rpc.method": rpc_method,
+            "server.address": self.address,
+        }
+
+    async def _unary(self, method, request, span_name: str, rpc_method: str):
+        with tracing.client_span(span_name, attributes=self._span_attributes(rpc_method) if tracing.ENABLED else None):
+            try:
+                return await method(request, timeout=self.timeout, metadata=tracing.outgoing_metadata())
+            except grpc.aio.AioRpcError as exc:
+                raise ServiceError(exc.code(), exc.details() or str(exc.code())) from None
+
+    async def _stream(self, request, span_name: str, rpc_method: str):
+        with tracing.client_span(span_name, request, self._span_attributes(rpc_method) if tracing.ENABLED else None):
+            return await self.mux.call(request, self.timeout)
+
+    async def close(self, session_id: str) -> None:
+        await self._unary(
+            self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), "specdec.close", "CloseSession"
+        )
+
+    async def aclose(self) -> None:
+        await self.channel.close()
+
+
+class GrpcVerifier(_Client):
+    stub_cls = pb_grpc.VerifierServiceStub
+    service = "specdec.v1.VerifierService"
+
+    def __init__(self, address: str, timeout_s: float, **channel):
+        super().__init__(address, timeout_s, **channel)
+        self.mux = StreamMux(self.stub.VerifyStream)
+
+    async def open(self, session_id, prompt_ids, sampling, resume: bool = False, *, hidden=False):
+        """resume: re-prefill all committed tokens, sample nothing (returns None).
+        hidden: the session returns the target's features (EAGLE); then the
+        result is (first token, the prompt's features)."""
+        r = await self._unary(
+            self.stub.OpenSession,
+            pb.OpenVerifySessionRequest(
+                session_id=session_id,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling_to_proto(sampling),
+                resume=resume,
+                return_hidden_states=hidden,
+            ),
+            "specdec.prefill",
+            "OpenSession",
+        )
+        first = None if resume else r.first_token_id
+        if hidden:
+            return first, hidden_from_proto(r.hidden_states, r.HasField("hidden_states"))
+        return first
+
+    async def verify(self, session_id, draft: Draft) -> Verdict:
+        r = await self._stream(
+            pb.VerifyRequest(
+                session_id=session_id,
+                draft_token_ids=draft.tokens,
+                draft_parents=draft.parents,
+                draft_distributions=dists_to_proto(draft.row_dists),
+            ),
+            "specdec.verify",
+            "VerifyStream",
+        )
+        return Verdict(
+            list(r.accepted_path),
+            list(r.token_ids),
+            r.compute_ms,
+            r.batch_sessions,
+            r.batch_tokens,
+            hidden_from_proto(r.hidden_states, r.HasField("hidden_states")),
+        )
+
+
+class GrpcDrafter(_Client):
+    stub_cls = pb_grpc.DrafterServiceStub
+    service = "specdec.v1.DrafterService"
+
+    def __init__(self, address: str, timeout_s: float, **channel):
+        super().__init__(address, timeout_s, **channel)
+        self.mux = StreamMux(self.stub.ProposeStream)
+
+    async def open(self, session_id, prompt_ids, sampling) -> None:
+        await self._unary(
+            self.stub.OpenSession,
+            pb.OpenDraftSessionRequest(
+                session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)
+            ),
+            "specdec.draft_prefill",
+            "OpenSession",
+        )
+
+    async def propose(
+        self,
+        session_id,
+        accepted_path,
+        committed,
+        shape,
+        *,
+        ahead=False,
+        rewind=False,
+        hidden=None,
+        alternatives=0,
+        branch=0,
+    ) -> Draft:
+        r = await self._stream(
+            pb.ProposeRequest(
+                session_id=session_id,
+                accepted_path=accepted_path,
+                committed_token_ids=committed,
+                shape=shape_to_proto(shape),
+                ahead=ahead,
+                rewind=rewind,
+                hidden_states=hidden_to_proto(hidden),
+                ahead_alternatives=alternatives,
+                ahead_branch=branch,
+            ),
+            "specdec.draft",
+            "ProposeStream",
+        )
+        return Draft(
+            list(r.draft_token_ids),
+            list(r.draft_parents),
+            dists_from_proto(r.draft_distributions),
+            r.compute_ms,
+            r.batch_tokens,
+            r.guessed_token_id if r.HasField("guessed_token_id") else None,
+            branches=[(b.kept, b.token_id, _chain(b.draft_token_ids, b.draft_distributions)) for b in r.branches],
+        )
+
+
+def _chain(tokens, dists) -> Draft:
+    return Draft(list(tokens), list(range(-1, len(tokens) - 1)), dists_from_proto(dists))

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specd.net.grpc_util import MAX_MESSAGE_BYTES
+from specd.net.security import TlsConfig
+
+from .pool import ReplicaSpec
+from .scaling import AutoscalePolicy
+from .spec_config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    target_dir: str  # the verifier's model dir (tokenizer + context length)
+    drafter_dir: str | None = None  # None: no drafter, speculation off
+    host: str = "0.0.0.0"
+    port: int = 50051  # public Generate port; 0 = any free port
+    verifier_addresses: list[str] = field(default_factory=list)  # named verifier-0, verifier-1, ...
+    drafter_addresses: list[str] = field(default_factory=list)  # named drafter-0, ...
+    replicas: list[ReplicaSpec] = field(default_factory=list)  # named replicas (Ray deployments)
+    autoscale: dict[str, AutoscalePolicy] = field(default_factory=dict)  # per pool, optional
+    max_replicas: int = 64  # per pool, for `specd scale`
+    default_max_new_tokens: int = 128  # when a request leaves it unset
+    max_new_tokens_limit: int = 4096  # requests above it: INVALID_ARGUMENT
+    # Method, K, tree, ngram settings and the limits requests cannot exceed.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    rpc_timeout_s: float = 60.0  # per internal call
+    # Replacements of a lost verifier (and, apart, drafter) per request before
+    # it fails (verifier) or goes on without a drafter (specd/orchestrator/failover.py).
+    max_failovers: int = 3
+    # TLS for the public server AND the channels to the replicas (the same
+    # cert/key/CA; see specd.net.security). None = plaintext everywhere.
+    tls: TlsConfig | None = None
+    # Bearer tokens for the public API (one per line; $SPECD_AUTH_TOKENS adds
+    # more). No file and no env tokens = no authentication.
+    auth_tokens_file: str | None = None
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # per message, every link; over it: RESOURCE_EXHAUSTED
+    shutdown_grace_s: float = 30.0  # after SIGTERM: running streams get this long to finish
+    # Generate streams at once; past it a new one is RESOURCE_EXHAUSTED at once
+    # (admission control: each stream holds sessions and a slot in every forward).
+    max_active_requests: int = 1024

@@ -1,0 +1,227 @@
+"""The orchestrator core: validates a request, routes it to replicas, runs the loop."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from specd.errors import CapacityExceeded, ShuttingDown
+from specd.runtime.eagle_head import is_head_dir
+from specd.runtime.models import context_length, load_tokenizer
+
+from .adaptive import CostModel
+from .clients import GrpcDrafter, GrpcVerifier
+from .config import OrchestratorConfig
+from .detok import OutputTracker
+from .failover import FailoverDrafter, FailoverVerifier
+from .loop import Chunk, run_generation
+from .metrics import OrchestratorMetrics
+from .ngram_drafter import NgramDrafter
+from .pool import Pool, ReplicaSpec
+from .request import build_spec
+from .scaling import Launcher, Scaler
+from .spec_config import DRAFTER_METHODS
+from .tracing import request_trace
+
+
+def eos_ids(config) -> set[int]:
+    ids = getattr(config, "eos_token_id", None)
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
+
+
+class NotScalable(RuntimeError):
+    """Scale asked of an orchestrator that has no launcher (FAILED_PRECONDITION)."""
+
+
+def initial_replicas(config: OrchestratorConfig) -> list[ReplicaSpec]:
+    return (
+        list(config.replicas)
+        + [ReplicaSpec("verifier", f"verifier-{i}", a) for i, a in enumerate(config.verifier_addresses)]
+        + [ReplicaSpec("drafter", f"drafter-{i}", a) for i, a in enumerate(config.drafter_addresses)]
+    )
+
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig, launcher: Launcher | None = None):
+        specs = initial_replicas(config)
+        if not any(s.kind == "verifier" for s in specs):
+            raise ValueError("at least one verifier address is needed")
+        self.config = config
+        self.model_name = Path(config.target_dir).name  # gen_ai.request.model
+        self.tokenizer = load_tokenizer(config.target_dir)
+        target_cfg = AutoConfig.from_pretrained(config.target_dir)
+        self.vocab_size = target_cfg.vocab_size
+        self.target_ctx = context_length(target_cfg)
+        self.eos_ids = eos_ids(target_cfg)
+        self.drafter_ctx = self.target_ctx
+        # What the drafter pool serves: an EAGLE head directory (method eagle,
+        # on the target's features) or a draft model.
+        self.drafter_method = "eagle" if config.drafter_dir and is_head_dir(config.drafter_dir) else "draft_model"
+        if self.drafter_method == "eagle":
+            pass  # the head uses the target's vocabulary and context
+        elif config.drafter_dir:
+            drafter_cfg = AutoConfig.from_pretrained(config.drafter_dir)
+            if drafter_cfg.vocab_size != self.vocab_size:
+                raise ValueError(
+                    f"drafter vocabulary ({drafter_cfg.vocab_size}) differs from the "
+                    f"target's ({self.vocab_size}); they must share a tokenizer"
+                )
+            self.drafter_ctx = context_length(drafter_cfg)
+        self.pools = {"verifier": Pool("verifier"), "drafter": Pool("drafter")}
+        for spec in specs:
+            self.pools[spec.kind].add(spec, self.client_for(spec))
+        sc = config.speculative.validate()
+        if sc.method in DRAFTER_METHODS and sc.num_speculative_tokens and not self.pools["drafter"].replicas:
+            raise ValueError(f"speculative_config.method is {sc.method} but no drafter replica is deployed")
+        if sc.method in DRAFTER_METHODS and config.drafter_dir and sc.method != self.drafter_method:
+            raise ValueError(
+                f"speculative_config.method is {sc.method} but the drafter {config.drafter_dir} "
+                f"is for {self.drafter_method}"
+            )
+        # Scaling needs a launcher (on Ray); without one the pools are fixed.
+        self.scaler = (
+            Scaler(self.pools, launcher, self.client_for, config.max_replicas, config.autoscale) if launcher else None
+        )
+        self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
+        self.metrics = OrchestratorMetrics()
+        self.active_requests = 0
+        self.draining = False  # set on shutdown: new requests refused, running ones finish
+        # Verify / draft costs and acceptance per level, learnt from every cycle
+        # (adaptive depth); per method, since ngram and a drafter differ.
+        self.costs = collections.defaultdict(CostModel)
+
+    def client_for(self, spec: ReplicaSpec):
+        cls = GrpcVerifier if spec.kind == "verifier" else GrpcDrafter
+        return cls(
+            spec.address,
+            self.config.rpc_timeout_s,
+            tls=self.config.tls,
+            max_message_bytes=self.config.max_message_bytes,
+        )
+
+    async def generate(self, request, trace_context=None) -> AsyncIterator[Chunk]:
+        """Run one request; trace_context: the caller's (from its gRPC metadata)."""
+        if self.draining:
+            raise ShuttingDown("the orchestrator is shutting down and takes no new requests; retry on another instance")
+        if self.active_requests >= self.config.max_active_requests:
+            raise CapacityExceeded(
+                f"orchestrator is at its limit of {self.config.max_active_requests} concurrent requests; retry later"
+            )
+        session_id = uuid.uuid4().hex
+        trace = request_trace(trace_context, self.model_name, session_id)  # no-op unless tracing is on
+        metrics = self.metrics.request()
+        self.active_requests += 1
+        chunk, used = None, []
+        try:
+            # Lost drafters count: they may be back (restarted) before the session
+            # needs them, and without one it runs as plain decoding anyway.
+            spec = build_spec(
+                request,
+                self.config,
+                self.tokenizer,
+                self.vocab_size,
+                self.target_ctx,
+                has_drafter=any(not r.draining for r in self.pools["drafter"].replicas.values()),
+                drafter_method=self.drafter_method,
+            )
+            trace.describe(spec)
+            tracker = OutputTracker(
+                self.tokenizer, self.eos_ids, spec.max_new_tokens, self.target_ctx - len(spec.prompt_ids), spec.stop
+            )
+
+            # Least-loaded replicas; the session keeps them to its end, or until
+            # one is lost: then it moves, rebuilt from what was committed.
+            def committed() -> list[int]:
+                return spec.prompt_ids + tracker.ids
+
+            verifier = FailoverVerifier(self.pools["verifier"], committed, self.config.max_failovers)
+            used.append(verifier)
+            drafter = None
+            if spec.method == "ngram":
+                drafter = self.ngram
+            elif spec.method in DRAFTER_METHODS:
+                # An eagle drafter cannot be rebuilt elsewhere: it needs the target's
+                # features of every committed token, which are not kept here.
+                drafter = FailoverDrafter(
+                    self.pools["drafter"], committed, self.config.max_failovers, rebuild=not spec.features
+                )
+                used.append(drafter)
+            # aclosing: when this generator is closed or cancelled while the loop
+            # is suspended at a yield, close the loop NOW so that its `finally`
+            # frees the sessions on the replicas; otherwise that waits for the
+            # garbage collector (found by tests/test_cancellation.py: sessions
+            # left open after cancelled streams).
+            async with contextlib.aclosing(
+                run_generation(
+                    spec,
+                    session_id,
+                    verifier,
+                    drafter,
+                    tracker,
+                    self.target_ctx,
+                    self.drafter_ctx,
+                    trace,
+                    self.costs[spec.method],
+                )
+            ) as chunks:
+                async for chunk in chunks:
+                    metrics.observe(chunk, spec.method)
+                    yield chunk
+        except BaseException as exc:  # also the client leaving (GeneratorExit, CancelledError)
+            trace.finish(chunk, exc)
+            raise
+        else:
+            trace.finish(chunk)
+        finally:
+            metrics.done()
+            self.active_requests -= 1
+            for client in used:
+                client.release()
+
+    async def scale(self, counts: dict[str, int]) -> None:
+        """Bring each named pool to that many serving replicas (admin API)."""
+        if self.scaler is None:
+            raise NotScalable(
+                "scaling needs the orchestrator deployed on Ray (`specd up`); this one serves "
+                "a fixed list of replica addresses"
+            )
+        for kind, n in counts.items():  # verifiers first: they hold what makes output
+            await self.scaler.scale(kind, n)
+
+    def status(self) -> dict:
+        return {
+            "replicas": [
+                {
+                    "kind": r.spec.kind,
+                    "name": r.spec.name,
+                    "address": r.spec.address,
+                    "node": r.spec.node,
+                    "sessions": r.sessions,
+                    "draining": r.draining,
+                    "lost": r.lost,
+                }
+                for pool in self.pools.values()
+                for r in pool.replicas.values()
+            ],
+            "active_requests": self.active_requests,
+            "scalable": self.scaler is not None,
+            "autoscale": {
+                k: f"{p.min_replicas}:{p.max_replicas}:{p.target_sessions}"
+                for k, p in (self.scaler.policies.items() if self.scaler else ())
+            },
+        }
+
+    async def aclose(self) -> None:
+        if self.scaler:
+            self.scaler.stop()
+        for pool in self.pools.values():
+            for r in pool.replicas.values():
+                await r.client.aclose()
+        await self.ngram.aclose()

@@ -1,0 +1,151 @@
+"""GenerateRequest validation: proto in, a checked `GenerationSpec` out.
+
+Every rejection is an InvalidRequest whose message names the field and value, so
+the client sees INVALID_ARGUMENT with a reason and no service state is touched.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+from specd.errors import InvalidRequest
+from specd.net.wire import shape_from_proto
+from specd.rules.draft_shape import DraftShape
+from specd.rules.sampling import SamplingParams
+from specd.rules.validation import check_token_ids
+
+from .config import OrchestratorConfig
+from .spec_config import DRAFTER_METHODS, MAX_PIPELINE_ALTERNATIVES, METHODS, SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    method: str  # draft_model | eagle | ngram | off
+    shape: DraftShape | None  # the draft each cycle; None = plain decoding
+    stop: tuple[str, ...] = ()
+    adaptive: bool = False  # choose the depth per cycle (specd/orchestrator/adaptive.py), up to shape's
+    pipeline: bool = False  # draft the next chain during each verify (specd/orchestrator/loop.py)
+    pipeline_alternatives: int = 0  # ... also for this many rejection outcomes per depth
+
+    @property
+    def features(self) -> bool:
+        """The drafter reads the target's hidden states (EAGLE): the verifier
+        returns them and the loop forwards them with the next Propose."""
+        return self.method == "eagle"
+
+
+def build_spec(
+    req,
+    config: OrchestratorConfig,
+    tokenizer,
+    vocab_size: int,
+    context_length: int,
+    has_drafter: bool,
+    drafter_method: str = "draft_model",
+) -> GenerationSpec:
+    """drafter_method: what the deployment's drafter pool serves (draft_model | eagle)."""
+    kind = req.WhichOneof("input")
+    if kind == "prompt":
+        if not req.prompt:
+            raise InvalidRequest("prompt must not be empty")
+        prompt_ids = tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+    elif kind == "prompt_token_ids":
+        prompt_ids = list(req.prompt_token_ids.ids)
+    else:
+        raise InvalidRequest("give either prompt (text) or prompt_token_ids")
+    check_token_ids(prompt_ids, vocab_size, context_length, "prompt")
+
+    max_new = req.max_new_tokens if req.HasField("max_new_tokens") else config.default_max_new_tokens
+    if not (1 <= max_new <= config.max_new_tokens_limit):
+        raise InvalidRequest(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
+
+    top_p = req.top_p if req.HasField("top_p") else 1.0
+    if math.isnan(top_p) or not (0.0 < top_p <= 1.0):  # checked here: 0 would read as "unset" downstream
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    seed = req.seed if req.HasField("seed") else secrets.randbits(63)
+    sampling = SamplingParams(req.temperature, top_p, req.top_k, seed).validate()
+
+    if any(not s for s in req.stop):
+        raise InvalidRequest("stop strings must not be empty")
+    method, shape = speculation(req, config.speculative, has_drafter, drafter_method)
+    if req.HasField("adaptive_speculation"):
+        adaptive = req.adaptive_speculation
+    else:  # a request that names its own K or tree gets exactly that
+        adaptive = config.speculative.adaptive and not (req.HasField("num_speculative_tokens") or req.HasField("tree"))
+    pipeline = pipelining(req, config.speculative, method, shape)
+    return GenerationSpec(
+        prompt_ids,
+        max_new,
+        sampling,
+        method,
+        shape,
+        tuple(req.stop),
+        adaptive and shape is not None,
+        pipeline,
+        alternatives(req, config.speculative) if pipeline else 0,
+    )
+
+
+def alternatives(req, sc: SpeculativeConfig) -> int:
+    """Rejection outcomes pre-drafted per depth (pipelined drafting)."""
+    if not req.HasField("pipeline_alternatives"):
+        return sc.pipeline_alternatives
+    n = req.pipeline_alternatives
+    if not 0 <= n <= MAX_PIPELINE_ALTERNATIVES:
+        raise InvalidRequest(f"pipeline_alternatives must be in [0, {MAX_PIPELINE_ALTERNATIVES}], got {n}")
+    return n
+
+
+def pipelining(req, sc: SpeculativeConfig, method: str, shape: DraftShape | None) -> bool:
+    """Pipelined drafting needs a drafter service drafting chains: the drafter
+    guesses the bonus token after the last chain token, a single position."""
+    able = method == "draft_model" and shape is not None and shape.is_chain
+    if req.HasField("pipeline_drafting"):
+        if req.pipeline_drafting and not able:
+            raise InvalidRequest(
+                "pipeline_drafting needs speculative_method draft_model with a chain "
+                f"(got method {method!r}{' and a tree' if shape is not None and not shape.is_chain else ''})"
+            )
+        return req.pipeline_drafting
+    return sc.pipeline and able
+
+
+def speculation(
+    req, sc: SpeculativeConfig, has_drafter: bool, drafter_method: str = "draft_model"
+) -> tuple[str, DraftShape | None]:
+    """(method, draft shape) for a request: its own method / K / tree where it
+    sets them, else the service's speculative config, within the service's limits."""
+    method = req.speculative_method or sc.method
+    if method not in METHODS:
+        raise InvalidRequest(f"speculative_method must be one of {', '.join(METHODS)} (or empty), got {method!r}")
+    k = sc.num_speculative_tokens
+    if req.HasField("num_speculative_tokens"):
+        k = req.num_speculative_tokens
+        if not (0 <= k <= sc.max_num_speculative_tokens):
+            raise InvalidRequest(f"num_speculative_tokens must be in [0, {sc.max_num_speculative_tokens}], got {k}")
+    if req.HasField("tree") and method not in DRAFTER_METHODS:
+        raise InvalidRequest(f"a draft tree needs speculative_method draft_model or eagle, not {method!r}")
+    if method == "off" or k == 0:
+        return "off", None
+    if method == "ngram":
+        return method, DraftShape.chain(k)
+    if not has_drafter:
+        if req.speculative_method or req.HasField("num_speculative_tokens") or req.HasField("tree"):
+            raise InvalidRequest("speculative_method draft_model was asked for but this deployment has no drafter")
+        return "off", None
+    if method != drafter_method:
+        raise InvalidRequest(
+            f"speculative_method {method} was asked for but this deployment's drafter serves {drafter_method}"
+        )
+    if req.HasField("tree"):
+        shape = shape_from_proto(req.tree)
+    elif sc.tree and not req.HasField("num_speculative_tokens"):
+        shape = sc.tree_shape()
+    else:
+        shape = DraftShape.chain(k)
+    return method, shape.validate(sc.max_tree_nodes, sc.max_num_speculative_tokens)

@@ -1,0 +1,107 @@
+"""Serving OrchestratorService: in the foreground (`python -m specd.orchestrator`) or on a
+background event-loop thread (inside a Ray actor)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1.health import HealthServicer
+
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.net.auth import BearerTokenInterceptor, tokens_from_env_and_file
+from specd.net.grpc_util import add_health_and_reflection, bind, channel_options
+from specd.telemetry import tracing
+
+from .config import OrchestratorConfig
+from .core import Orchestrator
+from .servicer import ADMIN_SERVICE_NAME, SERVICE_NAME, AdminServicer, OrchestratorServicer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Serving:
+    """A started orchestrator server and what its shutdown needs."""
+
+    server: grpc.aio.Server
+    port: int
+    core: Orchestrator
+    health: HealthServicer
+
+    async def drain_and_stop(self, grace_s: float) -> None:
+        """Graceful shutdown: health NOT_SERVING (balancers stop sending), new
+        Generate calls refused with UNAVAILABLE (the core's `draining`), running
+        streams given up to grace_s to finish; then the server stops."""
+        self.health.enter_graceful_shutdown()
+        self.core.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        # Polled: streams end inside the core's generator, which knows no server.
+        while self.core.active_requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.core.active_requests:
+            log.warning(
+                "shutdown grace (%.1fs) over: cancelling %d running stream(s)", grace_s, self.core.active_requests
+            )
+        await self.server.stop(max(0.5, deadline - loop.time()))
+
+
+async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
+    """Start the aio server on the running loop.
+    launcher: starts and stops replicas (on Ray), which makes the pools scalable."""
+    if config.tls:
+        config.tls.check(server=True)  # before loading anything, naming the bad file
+    tokens = tokens_from_env_and_file(config.auth_tokens_file)
+    if not tokens and not config.host.startswith("127."):
+        log.warning(
+            "no auth tokens configured: anyone who reaches %s:%s can generate and scale", config.host, config.port
+        )
+    server = grpc.aio.server(
+        options=channel_options(config.max_message_bytes),
+        interceptors=[BearerTokenInterceptor(tokens)] if tokens else None,
+    )
+    core = Orchestrator(config, launcher)
+    pb_grpc.add_OrchestratorServiceServicer_to_server(OrchestratorServicer(core), server)
+    pb_grpc.add_AdminServiceServicer_to_server(AdminServicer(core), server)
+    health_servicer = add_health_and_reflection(server, [SERVICE_NAME, ADMIN_SERVICE_NAME])
+    port = bind(server, config.host, config.port, config.tls)
+    await server.start()
+    if core.scaler:
+        core.scaler.start()
+    return Serving(server, port, core, health_servicer)
+
+
+class BackgroundServer:
+    """Runs the aio server on its own thread and loop; `port` once started."""
+
+    def __init__(self, config: OrchestratorConfig, launcher=None, startup_timeout_s: float = 120.0):
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(config, launcher), daemon=True, name="orchestrator")
+        self.thread.start()
+        if not self._ready.wait(startup_timeout_s):
+            raise TimeoutError("orchestrator server did not start")
+        if self._error:
+            raise self._error
+
+    def _run(self, config, launcher):
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.serving = self.loop.run_until_complete(start_async(config, launcher))
+            self.server, self.port = self.serving.server, self.serving.port
+        except BaseException as exc:  # noqa: BLE001 - reported to the constructor
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_until_complete(self.server.wait_for_termination())
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.serving.drain_and_stop(grace_s), self.loop).result(grace_s + 5)
+        self.thread.join(grace_s + 5)
+        tracing.flush()  # the process may live on (a Ray actor): flush, do not shut down

@@ -1,0 +1,189 @@
+"""What the drafter and verifier cores share: the loaded model and how it runs,
+the session table, the lock, and the checks every new session passes."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import torch
+
+from specd.errors import CapacityExceeded, InvalidRequest, SessionExpired, UnknownSession
+from specd.rules.sampling import SamplingParams
+from specd.rules.validation import check_token_ids
+
+from .models import Runner, context_length, load_model, vocab_size
+
+log = logging.getLogger(__name__)
+
+# Ids of expired sessions remembered, so that a late call hears "expired" rather
+# than "unknown"; bounded so that a stream of abandoned sessions cannot grow it.
+EXPIRED_IDS_KEPT = 4096
+MAX_SESSION_ID = 256
+# active_sessions: a session with a call within this many typical call intervals
+# is expected to call again soon; the moving average's weight per call.
+ACTIVE_INTERVALS = 3.0
+INTERVAL_EMA = 0.05
+
+
+class ModelCore:
+    role = "model"  # "drafter" | "verifier", for messages
+
+    def __init__(self, config, model=None):
+        self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.model = model if model is not None else load_model(config.model_dir, config.device, config.dtype)
+        self.runner = Runner(self.model, config.engine)
+        self.vocab_size = vocab_size(self.model)
+        self.context_length = context_length(self.model.config)
+        self._sessions: dict = {}
+        self._touched: dict[str, float] = {}  # session id -> time.monotonic() of its last call
+        self._expired: collections.OrderedDict[str, float] = collections.OrderedDict()  # id -> idle seconds
+        self._call_interval_s = 0.0  # moving average of the time between a session's calls
+        # Ids closed before they were opened (bounded like _expired). A caller
+        # that gives up while its OpenSession is in flight closes the id at once;
+        # that close can overtake the open (another thread, a queued call), and
+        # without this note the open would then create a session nobody closes
+        # (found by tests/test_cancellation.py).
+        self._closed_unopened: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # One forward at a time: concurrent forwards on 2 CPU cores only thrash.
+        # (Batching concurrent sessions into one forward is a later step.)
+        self._lock = threading.Lock()
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def active_sessions(self) -> int:
+        """Open sessions expected to call soon: those with a call within the last
+        ACTIVE_INTERVALS typical intervals between a session's calls (the
+        batcher's gather window waits for these; specd/runtime/batcher.py). A session
+        stalled by a slow client drops out, so it makes no batch wait."""
+        since = time.monotonic() - ACTIVE_INTERVALS * self._call_interval_s
+        return sum(1 for sid, t in list(self._touched.items()) if t >= since and sid in self._sessions)
+
+    def _check_request(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The input checks of a new session (no lock needed)."""
+        params.validate()
+        if not session_id:
+            raise InvalidRequest("session_id must not be empty")
+        if len(session_id) > MAX_SESSION_ID:  # ids are held in tables and echoed in messages and logs
+            raise InvalidRequest(f"session_id has {len(session_id)} characters; at most {MAX_SESSION_ID} are allowed")
+        check_token_ids(prompt_ids, self.vocab_size, self.context_length, "prompt_token_ids")
+
+    def _check_room(self, session_id: str, pending: int = 0) -> None:
+        """Under the lock: the id is new and the session table has room (beside
+        `pending` sessions admitted to the same batch but not yet added)."""
+        if session_id in self._sessions:
+            raise InvalidRequest(f"session {session_id!r} is already open")
+        if session_id in self._closed_unopened:
+            del self._closed_unopened[session_id]
+            raise InvalidRequest(
+                f"session {session_id!r} was closed before it was opened (its caller gave up "
+                f"on it); open it under a new id"
+            )
+        if len(self._sessions) + pending >= self.config.max_sessions:
+            raise CapacityExceeded(f"{self.role} is at its limit of {self.config.max_sessions} sessions")
+
+    def _add(self, session_id: str, session) -> None:
+        """Under the lock: register a new session (and forget an old expiry of its id)."""
+        self._sessions[session_id] = session
+        self._touched[session_id] = time.monotonic()
+        self._expired.pop(session_id, None)
+
+    def close_session(self, session_id: str) -> None:
+        with self._lock:
+            self._touched.pop(session_id, None)
+            if self._sessions.pop(session_id, None) is None:
+                if session_id not in self._expired:
+                    self._closed_unopened[session_id] = None
+                    while len(self._closed_unopened) > EXPIRED_IDS_KEPT:
+                        self._closed_unopened.popitem(last=False)
+                self._raise_missing(session_id)
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Close the sessions without a call for `session_idle_timeout_s` (their KV
+        cache goes with them); return their ids. A client that vanished without
+        closing (crashed orchestrator, lost close) must not hold memory forever."""
+        timeout = self.config.session_idle_timeout_s
+        if timeout <= 0:
+            return []
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [sid for sid in self._sessions if now - self._touched.get(sid, now) > timeout]
+            for sid in stale:
+                del self._sessions[sid]
+                self._expired[sid] = now - self._touched.pop(sid)
+            for sid in [sid for sid in list(self._touched) if sid not in self._sessions]:
+                self._touched.pop(sid, None)  # left by a call racing its session's close
+            while len(self._expired) > EXPIRED_IDS_KEPT:
+                self._expired.popitem(last=False)
+        for sid in stale:
+            log.info("%s session %r expired after %.0f s idle", self.role, sid, self._expired.get(sid, timeout))
+        return stale
+
+    def _raise_missing(self, session_id: str):
+        idle = self._expired.get(session_id)
+        if idle is not None:
+            raise SessionExpired(
+                f"session {session_id!r} expired: no call for {idle:.1f} s (this {self.role}'s "
+                f"session_idle_timeout_s is {self.config.session_idle_timeout_s:g}); "
+                f"open a new session"
+            )
+        raise UnknownSession(f"unknown session id {session_id!r}")
+
+    def _live(self, jobs: list) -> list:
+        """The jobs (checked calls) whose session is still the one they were
+        checked against: not closed while they waited for their batch."""
+        return [j for j in jobs if self._sessions.get(j.session_id) is j.session]
+
+    @staticmethod
+    def _still_valid(jobs: list, check) -> tuple[list, dict]:
+        """Under the lock: (the jobs that pass check(job) now, {id(job): the
+        InvalidRequest of each that does not})."""
+        ok, refused = [], {}
+        for j in jobs:
+            try:
+                check(j)
+                ok.append(j)
+            except InvalidRequest as exc:
+                refused[id(j)] = exc
+        return ok, refused
+
+    @staticmethod
+    def _alone(results: list):
+        """A batch of one job run directly (not through the batcher): its
+        result, or the exception that stopped it, raised."""
+        if isinstance(results[0], Exception):
+            raise results[0]
+        return results[0]
+
+    @staticmethod
+    def _in_order(jobs: list, done: dict, call: str) -> list:
+        """Each job's result (done: id(job) -> result), or UnknownSession for a job
+        whose session was closed during its call."""
+        return [
+            done[id(j)]
+            if id(j) in done
+            else UnknownSession(f"session {j.session_id!r} was closed during its {call} call")
+            for j in jobs
+        ]
+
+    def _get(self, session_id: str):
+        s = self._sessions.get(session_id)
+        if s is None:
+            self._raise_missing(session_id)
+        # Plain dict stores, atomic under the GIL; a stale entry left by a
+        # session closed meanwhile is ignored and dropped by expire_idle.
+        now = time.monotonic()
+        last = self._touched.get(session_id)
+        self._touched[session_id] = now
+        if last is not None:  # a moving average over all sessions' calls (races only blur it)
+            ema = self._call_interval_s
+            # Clipped: one session back after a long stall must not make every
+            # other session look active for minutes.
+            self._call_interval_s = (now - last) if ema == 0 else ema + INTERVAL_EMA * (min(now - last, 4 * ema) - ema)
+        return s

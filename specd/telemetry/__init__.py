@@ -1,0 +1,2 @@
+"""Observability shared by the services: OpenTelemetry tracing (tracing) and
+the Prometheus endpoint with vLLM-compatible metric names (metrics)."""

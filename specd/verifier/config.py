@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd.net.grpc_util import MAX_MESSAGE_BYTES
+from specd.net.security import TlsConfig
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    model_dir: str  # HF causal LM directory (the target)
+    # Loopback by default: only the orchestrator talks to a replica, and on one
+    # machine it is local. On Ray, deploy binds the node's own IP (what the
+    # orchestrator on another node dials); see specd/ops/ray_deploy.py.
+    host: str = "127.0.0.1"
+    port: int = 50061  # 0 = pick a free port
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "float32"  # float32 | float16 | bfloat16
+    max_draft_tokens: int = 16  # draft depth limit per verify call (K for a chain)
+    max_tree_nodes: int = 64  # draft tree size limit per verify call
+    max_sessions: int = 256  # open sessions at once; past it: RESOURCE_EXHAUSTED
+    max_kv_tokens: int = 1_000_000  # sum of cached tokens over sessions
+    # A session without a call for this long is closed and its KV cache freed
+    # (its client is gone without closing it); later calls get NOT_FOUND saying
+    # it expired. 0 = never.
+    session_idle_timeout_s: float = 600.0
+    # Calls waiting for a batch past this many: RESOURCE_EXHAUSTED (a bounded
+    # queue; the orchestrator sends one call per session at a time, so only a
+    # misbehaving client gets here).
+    max_queued_calls: int = 1024
+    engine: str = "auto"  # auto (lean forward where supported) | lean | hf
+    torch_threads: int = 0  # 0 = torch default
+    grpc_workers: int = 8
+    # Verify calls of concurrent sessions share one forward (lean engine; the HF
+    # engine runs a batch's calls one after another), up to this many sessions.
+    # 1 = one session per forward.
+    max_batch_sessions: int = 32
+    # Before a batch runs, wait for the verify calls of the other open sessions,
+    # at most this fraction of the last batch's run time (specd/runtime/batcher.py: the
+    # gather window; without it sessions split into groups that take turns).
+    # 0 = run at once with what is queued.
+    batch_wait_fraction: float = 0.5
+    tls: TlsConfig | None = None  # TLS / mTLS on this server (specd.net.security); None = plaintext
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # per message, both ways; over it: RESOURCE_EXHAUSTED
+    # Dtype of the hidden states (EAGLE features) sent to sessions that ask:
+    # float16 | bfloat16 (2 bytes per value either way).
+    hidden_dtype: str = "float16"

@@ -1,0 +1,304 @@
+"""The verifier core: prefill, one-forward verify of a draft tree with a lossless
+rule, KV compaction to the accepted path.
+
+Session invariant: `tokens` are the committed ids (prompt + generated); the KV
+cache holds all of them but the last, which is "pending" (the tree's root).
+Every verify forwards [root, node0 .. node{N-1}] in ONE pass (a tree attention
+mask; a chain is the tree whose mask is causal), so row 0 scores the root's
+children and row i+1 node i's children. Afterwards the cache keeps the root and
+the accepted path's rows, moved in place (specd/rules/tree.py). No grpc here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.errors import CapacityExceeded, InvalidRequest
+from specd.rules.sampling import SamplingParams, logits_to_probs, sample
+from specd.rules.tree import (
+    TokenTree,
+    accept_tree_deterministic,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    children,
+    compaction_indices,
+    dense_q,
+    depth,
+    tree_attention,
+    validate_tree,
+)
+from specd.rules.validation import check_token_ids
+from specd.runtime.features import HiddenStates
+from specd.runtime.model_core import ModelCore
+from specd.runtime.phases import Phases
+
+from .config import VerifierConfig
+
+
+@dataclass
+class VerifyResult:
+    path: list[int]  # accepted node indices, root-down
+    tokens: list[int]  # path tokens + correction or bonus
+    compute_ms: float  # forward + acceptance + compaction (of the whole batch it ran in)
+    phases: list = field(default_factory=list)  # (name, start_ns, end_ns): forward, accept, compact
+    batch_sessions: int = 1  # sessions in the same forward (verified or prefilled)
+    batch_tokens: int = 0  # rows of that forward (every session's pending token + nodes)
+    hidden: HiddenStates | None = None  # sessions that asked: features of the root and the kept path
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+@dataclass
+class VerifyJob:
+    """A checked verify call, ready to join a batch."""
+
+    session_id: str
+    session: _Session
+    tree: TokenTree
+    q: torch.Tensor | None  # dense per-row q when children were sampled
+
+
+@dataclass
+class OpenJob:
+    """A checked OpenSession call: its prefill joins a batch like a verify."""
+
+    session_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    resume: bool = False
+    hidden: bool = False
+
+
+@dataclass
+class _Session:
+    cache: object  # a Runner session: forward / rollback / compact / length
+    params: SamplingParams
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    hidden: bool = False  # return the target's features (EAGLE drafting)
+
+
+def is_chain(tree: TokenTree) -> bool:
+    return all(p == i - 1 for i, p in enumerate(tree.parents))
+
+
+class Verifier(ModelCore):
+    role = "verifier"
+
+    def __init__(self, config: VerifierConfig, model=None):
+        super().__init__(config, model)
+
+    @property
+    def kv_tokens(self) -> int:
+        # list(): a metrics scrape reads this from another thread while sessions open.
+        return sum(s.cache.length for s in list(self._sessions.values()))
+
+    def open_session(
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams, resume: bool = False, hidden: bool = False
+    ):
+        """Prefill the prompt; return the first generated token (a plain decode step).
+
+        resume: the session moves here from a lost verifier (specd/orchestrator/failover.py):
+        prompt_ids are all its committed tokens, the last one pending. Prefill all
+        but the last and sample nothing (None), so the next verify continues
+        exactly where the lost replica stood. The generator restarts from
+        params.seed: the orchestrator sends a fresh seed for a resume, since
+        replaying draws that made the earlier tokens would correlate with them.
+
+        hidden: the session returns the target's features (EAGLE drafting): then
+        the result is (first token, HiddenStates of every prompt token); after a
+        resume (None, None) - the drafter has the earlier features already.
+
+        The servicer sends prepare_open's job through the batcher instead, so
+        that prefills share forwards with each other and with verifies."""
+        return self._alone(self.verify_batch([self.prepare_open(session_id, prompt_ids, params, resume, hidden)]))
+
+    def prepare_open(
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams, resume: bool = False, hidden: bool = False
+    ) -> OpenJob:
+        """Check an OpenSession call (no lock, no forward), like `prepare`."""
+        self._check_request(session_id, prompt_ids, params)
+        if resume and len(prompt_ids) < 2:
+            raise InvalidRequest(
+                "a resumed session needs the prompt and at least one generated token "
+                f"in prompt_token_ids, got {len(prompt_ids)} token(s)"
+            )
+        if hidden and self.runner.lean is None:
+            raise InvalidRequest("return_hidden_states needs the verifier's lean engine")
+        return OpenJob(session_id, list(prompt_ids), params, resume, hidden)
+
+    def _admit(self, j: OpenJob, kv_tokens: int, pending: int) -> _Session:
+        """Under the lock: room for the session and its prompt (beside `pending`
+        sessions admitted to the same batch); the new session."""
+        self._check_room(j.session_id, pending)
+        if kv_tokens + len(j.prompt_ids) > self.config.max_kv_tokens:
+            raise CapacityExceeded(f"verifier KV budget full: {kv_tokens} of {self.config.max_kv_tokens} tokens in use")
+        gen = torch.Generator().manual_seed(j.params.seed)
+        return _Session(self.runner.new_session(), j.params, gen, list(j.prompt_ids), j.hidden)
+
+    def _first_token(self, j: OpenJob, s: _Session, logits: torch.Tensor, states) -> object:
+        """An open job's result from its prefill's last row (see open_session)."""
+        if j.resume:
+            return (None, None) if j.hidden else None
+        params = s.params
+        first = sample(logits_to_probs(logits, params), s.generator) if not params.greedy else int(logits.argmax())
+        s.tokens.append(first)
+        return (first, HiddenStates.encode(states, self.config.hidden_dtype)) if j.hidden else first
+
+    def verify(
+        self,
+        session_id: str,
+        draft_ids: list[int],
+        parents: list[int] | None = None,
+        row_dists: list[tuple[list[int], list[float]]] | None = None,
+    ) -> VerifyResult:
+        """ONE forward over [root] + tree; keep a lossless path; compact the cache.
+
+        parents: None/empty = a chain. row_dists: per row (N+1; 0 = root), the
+        truncated q that row's children were sampled from (empty rows for
+        childless nodes); None = children chosen without sampling."""
+        return self._alone(self.verify_batch([self.prepare(session_id, draft_ids, parents, row_dists)]))
+
+    def prepare(
+        self,
+        session_id: str,
+        draft_ids: list[int],
+        parents: list[int] | None = None,
+        row_dists: list[tuple[list[int], list[float]]] | None = None,
+    ) -> VerifyJob:
+        """Check one verify call (no lock, no forward): a bad call fails here,
+        alone, before it could join a batch."""
+        s = self._get(session_id)
+        n = len(draft_ids)
+        parents = list(parents) if parents else list(range(-1, n - 1))
+        tree = validate_tree(draft_ids, parents, self.vocab_size, self.config.max_tree_nodes)
+        deepest = max(depth(tree), default=0)
+        if deepest > self.config.max_draft_tokens:
+            raise InvalidRequest(
+                f"draft depth {deepest} is over this verifier's limit of {self.config.max_draft_tokens}"
+            )
+        q = self._dense_q(tree, row_dists) if row_dists else None
+        job = VerifyJob(session_id, s, tree, q)
+        self._check_room_left(job)
+        return job
+
+    def _check_room_left(self, j: VerifyJob) -> None:
+        """The context check, in prepare AND again under the lock before the job
+        runs: calls of one session that arrive together are all prepared against
+        the same committed length, and each one that runs first makes it longer."""
+        # Every node is a row of the forward, not only the deepest path (found by
+        # fuzzing: a wide tree near the end of the context failed in the forward,
+        # INTERNAL for every session of the batch).
+        nodes, committed = len(j.tree.tokens), len(j.session.tokens)
+        if committed + nodes > self.context_length:
+            raise InvalidRequest(
+                f"a draft of {nodes} nodes after {committed} committed tokens "
+                f"would pass the context length {self.context_length}"
+            )
+
+    def verify_batch(self, jobs: list) -> list:
+        """Run several sessions' calls in ONE forward (lean engine; the HF engine
+        runs them one after another): verifies (VerifyJob) and prefills of new
+        sessions (OpenJob). Each job gets its result, or the exception that
+        stopped it (a session closed meanwhile, no room for a new one)."""
+        with self._lock:
+            start, phases = time.perf_counter(), Phases()
+            opens = [j for j in jobs if isinstance(j, OpenJob)]
+            live, refused = self._still_valid(
+                self._live([j for j in jobs if not isinstance(j, OpenJob)]), self._check_room_left
+            )
+            admitted, kv = [], self.kv_tokens
+            for j in opens:
+                try:
+                    admitted.append((j, self._admit(j, kv, len(admitted))))
+                    kv += len(j.prompt_ids)
+                except (InvalidRequest, CapacityExceeded) as exc:
+                    refused[id(j)] = exc
+            items, last_only = [], []
+            for j in live:
+                s, base = j.session, j.session.cache.length  # base == len(tokens) - 1
+                positions = mask = None
+                if not is_chain(j.tree):  # a chain's mask is the causal one
+                    mask4, pos2 = tree_attention(j.tree, base)
+                    mask, positions = mask4[0, 0], pos2[0]
+                items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), positions, mask))
+                last_only.append(False)
+            for j, s in admitted:
+                # The invariant: the cache holds all committed tokens but the pending last.
+                items.append((s.cache, j.prompt_ids[:-1] if j.resume else j.prompt_ids, None, None))
+                last_only.append(True)
+            want = any(j.session.hidden for j in live) or any(j.hidden for j in opens)
+            out = self.runner.forward_batch(items, last_only=last_only, hidden=want)
+            logits, states = out if want else (out, [None] * len(items))
+            phases.mark("forward")
+            done = {}
+            for (j, s), lg, h in zip(admitted, logits[len(live) :], states[len(live) :]):
+                done[id(j)] = self._first_token(j, s, lg[0], h)
+                self._add(j.session_id, s)
+            accepted = [self._accept(j, lg) for j, lg in zip(live, logits)]
+            phases.mark("accept")
+            for j, r, h in zip(live, accepted, states):
+                if j.session.hidden:
+                    # The rows the cache keeps (root + path): the features of the
+                    # tokens committed before the new pending one.
+                    r.hidden = HiddenStates.encode(h[compaction_indices(r.path)], self.config.hidden_dtype)
+            for j, r in zip(live, accepted):
+                # Keep the root and the accepted path; the new last token is pending.
+                j.session.cache.compact(len(j.session.tokens) - 1, compaction_indices(r.path))
+                j.session.tokens += r.tokens
+            phases.mark("compact")
+            ms, rows = (time.perf_counter() - start) * 1e3, sum(len(ids) for _, ids, _, _ in items)
+            for r in accepted:
+                r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases.spans, len(items), rows
+            done |= {id(j): r for j, r in zip(live, accepted)}
+            return self._in_order(jobs, done | refused, "verify")
+
+    def _accept(self, job: VerifyJob, logits: torch.Tensor) -> VerifyResult:
+        s, tree = job.session, job.tree
+        if s.params.greedy:
+            result = accept_tree_greedy(logits, tree)
+        else:
+            p = logits_to_probs(logits, s.params)
+            result = (
+                accept_tree_sampled(p, tree, job.q, s.generator)
+                if job.q is not None
+                else accept_tree_deterministic(p, tree, s.generator)
+            )
+        return VerifyResult(result.path, result.tokens, 0.0)
+
+    def _dense_q(self, tree: TokenTree, rows: list[tuple[list[int], list[float]]]) -> torch.Tensor:
+        """Check the sparse per-row q and densify it to (N+1, V)."""
+        if len(rows) != len(tree.tokens) + 1:
+            raise InvalidRequest(
+                f"got {len(rows)} draft distributions for a tree of {len(tree.tokens)} "
+                f"nodes (one per row: the root and each node)"
+            )
+        kids = children(tree)
+        used: list[tuple[list[int], list[float]]] = []
+        for r, (ids, probs) in enumerate(rows):
+            if len(ids) != len(probs):
+                raise InvalidRequest(f"draft distribution {r}: {len(ids)} ids but {len(probs)} probs")
+            if not kids[r]:
+                # Childless rows carry nothing, and nothing of them is read: they
+                # must not reach dense_q either (found by fuzzing: an id outside the
+                # vocabulary there was an IndexError, i.e. INTERNAL).
+                used.append(([], []))
+                continue
+            check_token_ids(ids, self.vocab_size, None, f"draft_distributions[{r}].token_ids")
+            if any(not (0.0 <= p <= 1.0) for p in probs) or abs(sum(probs) - 1.0) > 1e-3:
+                raise InvalidRequest(f"draft distribution {r} is not a probability distribution (sum {sum(probs):.4f})")
+            if len(set(ids)) != len(ids):
+                # dense_q would keep only one of the repeated entries, so the q the
+                # rule uses would no longer sum to 1 (found by fuzzing).
+                raise InvalidRequest(f"draft distribution {r} lists a token id more than once")
+            support = set(ids)
+            missing = [tree.tokens[c] for c in kids[r] if tree.tokens[c] not in support]
+            if missing:
+                raise InvalidRequest(f"draft distribution {r} gives probability 0 to drafted token(s) {missing}")
+            used.append((ids, probs))
+        return dense_q([ids for ids, _ in used], [p for _, p in used], self.vocab_size)

@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.net.grpc_util import start_sync_server
+from specd.runtime.reaper import start_reaper
+
+from .config import VerifierConfig
+from .core import Verifier
+from .servicer import SERVICE_NAME, VerifierServicer
+
+
+def start(config: VerifierConfig, core: Verifier | None = None):
+    """Load the model (unless given a core), start serving; return (server, port)."""
+    core = core or Verifier(config)
+    start_reaper(core)  # idle sessions expire (config.session_idle_timeout_s)
+    return start_sync_server(
+        pb_grpc.add_VerifierServiceServicer_to_server,
+        VerifierServicer(core),
+        SERVICE_NAME,
+        config.host,
+        config.port,
+        config.grpc_workers,
+        config.tls,
+        config.max_message_bytes,
+    )

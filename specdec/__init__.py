@@ -1,1 +1,0 @@
-"""Generated gRPC stubs for proto package specdec (see specd/protogen.py)."""
