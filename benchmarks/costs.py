@@ -1,4 +1,5 @@
-"""Speedup theory (DESIGN.md): expected tokens per cycle and predicted speedup."""
+"""Speedup theory: expected tokens per cycle and predicted speedup (docs/rules.md,
+"Expected tokens per cycle and predicted speedup")."""
 from __future__ import annotations
 
 

@@ -1,4 +1,4 @@
-"""EAGLE head vs the distilled draft model on the demo pair (issue 10).
+"""EAGLE head vs the distilled draft model on the demo pair.
 
     python -m benchmarks.eagle                  # 8 held-out prompts, 96 tokens, K = 2, 4, 6
     python -m benchmarks.eagle --quick          # 2 prompts, 32 tokens (smoke run)

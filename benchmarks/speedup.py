@@ -232,7 +232,8 @@ def summarise(rows: list[Row]) -> list[dict]:
                      draft_ms_per_cycle=round(r.draft_ms / r.cycles, 2))
             if r.draft.label != "off":
                 chain = r.draft.label.startswith(("chain-", "ngram-"))
-                # Theory (DESIGN.md): tokens per cycle / cycle cost in target steps,
+                # Theory (docs/rules.md, "Expected tokens per cycle and predicted
+                # speedup"): tokens per cycle / cycle cost in target steps,
                 # from the measured costs. Two tokens-per-cycle inputs: the i.i.d.
                 # formula from the per-token acceptance (chains only; it assumes
                 # independent acceptances, which real text is not), and the

@@ -1,4 +1,4 @@
-"""Errors the cores raise; the gRPC edge maps each to a status code (see grpc_util)."""
+"""Errors the cores raise; the gRPC edge maps each to a status code (specd/net/grpc_util.py)."""
 
 
 class InvalidRequest(ValueError):

@@ -1,5 +1,5 @@
 """The acceptance rules are lossless: the statistical core of "sampling is exact"
-(DESIGN.md, "The rules that keep output exact").
+(docs/rules.md, "The rules that keep output exact").
 
 Setting. A toy "language model" over a small vocabulary V=6: the target is a table
 of logits T[prev] -> next (row BOS for the first token), and the drafter is a

@@ -1,4 +1,4 @@
-"""Must-show 4: bad input gets INVALID_ARGUMENT with a message saying what is
+"""Bad input gets INVALID_ARGUMENT with a message saying what is
 wrong, and the services keep serving other sessions."""
 import math
 

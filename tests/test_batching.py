@@ -1,4 +1,4 @@
-"""Issue 8, must-show 1: exactness under batching. 16 concurrent streams with
+"""Exactness under batching. 16 concurrent streams with
 different prompts, lengths and methods (chains of several K, static, path and
 dynamic trees, ngram, off, adaptive depth) share verify forwards, and each still equals its
 target-only greedy output. The verifier's own metrics show that calls were

@@ -1,4 +1,4 @@
-"""Issue 9, must-show 2: 1,000 Generate streams through a real orchestrator,
+"""1,000 Generate streams through a real orchestrator,
 verifier and drafter, cancelled at random points (seeded): before the first
 token, mid-stream, by a short client deadline, or run to the end; many at once.
 Afterwards every service reports zero live sessions and the verifier's KV usage

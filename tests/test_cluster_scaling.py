@@ -1,4 +1,4 @@
-"""Issue 7, must-shows 2 and 3, on a real multi-node Ray cluster on one machine:
+"""Live scaling on a real multi-node Ray cluster on one machine:
 a head (no pool resource) plus worker nodes started with `ray start`, two
 offering `drafter` (2 and 1 units), two offering `verifier` (one unit each, so a
 second verifier MUST go to the second verifier node).

@@ -95,7 +95,7 @@ def test_verifier_refuses_sessions_past_its_budget(pairs):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_compacted_cache_equals_fresh_prefill(cores, temperature):
-    """Issue 4, must-show 3: after many cycles of tree verification (greedy and
+    """After many cycles of tree verification (greedy and
     sampled, static and dynamic trees), the verifier's next-token logits equal
     a fresh prefill of the committed sequence."""
     verifier, drafter = cores
@@ -152,7 +152,7 @@ def test_drafter_batch_equals_one_session_at_a_time(cores, temperature):
 
 
 def test_resumed_session_continues_exactly(cores):
-    """Issue 9: a session rebuilt from its committed tokens (verifier: resume,
+    """Failover: a session rebuilt from its committed tokens (verifier: resume,
     nothing sampled; drafter: open on all but the last, then a first proposal
     of the last) goes on exactly like the uninterrupted one."""
     verifier, drafter = cores

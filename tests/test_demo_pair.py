@@ -1,4 +1,4 @@
-"""Issue 3: the committed demo pair loads through the normal HF path, meets its
+"""The committed demo pair loads through the normal HF path, meets its
 size rules, and `specd demo` runs offline with it (own Ray, up, one generation,
 down) printing a continuation and the speculation stats."""
 import os

@@ -1,4 +1,4 @@
-"""Method eagle (issue 10): the head's lean forward against its reference torch
+"""Method eagle: the head's lean forward against its reference torch
 module, the verifier's features against Hugging Face's hidden states, and
 through the real services greedy exactness (chains, static and dynamic trees)
 and lossless sampling (statistical, tests/test_sampling_lossless.py's method).

@@ -1,4 +1,4 @@
-"""Issue 9 on real processes: 2 verifiers + 2 drafters (one OS process each) and
+"""Replica loss on real processes: 2 verifiers + 2 drafters (one OS process each) and
 an orchestrator; a replica serving a long greedy stream is killed with SIGKILL
 mid-stream, and the stream must complete equal to target-only greedy output,
 no token lost or repeated.

@@ -1,4 +1,4 @@
-"""Issue 9, must-show 4: property-based fuzzing of every RPC's request messages
+"""Property-based fuzzing of every RPC's request messages
 against real processes (verifier, drafter, orchestrator on real ports).
 
 Every call gets OK or a clear client-error status with a message (never

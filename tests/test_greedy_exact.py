@@ -1,4 +1,4 @@
-"""Must-show 1: greedy output through the real services equals target-only
+"""Greedy output through the real services equals target-only
 `model.generate(do_sample=False)`, for 20 prompts x K in {1, 3, 5} x 2 families.
 
 A divergence is tolerated only at a numerical near-tie that this test checks
@@ -79,7 +79,7 @@ TREES = [{"branching": [3, 2, 1]}, {"branching": [2, 2, 2, 1]},
 
 @pytest.mark.parametrize("tree", TREES, ids=["static321", "static2221", "paths", "dynamic8", "dynamic16"])
 def test_greedy_trees_equal_target_only(tree, pairs, stacks):
-    """Issue 4, must-show 1: tree drafts (static and dynamic), 20 prompts each."""
+    """Tree drafts (static and dynamic), 20 prompts each."""
     target_dir, _ = pairs["llama"]
     model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
     accepted = 0

@@ -1,4 +1,4 @@
-"""Issue 8, must-show 3: the verifier's memory follows live sessions only. After
+"""The verifier's memory follows live sessions only. After
 1,000 completed streams (8 at a time, varied lengths and methods) its resident
 memory is within 10% of what it was after the first 50, and it holds no session
 and no KV token."""

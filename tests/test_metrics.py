@@ -1,4 +1,4 @@
-"""Issue 6, must-show 2: after known traffic, the Prometheus endpoints of the
+"""After known traffic, the Prometheus endpoints of the
 orchestrator, the drafter and the verifier (real processes, scraped over HTTP)
 count exactly what the requests' final stats say."""
 import collections

@@ -1,4 +1,4 @@
-"""Issue 5 through the real services: ngram greedy exactness, lossless sampling,
+"""The ngram method through the real services: greedy exactness, lossless sampling,
 and per-request method override on one running system."""
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +36,7 @@ def test_ngram_greedy_equals_target_only(k, pairs, stacks):
 def lookup_prompt(model, params: SamplingParams) -> list[int]:
     """A prompt (the model's own greedy text, repeated) after which the first
     sampled token very likely occurred earlier in the prompt, so that prompt
-    lookup has drafts to propose: found by a small deterministic search."""
+    lookup has drafts to propose: chosen by a small deterministic search."""
     best = (-1.0, [])
     for s in range(30):
         seed = [40 + s, 41 + s]

@@ -1,4 +1,4 @@
-"""Issue 9, must-show 3: overload. With the verifier's budget at N sessions, N+5
+"""Overload. With the verifier's budget at N sessions, N+5
 concurrent Generate streams: exactly the 5 in excess get RESOURCE_EXHAUSTED with
 a clear message, and the N complete with target-only greedy output. Also the
 KV-token budget, and the orchestrator's own admission bound.

@@ -1,4 +1,4 @@
-"""Issue 8, pipelined drafting: the drafter drafts cycle n+1 while the verifier
+"""Pipelined drafting: the drafter drafts cycle n+1 while the verifier
 checks cycle n, assuming the whole chain kept and its own guess as the bonus.
 
 - Drafter core: an ahead proposal followed by a rewind leaves the drafter

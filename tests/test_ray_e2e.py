@@ -1,4 +1,4 @@
-"""Must-show 3: end to end through real processes - a Ray cluster, drafter and
+"""End to end through real processes - a Ray cluster, drafter and
 verifier gRPC servers as Ray actors on real ports, a client calling Generate over
 the network - and `specd up` / `specd generate` / `specd down` from a shell.
 The `specd up` deployment runs mutual TLS on every link and bearer tokens, so the
@@ -98,7 +98,7 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
 
 
 def check_drafter_restart(ray_cluster, address, prompt, want, client_tls, metadata):
-    """Issue 9 on Ray: the drafter's process is killed; the next stream finds it
+    """Replica loss on Ray: the drafter's process is killed; the next stream finds it
     lost and runs as plain decoding (still exact); Ray restarts the actor
     (max_restarts), its server on a new port, which the orchestrator re-discovers;
     then streams speculate on it again."""

@@ -1,5 +1,5 @@
-"""`specd.rules.sampling`: the one definition of "plain sampling" (DESIGN.md, "The rules
-that keep output exact": p is the target distribution after exactly the processing
+"""`specd.rules.sampling`: the one definition of "plain sampling" (docs/rules.md, "p and
+q": p is the target distribution after exactly the processing
 plain sampling would apply).
 
 What these tests prove:

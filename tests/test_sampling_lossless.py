@@ -1,4 +1,4 @@
-"""Must-show 2 through the real services: tokens from speculative sampling follow
+"""Through the real services: tokens from speculative sampling follow
 the target's exact distribution, at temperature 1 and at temperature < 1 with
 top-p < 1, including positions after a rejection.
 

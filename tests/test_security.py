@@ -1,4 +1,4 @@
-"""Issue 9, security: TLS with mutual TLS on every gRPC link, bearer tokens on the
+"""Security: TLS with mutual TLS on every gRPC link, bearer tokens on the
 public API, message size limits, health over TLS, graceful drain - on real
 processes and ports.
 

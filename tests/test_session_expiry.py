@@ -1,4 +1,4 @@
-"""Issue 9: idle sessions expire. A session without a call for
+"""Idle sessions expire. A session without a call for
 `session_idle_timeout_s` is closed and its KV cache freed; later calls get
 NOT_FOUND saying it expired. The rule on the cores with explicit clocks (no
 sleeping), then the real processes with a small timeout."""

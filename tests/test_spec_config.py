@@ -1,4 +1,4 @@
-"""Issue 5, must-show 3: a bad speculative config is refused at start with a
+"""A bad speculative config is refused at start with a
 message naming the key - as a file, as flags, and by `specd up`."""
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""Issue 6, must-show 1: per-cycle traces across the three services.
+"""Per-cycle traces across the three services.
 
 A real OTLP/gRPC receiver (opentelemetry-proto's TraceService) runs in this
 process; the verifier, drafter and orchestrator run as real processes exporting

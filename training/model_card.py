@@ -239,7 +239,7 @@ prefix is accepted and the cycle commits accepted + 1 tokens
 ({g['cycles']} cycles, {g['tokens_committed']} tokens). "accepted / drafted"
 counts the drafts thrown away after the first mismatch of a cycle as failures,
 so it equals (tokens per cycle − 1) / K; "accepted / judged" leaves them out and
-is the α of the DESIGN formula (1 − α^(K+1)) / (1 − α), the figure comparable
+is the α of the formula (1 − α^(K+1)) / (1 − α) (docs/rules.md), the figure comparable
 with the sampling acceptance below. Note that accepted / drafted ≥ 0.6 implies
 ≥ 4 tokens per cycle at K = 5, a stricter bar than ≥ 3 tokens per cycle. Sampling figures are
 the speculative-sampling acceptance probability Σ_x min(p(x), q(x)) with

@@ -157,7 +157,7 @@ class Drafter(ModelCore):
         s = self._get(session_id)
         shape.validate(self.config.max_tree_nodes, self.config.max_draft_tokens)
         if shape.dynamic and shape.top_k > min(self.vocab_size, self.config.max_tree_nodes):
-            # Found by fuzzing: torch.topk past the vocabulary raised inside the
+            # Refused here: torch.topk past the vocabulary would raise inside the
             # batch (INTERNAL, for every session in it). More candidates per node
             # than the tree may hold is never useful either.
             raise InvalidRequest(
@@ -212,8 +212,8 @@ class Drafter(ModelCore):
         """The checks that depend on the session's state. Run in prepare AND again
         under the lock before the job runs: calls of one session that arrive
         together are all prepared against the same state, and the first one to
-        run changes it (found by fuzzing: a second Propose with nothing committed
-        after a draft reached the forward with no tokens, an IndexError)."""
+        run changes it (e.g. a second Propose with nothing committed after a
+        draft would reach the forward with no tokens, an IndexError)."""
         s = j.session
         if j.rewind and s.checkpoint is None:
             raise InvalidRequest("rewind: there is no ahead proposal to undo")

@@ -53,9 +53,9 @@ def open_channel(
 
 
 # A status message travels in a response header (grpc-message), and clients
-# refuse headers over 16 KiB: found by fuzzing, an error that echoed a 100 kB
-# session id reached the client as RESOURCE_EXHAUSTED "received metadata size
-# exceeds hard limit", its reason lost. Messages are cut well below that.
+# refuse headers over 16 KiB: an error that echoed a 100 kB session id would
+# reach the client as RESOURCE_EXHAUSTED "received metadata size exceeds hard
+# limit", its reason lost. Messages are cut well below that.
 MAX_STATUS_MESSAGE = 1000
 
 

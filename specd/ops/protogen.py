@@ -8,7 +8,7 @@ name every client sees on the wire (service `specdec.v1.OrchestratorService`).
     python -m specd.ops.protogen --check    # exit 1 if the committed stubs are stale
 
 The stubs are committed (so `pip install` needs no protoc step) and
-tests/test_protos.py fails when they no longer match the .proto files.
+tests/test_protos.py fails when they differ from what the .proto files generate.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m specd.orchestrator --target DIR [--drafter DIR] --verifier ADDR [--drafter-address ADDR] --port N
+"""`python -m specd.orchestrator --target DIR [--drafter DIR] --verifier-address ADDR [--drafter-address ADDR] --port N
 [--metrics-port M]`
 
 Runs the orchestrator against already running services, without Ray (useful for

@@ -156,8 +156,8 @@ class Orchestrator:
             # aclosing: when this generator is closed or cancelled while the loop
             # is suspended at a yield, close the loop NOW so that its `finally`
             # frees the sessions on the replicas; otherwise that waits for the
-            # garbage collector (found by tests/test_cancellation.py: sessions
-            # left open after cancelled streams).
+            # garbage collector and cancelled streams leave sessions open
+            # (tests/test_cancellation.py).
             async with contextlib.aclosing(
                 run_generation(
                     spec,

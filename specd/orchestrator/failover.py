@@ -1,4 +1,4 @@
-"""Replica loss mid-stream (issue 9): the session moves to another replica.
+"""Replica loss mid-stream: the session moves to another replica.
 
 The orchestrator holds every committed token (prompt + what it streamed), so a
 lost replica's state can be rebuilt anywhere:
@@ -129,7 +129,7 @@ class FailoverVerifier:
         self.sampling, self.hidden = sampling, hidden
         try:
             self.lease.acquire()
-        except CapacityExceeded:  # none deployed or all draining: RESOURCE_EXHAUSTED, as before
+        except CapacityExceeded:  # none deployed or all draining: RESOURCE_EXHAUSTED; lost ones: UNAVAILABLE
             lost = [r.spec.name for r in self.lease.pool.lost()]
             if not lost:
                 raise
@@ -263,7 +263,7 @@ class FailoverDrafter:
     async def close(self, session_id: str) -> None:
         # Also when the open was cut short (the client left during it): the
         # replica may have opened the session, or will, and a close that comes
-        # first leaves a note its open obeys (found by tests/test_cancellation.py).
+        # first leaves a note its open obeys (tests/test_cancellation.py).
         client = self.lease.client if self.opened else self.opening
         if client is not None:
             await client.close(session_id)

@@ -2,7 +2,7 @@
 
 `Scaler.scale(kind, n)` brings a pool to n serving replicas: up by taking back
 draining replicas first, then starting new ones through a `Launcher` (on Ray:
-orchestrator.deploy.RayLauncher, one actor per replica asking for its pool's
+specd/ops/ray_deploy.py: RayLauncher, one actor per replica asking for its pool's
 resource, so the Ray autoscaler adds nodes when they do not fit); down by
 draining. A background task hands drained replicas back to the launcher once
 their last session has ended, re-discovers lost replicas (Ray restarts a dead

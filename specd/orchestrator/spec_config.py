@@ -59,12 +59,12 @@ class SpeculativeConfig:
     # Pipelined drafting: draft the next chain while the verifier checks this
     # one (draft_model chains). Pays when drafter and verifier run on separate
     # hardware and the drafter has spare time; off by default because each
-    # failed guess is drafting thrown away (see README, "Pipelined drafting").
+    # failed guess is drafting thrown away (docs/architecture.md, "Pipelined drafting").
     pipeline: bool = False
     # With pipeline: per depth of the chain in flight, the drafter's next choices
     # there (besides the drafted token) pre-drafted as the verifier's possible
     # correction, and as many further bonus guesses (specd/drafter/branches.py).
-    # 0 = only the all-kept branch. Default from benchmarks/pipeline.py (README).
+    # 0 = only the all-kept branch. Default from benchmarks/pipeline.py (benchmarks/README.md).
     pipeline_alternatives: int = 2
     max_num_speculative_tokens: int = 16  # limits that requests cannot exceed
     max_tree_nodes: int = 64

@@ -29,8 +29,8 @@ class DraftShape:
     def chain(k: int, max_k: int | None = None) -> DraftShape:
         if k < 1:
             raise InvalidRequest(f"num_draft_tokens (chain length) must be >= 1, got {k}")
-        # Checked BEFORE the tuple is built: found by fuzzing, a K of 2**31 - 1 from
-        # the wire made a 2-billion-entry tuple and the drafter was OOM-killed.
+        # Checked BEFORE the tuple is built: a K of 2**31 - 1 from the wire would
+        # make a 2-billion-entry tuple and get the drafter OOM-killed.
         if max_k is not None and k > max_k:
             raise InvalidRequest(f"num_draft_tokens {k} is over the limit of {max_k}")
         return DraftShape(branching=(1,) * k)
@@ -87,8 +87,8 @@ class DraftShape:
     def fit_rows(self, room: int) -> DraftShape:
         """A dynamic tree made shallow enough that its forwards fit in `room`
         cache rows (at least depth 1, which forwards nothing); other shapes as
-        they are. Found by fuzzing: depth 16 x top_k 20 passed the drafter's
-        context and failed inside the batch (INTERNAL)."""
+        they are. Without it, depth 16 x top_k 20 could pass the drafter's
+        context and fail inside the batch (INTERNAL)."""
         if not self.dynamic or self.forward_rows <= room:
             return self
         return DraftShape(node_budget=self.node_budget, max_depth=max(1, 1 + room // self.top_k), top_k=self.top_k)

@@ -82,7 +82,7 @@ def truncate_top(probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
 
     Returns (ids, probs) of the truncated distribution: this is what a drafter
     samples from and sends sparsely, so that q on the wire is exactly the q the
-    draft token was drawn from (DESIGN.md: truncated q stays exact).
+    draft token was drawn from (docs/rules.md, "p and q": truncated q stays exact).
     """
     n = min(n, probs.shape[-1])
     vals, ids = torch.topk(probs, n)

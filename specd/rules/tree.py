@@ -1,7 +1,7 @@
 """Token trees: shape, attention mask, lossless acceptance and KV compaction.
 
-Pure core (tensors in, dataclasses out; DESIGN.md "The rules that keep output
-exact", tree rules). A tree holds N draft nodes below the ROOT, the pending token
+Pure core (tensors in, dataclasses out; docs/rules.md, "The rules that keep output
+exact": the tree rules). A tree holds N draft nodes below the ROOT, the pending token
 (the last emitted token, not yet in the verifier's cache). The verifier forwards
 [root, node0 .. node{N-1}] in ONE pass with `tree_attention`'s mask, so row 0 of
 its output predicts the root's children and row i+1 predicts node i's children.

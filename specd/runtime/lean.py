@@ -1,8 +1,9 @@
 """A lean forward for Llama-family decoders (Llama, Qwen2 without sliding window)
 with a preallocated KV cache.
 
-Why: a small model's step is almost all framework overhead (DESIGN.md: a 2.6 M
-model costs ~3.4 ms per HF forward on 2 CPU cores, nearly all Python), and the
+Why: a small model's step is almost all framework overhead (a 2.6 M model costs
+~3.4 ms per HF forward on 2 CPU cores, nearly all Python; docs/architecture.md,
+"Why things are the way they are"), and the
 HF DynamicCache grows by torch.cat every step. Here the weights are plain
 tensors, the cache is one preallocated (layers, 2, kv_heads, max_len, head_dim)
 tensor with a length per session, rollback is `length = n` (free), and tree

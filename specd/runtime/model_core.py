@@ -47,10 +47,11 @@ class ModelCore:
         # that gives up while its OpenSession is in flight closes the id at once;
         # that close can overtake the open (another thread, a queued call), and
         # without this note the open would then create a session nobody closes
-        # (found by tests/test_cancellation.py).
+        # (tests/test_cancellation.py).
         self._closed_unopened: collections.OrderedDict[str, None] = collections.OrderedDict()
         # One forward at a time: concurrent forwards on 2 CPU cores only thrash.
-        # (Batching concurrent sessions into one forward is a later step.)
+        # Concurrent sessions share a forward through the batcher instead
+        # (specd/runtime/batcher.py).
         self._lock = threading.Lock()
 
     @property

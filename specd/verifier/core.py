@@ -191,9 +191,9 @@ class Verifier(ModelCore):
         """The context check, in prepare AND again under the lock before the job
         runs: calls of one session that arrive together are all prepared against
         the same committed length, and each one that runs first makes it longer."""
-        # Every node is a row of the forward, not only the deepest path (found by
-        # fuzzing: a wide tree near the end of the context failed in the forward,
-        # INTERNAL for every session of the batch).
+        # Every node is a row of the forward, not only the deepest path: a wide
+        # tree near the end of the context would otherwise fail in the forward,
+        # INTERNAL for every session of the batch.
         nodes, committed = len(j.tree.tokens), len(j.session.tokens)
         if committed + nodes > self.context_length:
             raise InvalidRequest(
@@ -285,8 +285,8 @@ class Verifier(ModelCore):
                 raise InvalidRequest(f"draft distribution {r}: {len(ids)} ids but {len(probs)} probs")
             if not kids[r]:
                 # Childless rows carry nothing, and nothing of them is read: they
-                # must not reach dense_q either (found by fuzzing: an id outside the
-                # vocabulary there was an IndexError, i.e. INTERNAL).
+                # must not reach dense_q either (an id outside the vocabulary there
+                # would be an IndexError, i.e. INTERNAL).
                 used.append(([], []))
                 continue
             check_token_ids(ids, self.vocab_size, None, f"draft_distributions[{r}].token_ids")
@@ -294,7 +294,7 @@ class Verifier(ModelCore):
                 raise InvalidRequest(f"draft distribution {r} is not a probability distribution (sum {sum(probs):.4f})")
             if len(set(ids)) != len(ids):
                 # dense_q would keep only one of the repeated entries, so the q the
-                # rule uses would no longer sum to 1 (found by fuzzing).
+                # rule uses would not sum to 1.
                 raise InvalidRequest(f"draft distribution {r} lists a token id more than once")
             support = set(ids)
             missing = [tree.tokens[c] for c in kids[r] if tree.tokens[c] not in support]
