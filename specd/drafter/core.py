@@ -29,6 +29,7 @@ from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
 from specd.rules.validation import check_token_ids
 from specd.runtime.model_core import ModelCore
+from specd.runtime.models import ModelSession
 from specd.runtime.phases import Phases
 
 from .branches import Branch, alternatives_that_fit, grow_branches, outcomes
@@ -77,7 +78,7 @@ class _Checkpoint:
 
 @dataclass
 class _Session:
-    cache: object  # a Runner session: forward / rollback / compact / length
+    cache: ModelSession
     params: SamplingParams
     generator: torch.Generator
     tokens: list[int]
@@ -202,7 +203,9 @@ class Drafter(ModelCore):
         the drafter will know before this call's own): after a rewind, the
         proposal before the ahead call; after a branched ahead call, the branch's."""
         if rewind:
-            return s.checkpoint.last, s.checkpoint.tokens
+            c = s.checkpoint
+            assert c is not None  # prepare and _check_state refuse a rewind without one
+            return c.last, c.tokens
         if s.branches:
             b = s.branches[branch]
             return b.tree, b.visible + 1
@@ -250,54 +253,60 @@ class Drafter(ModelCore):
             for j, _ in rest:
                 j.session.base = j.session.cache.length  # the root's row is cached
             phases.mark("forward")
-            # Chains grow together level by level on the lean engine; the rest one by one.
-            chains = [(j, r) for j, r in rest if batched and j.shape.is_chain]
-            trees = dict(
-                zip(
-                    (id(j) for j, _ in chains),
-                    grow_chains(
-                        self.runner,
-                        [
-                            (j.session.cache, j.session.params, j.session.generator, j.shape.depth, r[0])
-                            for j, r in chains
-                        ],
-                        self.config.draft_top_n,
-                        self._tops,
-                    ),
-                )
-            )
-            for j, r in rest:
-                if id(j) not in trees:
-                    trees[id(j)] = build_tree(
-                        j.session.cache, r[0], j.shape, j.session.params, self.config.draft_top_n, j.session.generator
-                    )
+            trees = self._grow_trees(rest, batched)
             for j in live:
                 if id(j) in branched:
-                    main, *others = branched[id(j)]
+                    main = branched[id(j)][0]
                     trees[id(j)], guesses[id(j)] = main.tree, main.token
                 j.session.last = trees[id(j)]
             phases.mark("tree")
             ms = (time.perf_counter() - start) * 1e3
-            nodes = sum(len(t.tokens) for t in trees.values()) + sum(
-                len(b.tree.tokens) for bs in branched.values() for b in bs[1:]
+            done = self._proposals(live, trees, branched, guesses, ms, phases)
+            return self._in_order(jobs, done | refused, "Propose")
+
+    def _grow_trees(self, rest: list, batched: bool) -> dict[int, DraftTree]:
+        """The drafts of (job, root logits) pairs, by id(job): chains grow
+        together level by level on the lean engine; the rest one by one."""
+        chains = [(j, r) for j, r in rest if batched and j.shape.is_chain]
+        grown = grow_chains(
+            self.runner,
+            [(j.session.cache, j.session.params, j.session.generator, j.shape.depth, r[0]) for j, r in chains],
+            self.config.draft_top_n,
+            self._tops,
+        )
+        trees = dict(zip((id(j) for j, _ in chains), grown))
+        for j, r in rest:
+            if id(j) not in trees:
+                trees[id(j)] = build_tree(
+                    j.session.cache, r[0], j.shape, j.session.params, self.config.draft_top_n, j.session.generator
+                )
+        return trees
+
+    @staticmethod
+    def _proposals(
+        live: list[ProposeJob],
+        trees: dict[int, DraftTree],
+        branched: dict[int, list[Branch]],
+        guesses: dict[int, int],
+        ms: float,
+        phases: Phases,
+    ) -> dict[int, Proposal]:
+        """Each live job's Proposal, by id(job); the batch's figures are shared."""
+        nodes = sum(len(t.tokens) for t in trees.values()) + sum(
+            len(b.tree.tokens) for bs in branched.values() for b in bs[1:]
+        )
+        return {
+            id(j): Proposal(
+                trees[id(j)],
+                ms,
+                phases.spans,
+                len(live),
+                nodes,
+                guesses.get(id(j)),
+                branched.get(id(j), [])[1:],  # the other outcomes; the first is the proposal
             )
-            return self._in_order(
-                jobs,
-                {
-                    id(j): Proposal(
-                        trees[id(j)],
-                        ms,
-                        phases.spans,
-                        len(live),
-                        nodes,
-                        guesses.get(id(j)),
-                        branched.get(id(j), [None])[1:],
-                    )
-                    for j in live
-                }
-                | refused,
-                "Propose",
-            )
+            for j in live
+        }
 
     @property
     def _tops(self) -> int:
@@ -333,6 +342,7 @@ class Drafter(ModelCore):
             # The guess failed: back to the state before the ahead call.
             # Everything it added sits past these lengths, so truncating is enough.
             c = s.checkpoint
+            assert c is not None  # _check_state refused a rewind without one
             del s.tokens[c.tokens :]
             s.cache.rollback(c.cache_length)
             s.base, s.last, s.branches = c.base, c.last, None
@@ -355,6 +365,7 @@ class Drafter(ModelCore):
         kept tokens and its token, and move its rows (the token's, then its
         chain's) into place after them - no recompute; the other rows go.
         The session is then what a fresh proposal from that prefix leaves."""
+        assert s.branches is not None  # called only while the session has branches
         b = s.branches[index]
         del s.tokens[b.visible :]
         s.tokens.append(b.token)

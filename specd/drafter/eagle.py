@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from specd.errors import InvalidRequest
 from specd.runtime.eagle_head import CONFIG_NAME, load_head
-from specd.runtime.models import resolve_device
+from specd.runtime.lean import LeanModel
+from specd.runtime.models import ModelRunner, resolve_device
 
 from .core import Drafter, ProposeJob
 
@@ -91,7 +92,8 @@ def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
     dev, dt = resolve_device(device), _DTYPES[dtype]
-    return model.to(dev, dt).eval(), head.fc.weight.detach().to(dev, dt)
+    # transformers types its `to` (functools.wraps on a method) as if unbound.
+    return model.to(dev, dt).eval(), head.fc.weight.detach().to(dev, dt)  # type: ignore[arg-type]
 
 
 class HeadSession:
@@ -145,8 +147,8 @@ class HeadRunner:
 
     engine = "lean"
 
-    def __init__(self, lean, fc: torch.Tensor):
-        self.lean, self.fc = lean, fc  # lean: the one-layer model (build_head_model)
+    def __init__(self, lean: LeanModel, fc: torch.Tensor):
+        self.lean, self.fc = lean, fc  # the one-layer model (build_head_model)
         self.hidden_size = fc.shape[0]
 
     def new_session(self) -> HeadSession:
@@ -184,6 +186,8 @@ class HeadRunner:
 class EagleDrafter(Drafter):
     """The drafter core for method eagle (see the module docstring)."""
 
+    runner: HeadRunner  # replaces ModelCore's Runner: the head reads features too
+
     def __init__(self, config, model=None):
         if config.engine == "hf":
             raise ValueError("method eagle runs on the lean engine")
@@ -192,7 +196,10 @@ class EagleDrafter(Drafter):
         )
         hf_model, fc = built
         super().__init__(config, hf_model)
-        self.runner = HeadRunner(self.runner.lean, fc)
+        built_runner: ModelRunner = self.runner  # still ModelCore's Runner here
+        if built_runner.lean is None:
+            raise ValueError("method eagle runs on the lean engine")
+        self.runner = HeadRunner(built_runner.lean, fc)
 
     def open_session(self, session_id: str, prompt_ids: list[int], params) -> None:
         # Nothing to prefill yet: the head needs the prompt's features, which
@@ -248,6 +255,7 @@ class EagleDrafter(Drafter):
         items = []
         for j in live:
             s, rows = j.session, j.session.cache.length
+            assert j.hidden is not None  # prepare refuses a call without the features
             items.append((s.cache, s.tokens[rows + 1 : rows + 1 + j.hidden.shape[0]], j.hidden))
         return self.runner.feed_batch(items)
 

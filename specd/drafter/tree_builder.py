@@ -113,7 +113,8 @@ def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen) ->
     """children: how many children each node path has (DraftShape.children);
     the k-th child of a node is the drafter's k-th choice there."""
     sampled = not params.greedy
-    frontier = [((), -1, root_logits)]  # (rank path, node index, its logits)
+    # (rank path, node index, its logits)
+    frontier: list[tuple[tuple[int, ...], int, torch.Tensor]] = [((), -1, root_logits)]
     dists: dict[int, tuple[list[int], list[float]]] = {}
     while frontier:
         level = []

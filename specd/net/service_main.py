@@ -13,11 +13,39 @@ import threading
 
 from specd.telemetry import metrics, tracing
 
-from .security import SecurityConfigError, add_tls_flags, tls_from_args
+from .security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
 
 
 def model_service_main(name: str, config_cls, start, argv=None) -> None:
+    parser = _build_parser(name, config_cls)
+    args = parser.parse_args(argv)
+    tls = _checked_tls(parser, name, args)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
+    tracing.setup(name.rsplit(".", 1)[-1])
+    _serve(name, _config_from_args(config_cls, args, tls), start, args)
+
+
+def _build_parser(name: str, config_cls) -> argparse.ArgumentParser:
+    """The flags of a model service; the optional groups only where config_cls
+    has the field (batching and the KV budget: verifier; --target-dir: drafter)."""
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
+    _add_model_flags(parser, config_cls)
+    _add_capacity_flags(parser, config_cls)
+    if hasattr(config_cls, "target_dir"):
+        parser.add_argument(
+            "--target-dir",
+            default="",
+            help="method eagle (--model is an EAGLE head): the "
+            "target directory it shares embedding and LM head with (default: the head's config)",
+        )
+    _add_serving_flags(parser, config_cls)
+    add_tls_flags(parser, server=True)
+    return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser, config_cls) -> None:
+    """Which model, where it listens, how it runs."""
     parser.add_argument("--model", required=True, help="Hugging Face causal LM directory")
     parser.add_argument("--port", type=int, default=config_cls.port, help="0 = any free port")
     parser.add_argument(
@@ -29,6 +57,10 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--max-draft-tokens", type=int, default=config_cls.max_draft_tokens)
     parser.add_argument("--torch-threads", type=int, default=0)
+
+
+def _add_capacity_flags(parser: argparse.ArgumentParser, config_cls) -> None:
+    """Batching, and the limits past which calls are RESOURCE_EXHAUSTED."""
     if hasattr(config_cls, "max_batch_sessions"):
         parser.add_argument(
             "--max-batch-sessions",
@@ -68,13 +100,10 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
         default=config_cls.max_queued_calls,
         help="calls waiting for a batch; past it RESOURCE_EXHAUSTED",
     )
-    if hasattr(config_cls, "target_dir"):
-        parser.add_argument(
-            "--target-dir",
-            default="",
-            help="method eagle (--model is an EAGLE head): the "
-            "target directory it shares embedding and LM head with (default: the head's config)",
-        )
+
+
+def _add_serving_flags(parser: argparse.ArgumentParser, config_cls) -> None:
+    """Metrics, message size, shutdown."""
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free port; default: off)"
     )
@@ -90,23 +119,27 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
         default=5.0,
         help="seconds running calls get after SIGTERM (health turns NOT_SERVING at once)",
     )
-    add_tls_flags(parser, server=True)
-    args = parser.parse_args(argv)
+
+
+def _checked_tls(parser: argparse.ArgumentParser, name: str, args: argparse.Namespace) -> TlsConfig | None:
+    """The TLS flags as a config, its files checked; a bad one exits (status 2)."""
     try:
         tls = tls_from_args(args)
         if tls:
             tls.check(server=True)  # before the (slow) model load, naming the bad file
     except SecurityConfigError as exc:
         parser.exit(2, f"{name}: {exc}\n")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
-    # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
-    tracing.setup(name.rsplit(".", 1)[-1])
+    return tls
+
+
+def _config_from_args(config_cls, args: argparse.Namespace, tls: TlsConfig | None):
+    """The service's config from its parsed flags."""
     extra = {
         k: getattr(args, k) for k in ("max_batch_sessions", "batch_wait_fraction", "max_kv_tokens") if hasattr(args, k)
     }
     if hasattr(args, "target_dir"):
         extra["target_dir"] = args.target_dir
-    config = config_cls(
+    return config_cls(
         model_dir=args.model,
         host=args.host,
         port=args.port,
@@ -121,6 +154,10 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
         max_queued_calls=args.max_queued_calls,
         **extra,
     )
+
+
+def _serve(name: str, config, start, args: argparse.Namespace) -> None:
+    """Start the service, announce its ports, serve until SIGTERM / SIGINT, stop gracefully."""
     server, port = start(config)
     if args.metrics_port is not None:
         # Printed before the "listening on" line, which tests and scripts wait for.

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from specd.net.auth import CLIENT_TOKEN_ENV, bearer_metadata, tokens_from_env_and_file
 from specd.net.grpc_util import MAX_MESSAGE_BYTES, open_channel
-from specd.net.security import SecurityConfigError, add_tls_flags, tls_from_args
+from specd.net.security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
 from specd.orchestrator.spec_config import (
     DRAFTER_METHODS,
     METHODS,
     ConfigError,
+    SpeculativeConfig,
     add_draft_shape_flags,
     add_speculative_flags,
     speculative_config_from_args,
@@ -28,34 +31,62 @@ DEMO_EAGLE = REPO_ROOT / "models/demo/eagle"
 DEMO_PROMPT = "def read_config(path):\n    with open(path) as f:\n        return"
 
 
+@dataclass
+class _UpFlags:
+    """What `specd up` read from its flags and checked before anything starts."""
+
+    speculative: SpeculativeConfig
+    autoscale: dict  # "verifier" | "drafter" -> AutoscalePolicy
+    tls: TlsConfig | None
+    tokens_file: str | None
+
+
 def cmd_up(args, print_address: bool = True) -> int:
-    import ray
-
-    from specd.orchestrator.scaling import AutoscalePolicy
-
-    from .ray_deploy import DeploymentConfig, deploy
-
     if ray_cluster.read_state():
         print("specd is already up (run `specd down` first); state: " + str(ray_cluster.state_path()), file=sys.stderr)
         return 1
     try:
-        sc = speculative_config_from_args(args)
-        autoscale = {
-            kind: AutoscalePolicy.parse(text)
-            for kind, text in (("verifier", args.autoscale_verifiers), ("drafter", args.autoscale_drafters))
-            if text
-        }
-        # Certificates and tokens are checked here, before Ray starts, with the file named.
-        tls = tls_from_args(args)
-        if tls:
-            tls.check(server=True)
-        tokens_file = str(Path(args.auth_tokens_file).resolve()) if args.auth_tokens_file else None
-        tokens_from_env_and_file(tokens_file)
+        flags = _check_up_flags(args)
     except (ConfigError, SecurityConfigError, OSError, ValueError) as exc:
         print(f"specd up: {exc}", file=sys.stderr)
         return 2
-    # The drafter: --drafter, else the config's `model`, else the demo drafter;
-    # '' deploys none (then only ngram and off can run).
+    problem = _choose_drafter(args, flags.speculative)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    ray_address, ray_pid = _ray_cluster(args)
+    address = _deploy_on_ray(args, flags, ray_address, ray_pid).replace("0.0.0.0", "127.0.0.1")
+    ray_cluster.write_state({"address": address, "ray_address": ray_address, "ray_pid": ray_pid})
+    if print_address:  # stdout carries only the address, for scripts
+        print(address)
+    print(f"specd is up: Generate at {address} (ray {ray_address})", file=sys.stderr)
+    return 0
+
+
+def _check_up_flags(args) -> _UpFlags:
+    """The speculative config, autoscaling policies, TLS and tokens from the
+    flags. Certificates and tokens are checked here, before Ray starts, with
+    the file named."""
+    from specd.orchestrator.scaling import AutoscalePolicy
+
+    sc = speculative_config_from_args(args)
+    autoscale = {
+        kind: AutoscalePolicy.parse(text)
+        for kind, text in (("verifier", args.autoscale_verifiers), ("drafter", args.autoscale_drafters))
+        if text
+    }
+    tls = tls_from_args(args)
+    if tls:
+        tls.check(server=True)
+    tokens_file = str(Path(args.auth_tokens_file).resolve()) if args.auth_tokens_file else None
+    tokens_from_env_and_file(tokens_file)
+    return _UpFlags(sc, autoscale, tls, tokens_file)
+
+
+def _choose_drafter(args, sc: SpeculativeConfig) -> str | None:
+    """Set args.drafter to the drafter to deploy: --drafter, else the config's
+    `model`, else the demo drafter; '' deploys none (then only ngram and off
+    can run). Returns what is wrong with the model directories, if anything."""
     drafter = (
         args.drafter
         if args.drafter is not None
@@ -64,19 +95,33 @@ def cmd_up(args, print_address: bool = True) -> int:
     args.drafter = drafter or None
     for label, d in (("target", args.target), ("drafter", args.drafter)):
         if d and not (Path(d) / "config.json").exists():
-            print(f"--{label} {d}: not a Hugging Face model directory (no config.json)", file=sys.stderr)
-            return 2
+            return f"--{label} {d}: not a Hugging Face model directory (no config.json)"
     if sc.method in DRAFTER_METHODS and not args.drafter:
-        print(f"specd up: speculative_config.method is {sc.method} but no drafter is given", file=sys.stderr)
-        return 2
+        return f"specd up: speculative_config.method is {sc.method} but no drafter is given"
+    return None
+
+
+def _ray_cluster(args) -> tuple[str, int | None]:
+    """(Ray address, pid of the local Ray we started or None): --ray-address,
+    else $RAY_ADDRESS, else a new local cluster."""
     ray_address = args.ray_address or os.environ.get("RAY_ADDRESS")
-    ray_pid = None
-    if not ray_address:
-        ray_address, ray_pid = ray_cluster.start_local_ray()
-        print(f"started a local Ray cluster at {ray_address}", file=sys.stderr)
+    if ray_address:
+        return ray_address, None
+    ray_address, ray_pid = ray_cluster.start_local_ray()
+    print(f"started a local Ray cluster at {ray_address}", file=sys.stderr)
+    return ray_address, ray_pid
+
+
+def _deploy_on_ray(args, flags: _UpFlags, ray_address: str, ray_pid: int | None) -> str:
+    """Deploy the replicas and the orchestrator; the orchestrator's address.
+    A failure stops the local Ray cluster we started."""
+    import ray
+
+    from .ray_deploy import DeploymentConfig, deploy
+
     try:
-        ray.init(address=ray_address, namespace="specd", logging_level="WARNING", log_to_driver=False)
-        address = deploy(
+        ray.init(address=ray_address, namespace="specd", logging_level=logging.WARNING, log_to_driver=False)
+        return deploy(
             DeploymentConfig(
                 target_dir=str(Path(args.target).resolve()),
                 drafter_dir=str(Path(args.drafter).resolve()) if args.drafter else None,
@@ -86,11 +131,11 @@ def cmd_up(args, print_address: bool = True) -> int:
                 device=args.device,
                 dtype=args.dtype,
                 replica_gpus=args.replica_gpus,
-                speculative=sc,
-                autoscale=autoscale,
+                speculative=flags.speculative,
+                autoscale=flags.autoscale,
                 ready_timeout_s=args.ready_timeout,
-                tls=tls,
-                auth_tokens_file=tokens_file,
+                tls=flags.tls,
+                auth_tokens_file=flags.tokens_file,
                 max_message_bytes=args.max_message_bytes,
                 replica_host=args.replica_host,
             )
@@ -99,12 +144,6 @@ def cmd_up(args, print_address: bool = True) -> int:
         if ray_pid:
             ray_cluster.stop_local_ray(ray_pid)
         raise
-    address = address.replace("0.0.0.0", "127.0.0.1")
-    ray_cluster.write_state({"address": address, "ray_address": ray_address, "ray_pid": ray_pid})
-    if print_address:  # stdout carries only the address, for scripts
-        print(address)
-    print(f"specd is up: Generate at {address} (ray {ray_address})", file=sys.stderr)
-    return 0
 
 
 def cmd_down(args) -> int:
@@ -120,7 +159,7 @@ def cmd_down(args) -> int:
 
         from .ray_deploy import teardown
 
-        ray.init(address=state["ray_address"], namespace="specd", logging_level="WARNING", log_to_driver=False)
+        ray.init(address=state["ray_address"], namespace="specd", logging_level=logging.WARNING, log_to_driver=False)
         teardown()
     ray_cluster.clear_state()
     print("specd is down", file=sys.stderr)

@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO
 
 from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
@@ -39,9 +40,11 @@ class ServiceProcess:
         )
         self.lines: list[str] = []
         self.metrics_address: str | None = None
+        out = self.proc.stdout
+        assert out is not None  # stdout=PIPE
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
+            line = out.readline()
             if not line and self.proc.poll() is not None:
                 raise RuntimeError(f"{module} exited early:\n" + "".join(self.lines))
             self.lines.append(line)
@@ -56,7 +59,11 @@ class ServiceProcess:
             self.stop()
             raise TimeoutError(f"{module} did not start:\n" + "".join(self.lines))
         # Drain output in the background so the pipe never fills up.
-        threading.Thread(target=lambda: [self.lines.append(line) for line in self.proc.stdout], daemon=True).start()
+        threading.Thread(target=self._drain, args=(out,), daemon=True).start()
+
+    def _drain(self, out: IO[str]) -> None:
+        for line in out:
+            self.lines.append(line)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -119,9 +126,10 @@ class Stack:
         self.channel = open_channel(self.orchestrator.address, client_tls)
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
 
-    def generate(self, metadata=None, **fields) -> tuple[list[int], pb.GenerateResponse]:
-        """Run one Generate; return (all token ids, the final response)."""
-        ids, last = [], None
+    def generate(self, metadata=None, **fields) -> tuple[list[int], pb.GenerateResponse | None]:
+        """Run one Generate; return (all token ids, the final response; None if none came)."""
+        ids: list[int] = []
+        last = None
         for r in self.stub.Generate(pb.GenerateRequest(**fields), timeout=120, metadata=metadata):
             ids += r.token_ids
             last = r

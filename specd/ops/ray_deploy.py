@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -74,15 +73,17 @@ class ModelServiceActor:
         # The services default to loopback, which the orchestrator on another
         # node could not reach: bind this node's IP unless told otherwise.
         config_fields = dict(config_fields, host=config_fields.get("host") or ray.util.get_node_ip_address())
+        config: VerifierConfig | DrafterConfig
         if kind == "verifier":
-            from specd.verifier.server import start
+            from specd.verifier.server import start as start_verifier
 
             config = VerifierConfig(**config_fields)
+            self.server, self.port = start_verifier(config)
         else:
-            from specd.drafter.server import start
+            from specd.drafter.server import start as start_drafter
 
             config = DrafterConfig(**config_fields)
-        self.server, self.port = start(config)
+            self.server, self.port = start_drafter(config)
         # The address the orchestrator dials: the bound host, or this node's IP
         # when bound to every interface.
         self.host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
@@ -140,7 +141,9 @@ def _replica(cfg: DeploymentConfig, kind: str, name: str):
     resource = cfg.verifier_resource if kind == "verifier" else cfg.drafter_resource
     # Restarted with the same arguments after its process dies; its new server
     # listens on a new port, which the orchestrator asks for (RayLauncher.locate).
-    return ModelServiceActor.options(
+    # At run time @ray.remote made the class an ActorClass (with .options);
+    # mypy keeps a decorated class's own type: a class decorator cannot change it.
+    return ModelServiceActor.options(  # type: ignore[attr-defined]
         name=name,
         namespace=NAMESPACE,
         lifetime="detached",
@@ -173,11 +176,12 @@ class RayLauncher:
         }
 
     def _new_name(self, kind: str) -> str:
-        for i in itertools.count():
-            name = f"specd-{kind}-{i}"
-            if name not in self._taken:
-                self._taken.add(name)
-                return name
+        i = 0
+        while f"specd-{kind}-{i}" in self._taken:
+            i += 1
+        name = f"specd-{kind}-{i}"
+        self._taken.add(name)
+        return name
 
     async def start(self, kind: str) -> ReplicaSpec:
         name = self._new_name(kind)
@@ -251,7 +255,7 @@ def deploy(cfg: DeploymentConfig) -> str:
     # an actor asking for no resources could land anywhere, and clients are told
     # to reach Generate on the head.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    orch = OrchestratorActor.options(
+    orch = OrchestratorActor.options(  # type: ignore[attr-defined]  # an ActorClass at run time (see _replica)
         name=ORCHESTRATOR_NAME,
         namespace=NAMESPACE,
         lifetime="detached",

@@ -103,7 +103,7 @@ class DraftShape:
                 return None
             shape = DraftShape(node_budget=min(self.node_budget, max_nodes), max_depth=self.max_depth, top_k=self.top_k)
         for d in range(shape.depth, 0, -1):
-            cut = shape.truncated(d)
+            cut = shape._cut(d)
             if cut.max_nodes <= max_nodes and cut.forward_rows <= max_rows:
                 return cut
         return None
@@ -131,8 +131,10 @@ class DraftShape:
     def truncated(self, depth: int) -> DraftShape | None:
         """The same shape cut to at most `depth` levels (None if depth < 1): near the
         end of max_new_tokens or of a context there is no room for deep drafts."""
-        if depth < 1:
-            return None
+        return self._cut(depth) if depth >= 1 else None
+
+    def _cut(self, depth: int) -> DraftShape:
+        """truncated(depth) for depth >= 1."""
         if self.dynamic:
             return DraftShape(node_budget=self.node_budget, max_depth=min(self.max_depth, depth), top_k=self.top_k)
         if self.paths:

@@ -24,8 +24,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 from specd.errors import CapacityExceeded
+
+
+class Job(Protocol):
+    """A checked call waiting for its batch (ProposeJob, VerifyJob, OpenJob)."""
+
+    @property
+    def session_id(self) -> str: ...
 
 
 class Batcher:
@@ -45,13 +53,13 @@ class Batcher:
         self.name, self.max_queued = name, max_queued
         self.active_sessions, self.wait_fraction = active_sessions, wait_fraction
         self._last_run_s = 0.0  # the last batch's run time: what the window is a fraction of
-        self._queue: collections.deque[tuple[object, Future]] = collections.deque()
+        self._queue: collections.deque[tuple[Job, Future]] = collections.deque()
         self._ready = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"{name}-batcher")
         self._thread.start()
 
-    def submit(self, job) -> Future:
+    def submit(self, job: Job) -> Future:
         future: Future = Future()
         with self._ready:
             if self._stopped:
@@ -67,12 +75,14 @@ class Batcher:
             self._ready.notify()
         return future
 
-    def _take(self) -> list[tuple[object, Future]]:
+    def _take(self) -> list[tuple[Job, Future]]:
         with self._ready:
             while not self._queue and not self._stopped:
                 self._ready.wait()
             self._gather()
-            batch, later, sessions = [], [], set()
+            batch: list[tuple[Job, Future]] = []
+            later: list[tuple[Job, Future]] = []
+            sessions: set[str] = set()
             while self._queue and len(batch) < self.max_sessions:
                 item = self._queue.popleft()
                 # A second call of a session waits for the next batch: it builds

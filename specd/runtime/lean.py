@@ -22,6 +22,8 @@ only the softmax's arithmetic is more precise than a bf16 cache's.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +40,17 @@ def supports(config) -> bool:
         and (config.model_type == "qwen2" or not getattr(config, "attention_bias", False))
         and not getattr(config, "use_sliding_window", False)
     )
+
+
+class _Plan(NamedTuple):
+    """One item of a batched forward: where its rows go and how they attend."""
+
+    session: LeanSession
+    n: int  # rows it adds
+    start: int  # its cache length before them
+    end: int
+    attn_mask: torch.Tensor | None  # additive, (1, 1, n, end); None: see causal
+    causal: bool  # without a mask: causal over the new rows (no cached rows before)
 
 
 class LeanModel:
@@ -134,65 +147,87 @@ class LeanModel:
         item's last-layer hidden states before the final norm, (n, C), every
         row even with last_only - the features an EAGLE head reads (and, for a
         head built on this class, the features it predicts)."""
-        hd, nh, nkv, kvt = self.head_dim, self.n_heads, self.n_kv, self.kv_dtype
-        plans, ids, positions_all = [], [], []
+        plans, pos = self._plan(items)
+        sizes = [p.n for p in plans]
+        rows = sum(sizes)
+        for i, L in enumerate(self.layers):
+            x = x + self._attention(i, L, x, plans, pos, rows)
+            x = x + self._mlp(L, x)
+        for p in plans:
+            p.session.length = p.end
+        states = list(x.split(sizes)) if hidden else None  # (n, C) per session
+        logits = self._logits(x, sizes, last_only)
+        return (logits, states) if hidden else logits
+
+    def _plan(self, items: list) -> tuple[list[_Plan], torch.Tensor]:
+        """Each item's cache rows (reserved now) and attention mask, and the
+        RoPE positions of all rows, (R,)."""
+        plans, positions_all = [], []
         for s, token_ids, positions, mask in items:
             n, start = len(token_ids), s.length
             end = start + n
             s.reserve(end)
-            pos = positions if positions is not None else torch.arange(start, end, device=self.device)
-            causal = False
-            if mask is not None:
-                attn_mask = mask.to(kvt)[None, None]  # (1, 1, n, end)
-            elif n > 1 and start > 0:
-                # Causal over the new rows, full attention to the past.
-                attn_mask = torch.full((n, end), float("-inf"), dtype=kvt, device=self.device)
-                attn_mask[:, :start] = 0
-                attn_mask[:, start:] = torch.triu(attn_mask[:, start:], diagonal=1)
-                attn_mask = attn_mask[None, None]
-            else:
-                attn_mask, causal = None, n > 1
-            plans.append((s, n, start, end, attn_mask, causal))
-            positions_all.append(pos)
-            ids += token_ids
-        sizes = [p[1] for p in plans]
-        rows = len(ids)
-        pos = positions_all[0] if len(items) == 1 else torch.cat(positions_all)  # (R,)
-        for i, L in enumerate(self.layers):
-            h = self._rms(x, L["ln1"])
-            qkv = F.linear(h, L["qkv_w"], L["qkv_b"])  # (R, (nh+2nkv)*hd)
-            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            # RoPE and the cast to the cache's dtype once over every session's rows.
-            q = self._rope(q.view(rows, nh, hd), pos).to(kvt).transpose(0, 1)  # (nh, R, hd)
-            k = self._rope(k.view(rows, nkv, hd), pos).to(kvt).transpose(0, 1)  # (nkv, R, hd)
-            v = v.view(rows, nkv, hd).to(kvt).transpose(0, 1)
-            ys, r0 = [], 0
-            for s, n, start, end, attn_mask, causal in plans:
-                s.kv[i, 0, :, start:end] = k[:, r0 : r0 + n]
-                s.kv[i, 1, :, start:end] = v[:, r0 : r0 + n]
-                # 4-D (batch of 1): with 3-D inputs PyTorch's CPU dispatch takes the
-                # unfused "math" attention, ~3.5x slower per call here (334 vs 94 us
-                # for 5 queries x 155 keys), and a batched verify makes a call per
-                # session and layer.
-                ys.append(
-                    F.scaled_dot_product_attention(
-                        q[None, :, r0 : r0 + n],
-                        s.kv[i, 0, None, :, :end],
-                        s.kv[i, 1, None, :, :end],
-                        attn_mask=attn_mask,
-                        is_causal=causal,
-                        enable_gqa=nh != nkv,
-                    )[0]
-                )  # (nh, n, hd)
-                r0 += n
-            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # (nh, R, hd)
-            x = x + F.linear(y.transpose(0, 1).reshape(rows, nh * hd).to(x.dtype), L["o"])
-            h = self._rms(x, L["ln2"])
-            gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L["down"])
-        for s, _n, _start, end, *_ in plans:
-            s.length = end
-        states = list(x.split(sizes)) if hidden else None  # (n, C) per session
+            positions_all.append(positions if positions is not None else torch.arange(start, end, device=self.device))
+            attn_mask, causal = self._attn_mask(mask, n, start, end)
+            plans.append(_Plan(s, n, start, end, attn_mask, causal))
+        pos = positions_all[0] if len(items) == 1 else torch.cat(positions_all)
+        return plans, pos
+
+    def _attn_mask(self, mask: torch.Tensor | None, n: int, start: int, end: int) -> tuple[torch.Tensor | None, bool]:
+        """(additive mask (1, 1, n, end) or None, is_causal) for n new rows after start cached ones."""
+        kvt = self.kv_dtype
+        if mask is not None:
+            return mask.to(kvt)[None, None], False
+        if n > 1 and start > 0:
+            # Causal over the new rows, full attention to the past.
+            attn_mask = torch.full((n, end), float("-inf"), dtype=kvt, device=self.device)
+            attn_mask[:, :start] = 0
+            attn_mask[:, start:] = torch.triu(attn_mask[:, start:], diagonal=1)
+            return attn_mask[None, None], False
+        return None, n > 1
+
+    def _attention(self, i: int, L: dict, x: torch.Tensor, plans: list[_Plan], pos: torch.Tensor, rows: int):
+        """Layer i's attention block over all rows: its output projection, (R, C).
+        Writes each session's new keys and values into its cache rows."""
+        hd, nh, nkv, kvt = self.head_dim, self.n_heads, self.n_kv, self.kv_dtype
+        h = self._rms(x, L["ln1"])
+        qkv = F.linear(h, L["qkv_w"], L["qkv_b"])  # (R, (nh+2nkv)*hd)
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        # RoPE and the cast to the cache's dtype once over every session's rows.
+        q = self._rope(q.view(rows, nh, hd), pos).to(kvt).transpose(0, 1)  # (nh, R, hd)
+        k = self._rope(k.view(rows, nkv, hd), pos).to(kvt).transpose(0, 1)  # (nkv, R, hd)
+        v = v.view(rows, nkv, hd).to(kvt).transpose(0, 1)
+        ys, r0 = [], 0
+        for s, n, start, end, attn_mask, causal in plans:
+            s.kv[i, 0, :, start:end] = k[:, r0 : r0 + n]
+            s.kv[i, 1, :, start:end] = v[:, r0 : r0 + n]
+            # 4-D (batch of 1): with 3-D inputs PyTorch's CPU dispatch takes the
+            # unfused "math" attention, ~3.5x slower per call here (334 vs 94 us
+            # for 5 queries x 155 keys), and a batched verify makes a call per
+            # session and layer.
+            ys.append(
+                F.scaled_dot_product_attention(
+                    q[None, :, r0 : r0 + n],
+                    s.kv[i, 0, None, :, :end],
+                    s.kv[i, 1, None, :, :end],
+                    attn_mask=attn_mask,
+                    is_causal=causal,
+                    enable_gqa=nh != nkv,
+                )[0]
+            )  # (nh, n, hd)
+            r0 += n
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # (nh, R, hd)
+        return F.linear(y.transpose(0, 1).reshape(rows, nh * hd).to(x.dtype), L["o"])
+
+    def _mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP block (SwiGLU), (R, C)."""
+        h = self._rms(x, L["ln2"])
+        gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, L["down"])
+
+    def _logits(self, x: torch.Tensor, sizes: list[int], last_only: bool | list[bool]) -> list[torch.Tensor]:
+        """Final norm and LM head over the rows wanted: every row, or each
+        item's last where last_only says so; one (n or 1, V) float tensor per item."""
         if last_only:
             flags = last_only if isinstance(last_only, list) else [True] * len(sizes)
             if all(flags):
@@ -202,8 +237,7 @@ class LeanModel:
                 keep = [r for n, e, last in zip(sizes, ends, flags) for r in ((e - 1,) if last else range(e - n, e))]
                 x = x[torch.tensor(keep, device=self.device)]
             sizes = [1 if last else n for n, last in zip(sizes, flags)]
-        logits = list(F.linear(self._rms(x, self.norm), self.lm_head).float().split(sizes))
-        return (logits, states) if hidden else logits
+        return list(F.linear(self._rms(x, self.norm), self.lm_head).float().split(sizes))
 
 
 class LeanSession:

@@ -14,7 +14,7 @@ from specd.errors import CapacityExceeded, InvalidRequest, SessionExpired, Unkno
 from specd.rules.sampling import SamplingParams
 from specd.rules.validation import check_token_ids
 
-from .models import Runner, context_length, load_model, vocab_size
+from .models import ModelRunner, Runner, context_length, load_model, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class ModelCore:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.model = model if model is not None else load_model(config.model_dir, config.device, config.dtype)
-        self.runner = Runner(self.model, config.engine)
+        self.runner: ModelRunner = Runner(self.model, config.engine)
         self.vocab_size = vocab_size(self.model)
         self.context_length = context_length(self.model.config)
         self._sessions: dict = {}

@@ -6,10 +6,15 @@ AutoModelForCausalLM / AutoTokenizer .from_pretrained(DIR). No hub access.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from specd.rules.tree import compact_cache
+
+if TYPE_CHECKING:
+    from .lean import LeanModel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -26,7 +31,8 @@ def load_model(model_dir: str, device: str = "auto", dtype: str = "float32"):
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
-    return model.to(resolve_device(device)).eval()
+    # transformers types its `to` (functools.wraps on a method) as if unbound.
+    return model.to(resolve_device(device)).eval()  # type: ignore[arg-type]
 
 
 def load_tokenizer(model_dir: str):
@@ -51,6 +57,40 @@ def vocab_size(model) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
+class ModelSession(Protocol):
+    """One session's KV cache as the cores and the tree builders use it:
+    a LeanSession, a SessionCache, or the EAGLE head's HeadSession."""
+
+    @property
+    def length(self) -> int: ...
+
+    def forward(
+        self,
+        token_ids: list[int],
+        last_only: bool = False,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def compact(self, start: int, keep: list[int]) -> None: ...
+
+
+class ModelRunner(Protocol):
+    """What the drafter core and the tree builders use of a runner: a Runner,
+    or the EAGLE head's HeadRunner (which has no Hugging Face fallback)."""
+
+    engine: str
+
+    @property
+    def lean(self) -> LeanModel | None: ...
+
+    def new_session(self) -> ModelSession: ...
+
+    def forward_batch(self, items: list, last_only: bool = False) -> list[torch.Tensor]: ...
+
+
 class Runner:
     """A loaded model and the way its sessions run: the lean forward
     (specd.runtime.lean) where the architecture is supported, else Hugging Face's."""
@@ -66,7 +106,7 @@ class Runner:
         self.lean = lean.LeanModel(model) if engine != "hf" and lean.supports(model.config) else None
         self.engine = "lean" if self.lean else "hf"
 
-    def new_session(self):
+    def new_session(self) -> ModelSession:
         return self.lean.new_session() if self.lean else SessionCache(self.model)
 
     def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool = False):
@@ -114,6 +154,7 @@ class SessionCache:
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.model.device)
         extra = {}
         if mask is not None:
+            assert positions is not None  # a tree's mask comes with its nodes' positions
             extra["attention_mask"] = mask.to(self.model.dtype)[None, None]  # (1, 1, n, past+n)
             extra["position_ids"] = positions[None]
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0, **extra)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import REGISTRY, Counter, disable_created_metrics, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 # No `*_created` series per counter/histogram (as vLLM): noise for dashboards.
 disable_created_metrics()
-_made: dict[str, object] = {}
+_made: dict[str, MetricWrapperBase] = {}
 _lock = threading.Lock()
 
 # Latency buckets (seconds): vLLM's, with a few below 10 ms for small models.
@@ -136,6 +137,7 @@ class SpecDecodeCounters:
         if accepted:
             acc.inc(accepted)
             if len(per_pos) < accepted:
+                assert self.per_pos is not None  # accepted counts come only with acceptance=True
                 with _lock:  # sync servers observe from many threads
                     while len(per_pos) < accepted:
                         per_pos.append(self.per_pos.labels(*labels, str(len(per_pos))))

@@ -33,6 +33,7 @@ from specd.rules.tree import (
 from specd.rules.validation import check_token_ids
 from specd.runtime.features import HiddenStates
 from specd.runtime.model_core import ModelCore
+from specd.runtime.models import ModelSession, Runner
 from specd.runtime.phases import Phases
 
 from .config import VerifierConfig
@@ -76,7 +77,7 @@ class OpenJob:
 
 @dataclass
 class _Session:
-    cache: object  # a Runner session: forward / rollback / compact / length
+    cache: ModelSession
     params: SamplingParams
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
@@ -89,6 +90,7 @@ def is_chain(tree: TokenTree) -> bool:
 
 class Verifier(ModelCore):
     role = "verifier"
+    runner: Runner  # ModelCore's own: the verifier's forwards also return hidden states
 
     def __init__(self, config: VerifierConfig, model=None):
         super().__init__(config, model)
@@ -212,7 +214,8 @@ class Verifier(ModelCore):
             live, refused = self._still_valid(
                 self._live([j for j in jobs if not isinstance(j, OpenJob)]), self._check_room_left
             )
-            admitted, kv = [], self.kv_tokens
+            admitted: list[tuple[OpenJob, _Session]] = []
+            kv = self.kv_tokens
             for j in opens:
                 try:
                     admitted.append((j, self._admit(j, kv, len(admitted))))
