@@ -31,7 +31,7 @@ from specd.net.wire import (
 )
 from specd.telemetry import tracing
 
-from .loop import Draft, Verdict
+from .records import Draft, Verdict
 
 
 class ServiceError(Exception):

@@ -19,10 +19,11 @@ from .clients import GrpcDrafter, GrpcVerifier
 from .config import OrchestratorConfig
 from .detok import OutputTracker
 from .failover import FailoverDrafter, FailoverVerifier
-from .loop import Chunk, run_generation
+from .loop import run_generation
 from .metrics import OrchestratorMetrics
 from .ngram_drafter import NgramDrafter
 from .pool import Pool, ReplicaSpec
+from .records import Chunk
 from .request import build_spec
 from .scaling import Launcher, Scaler
 from .spec_config import DRAFTER_METHODS

@@ -30,7 +30,7 @@ lost in its pool (no new sessions) until the scaler finds it serving again
 `max_failovers` times, so a flapping cluster cannot keep a stream looping.
 
 FailoverVerifier / FailoverDrafter have the loop's client interfaces
-(loop.VerifierClient / DrafterClient), so the loop does not know about any of
+(ports.VerifierClient / DrafterClient), so the loop does not know about any of
 this; the committed tokens come from the caller (`committed()`).
 """
 
@@ -47,8 +47,8 @@ import grpc
 from specd.errors import CapacityExceeded
 
 from .clients import ServiceError
-from .loop import Draft, Verdict
 from .pool import Pool
+from .records import Draft, Verdict
 
 log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1

@@ -13,7 +13,7 @@ import time
 from specd.rules.ngram import propose_ngram
 from specd.telemetry import tracing
 
-from .loop import Draft
+from .records import Draft
 
 
 class NgramDrafter:
