@@ -26,7 +26,7 @@ CycleRecord per cycle, that the edge reports as span attributes and metrics.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from .adaptive import CostModel
 from .depth import DraftShaper, depth_policy, draft_budget, learn_costs
@@ -111,7 +111,7 @@ async def run_generation(
     drafter_ctx: int,
     trace: NoTrace = NO_TRACE,
     costs: CostModel | None = None,
-) -> AsyncIterator[Chunk]:
+) -> AsyncGenerator[Chunk, None]:
     """costs: the orchestrator's shared cost model; it learns from every cycle
     and, for an adaptive request, chooses the depth of the next."""
     costs = costs or CostModel()
