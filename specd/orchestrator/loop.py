@@ -112,8 +112,10 @@ async def run_generation(
     trace: NoTrace = NO_TRACE,
     costs: CostModel | None = None,
 ) -> AsyncGenerator[Chunk, None]:
-    """costs: the orchestrator's shared cost model; it learns from every cycle
-    and, for an adaptive request, chooses the depth of the next."""
+    """Open the session, then per cycle: draft, verify, commit and stream,
+    learn; close it however the stream ends. costs: the orchestrator's shared
+    cost model; it learns from every cycle and, for an adaptive request,
+    chooses the depth of the next."""
     costs = costs or CostModel()
     drafter = drafter if spec.shape is not None else None  # no shape: plain decoding, drafter unused
     depth = depth_policy(spec.shape.depth if spec.shape else 0, spec.adaptive and drafter is not None, costs)
