@@ -12,7 +12,7 @@ import signal
 
 from specd.net.auth import tokens_from_env_and_file
 from specd.net.grpc_util import MAX_MESSAGE_BYTES
-from specd.net.security import SecurityConfigError, add_tls_flags, tls_from_args
+from specd.net.security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
 from specd.telemetry import metrics, tracing
 
 from .config import OrchestratorConfig
@@ -20,7 +20,7 @@ from .server import start_async
 from .spec_config import add_speculative_flags, speculative_config_from_args
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m specd.orchestrator")
     p.add_argument("--target", required=True, help="target model dir (tokenizer, context length)")
     p.add_argument("--drafter", help="drafter model dir")
@@ -51,17 +51,11 @@ def main(argv=None):
         help="concurrent Generate streams; past it RESOURCE_EXHAUSTED",
     )
     add_speculative_flags(p)
-    args = p.parse_args(argv)
-    try:
-        tls = tls_from_args(args)
-        if tls:
-            tls.check(server=True)
-        tokens_from_env_and_file(args.auth_tokens_file)  # fail now, naming the file
-    except SecurityConfigError as exc:
-        p.exit(2, f"orchestrator: {exc}\n")
-    logging.basicConfig(level=logging.INFO)
-    tracing.setup("orchestrator")  # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
-    config = OrchestratorConfig(
+    return p
+
+
+def config_from_args(args: argparse.Namespace, tls: TlsConfig | None) -> OrchestratorConfig:
+    return OrchestratorConfig(
         target_dir=args.target,
         drafter_dir=args.drafter,
         host=args.host,
@@ -76,21 +70,35 @@ def main(argv=None):
         max_active_requests=args.max_active_requests,
     )
 
-    async def serve():
-        if args.metrics_port is not None:
-            # Before the "listening on" line, which tests and scripts wait for.
-            print(f"orchestrator metrics on {config.host}:{metrics.serve(args.metrics_port, config.host)}", flush=True)
-        serving = await start_async(config)
-        port = serving.port
-        print(f"orchestrator listening on {config.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
-        print("orchestrator draining", flush=True)
-        await serving.drain_and_stop(config.shutdown_grace_s)
 
-    asyncio.run(serve())
+async def serve(config: OrchestratorConfig, metrics_port: int | None) -> None:
+    """Serve until SIGTERM / SIGINT, then drain."""
+    if metrics_port is not None:
+        # Before the "listening on" line, which tests and scripts wait for.
+        print(f"orchestrator metrics on {config.host}:{metrics.serve(metrics_port, config.host)}", flush=True)
+    serving = await start_async(config)
+    print(f"orchestrator listening on {config.host}:{serving.port}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("orchestrator draining", flush=True)
+    await serving.drain_and_stop(config.shutdown_grace_s)
+
+
+def main(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        tls = tls_from_args(args)
+        if tls:
+            tls.check(server=True)
+        tokens_from_env_and_file(args.auth_tokens_file)  # fail now, naming the file
+    except SecurityConfigError as exc:
+        p.exit(2, f"orchestrator: {exc}\n")
+    logging.basicConfig(level=logging.INFO)
+    tracing.setup("orchestrator")  # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
+    asyncio.run(serve(config_from_args(args, tls), args.metrics_port))
     tracing.shutdown()  # export the spans still queued
 
 

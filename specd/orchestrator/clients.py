@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any, ClassVar
 
 import grpc
 
@@ -31,7 +33,7 @@ from specd.net.wire import (
 )
 from specd.telemetry import tracing
 
-from .loop import Draft, Verdict
+from .records import Draft, Verdict
 
 
 class ServiceError(Exception):
@@ -51,19 +53,18 @@ class StreamMux:
     The stream opens on first use and reopens after it breaks; a break fails
     every request in flight with the stream's status."""
 
-    def __init__(self, open_stream):
+    def __init__(self, open_stream: Callable[[AsyncIterator], Any]) -> None:
         self._open_stream = open_stream
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._queue: asyncio.Queue | None = None
 
     async def call(self, request, timeout: float):
-        if self._queue is None:
-            self._start()
+        queue = self._queue if self._queue is not None else self._start()
         request.request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = future
-        self._queue.put_nowait(request)
+        queue.put_nowait(request)
         try:
             response = await asyncio.wait_for(future, timeout)
         finally:
@@ -72,14 +73,16 @@ class StreamMux:
             raise ServiceError(_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN), response.error.message)
         return response
 
-    def _start(self) -> None:
-        queue = self._queue = asyncio.Queue()
+    def _start(self) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
 
         async def requests():
             while (item := await queue.get()) is not None:
                 yield item
 
         self._reader = asyncio.ensure_future(self._read(self._open_stream(requests()), queue))
+        return queue
 
     async def _read(self, stream, queue) -> None:
         error: Exception = ServiceError(grpc.StatusCode.UNAVAILABLE, "stream to the replica ended")
@@ -105,8 +108,9 @@ class StreamMux:
 
 
 class _Client:
-    stub_cls = None
+    stub_cls: ClassVar[type[Any]]  # the service's generated stub class
     service = ""  # the grpc service name, for span attributes
+    mux: StreamMux  # the subclass's per-cycle stream
 
     def __init__(
         self, address: str, timeout_s: float, tls: TlsConfig | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -19,11 +19,13 @@ from .clients import GrpcDrafter, GrpcVerifier
 from .config import OrchestratorConfig
 from .detok import OutputTracker
 from .failover import FailoverDrafter, FailoverVerifier
-from .loop import Chunk, run_generation
+from .loop import run_generation
 from .metrics import OrchestratorMetrics
 from .ngram_drafter import NgramDrafter
 from .pool import Pool, ReplicaSpec
-from .request import build_spec
+from .ports import DrafterClient, NoTrace
+from .records import Chunk
+from .request import GenerationSpec, build_spec
 from .scaling import Launcher, Scaler
 from .spec_config import DRAFTER_METHODS
 from .tracing import request_trace
@@ -95,7 +97,7 @@ class Orchestrator:
         self.draining = False  # set on shutdown: new requests refused, running ones finish
         # Verify / draft costs and acceptance per level, learnt from every cycle
         # (adaptive depth); per method, since ngram and a drafter differ.
-        self.costs = collections.defaultdict(CostModel)
+        self.costs: collections.defaultdict[str, CostModel] = collections.defaultdict(CostModel)
 
     def client_for(self, spec: ReplicaSpec):
         cls = GrpcVerifier if spec.kind == "verifier" else GrpcDrafter
@@ -106,71 +108,28 @@ class Orchestrator:
             max_message_bytes=self.config.max_message_bytes,
         )
 
-    async def generate(self, request, trace_context=None) -> AsyncIterator[Chunk]:
+    async def generate(self, request, trace_context=None) -> AsyncGenerator[Chunk, None]:
         """Run one request; trace_context: the caller's (from its gRPC metadata)."""
-        if self.draining:
-            raise ShuttingDown("the orchestrator is shutting down and takes no new requests; retry on another instance")
-        if self.active_requests >= self.config.max_active_requests:
-            raise CapacityExceeded(
-                f"orchestrator is at its limit of {self.config.max_active_requests} concurrent requests; retry later"
-            )
+        self._admit()
         session_id = uuid.uuid4().hex
         trace = request_trace(trace_context, self.model_name, session_id)  # no-op unless tracing is on
         metrics = self.metrics.request()
         self.active_requests += 1
-        chunk, used = None, []
+        chunk: Chunk | None = None
+        used: list[FailoverVerifier | FailoverDrafter] = []
         try:
-            # Lost drafters count: they may be back (restarted) before the session
-            # needs them, and without one it runs as plain decoding anyway.
-            spec = build_spec(
-                request,
-                self.config,
-                self.tokenizer,
-                self.vocab_size,
-                self.target_ctx,
-                has_drafter=any(not r.draining for r in self.pools["drafter"].replicas.values()),
-                drafter_method=self.drafter_method,
-            )
+            spec = self._spec(request)
             trace.describe(spec)
             tracker = OutputTracker(
                 self.tokenizer, self.eos_ids, spec.max_new_tokens, self.target_ctx - len(spec.prompt_ids), spec.stop
             )
-
-            # Least-loaded replicas; the session keeps them to its end, or until
-            # one is lost: then it moves, rebuilt from what was committed.
-            def committed() -> list[int]:
-                return spec.prompt_ids + tracker.ids
-
-            verifier = FailoverVerifier(self.pools["verifier"], committed, self.config.max_failovers)
-            used.append(verifier)
-            drafter = None
-            if spec.method == "ngram":
-                drafter = self.ngram
-            elif spec.method in DRAFTER_METHODS:
-                # An eagle drafter cannot be rebuilt elsewhere: it needs the target's
-                # features of every committed token, which are not kept here.
-                drafter = FailoverDrafter(
-                    self.pools["drafter"], committed, self.config.max_failovers, rebuild=not spec.features
-                )
-                used.append(drafter)
+            verifier, drafter, used = self._clients(spec, tracker)
             # aclosing: when this generator is closed or cancelled while the loop
             # is suspended at a yield, close the loop NOW so that its `finally`
             # frees the sessions on the replicas; otherwise that waits for the
             # garbage collector and cancelled streams leave sessions open
             # (tests/test_cancellation.py).
-            async with contextlib.aclosing(
-                run_generation(
-                    spec,
-                    session_id,
-                    verifier,
-                    drafter,
-                    tracker,
-                    self.target_ctx,
-                    self.drafter_ctx,
-                    trace,
-                    self.costs[spec.method],
-                )
-            ) as chunks:
+            async with contextlib.aclosing(self._loop(spec, session_id, verifier, drafter, tracker, trace)) as chunks:
                 async for chunk in chunks:
                     metrics.observe(chunk, spec.method)
                     yield chunk
@@ -184,6 +143,66 @@ class Orchestrator:
             self.active_requests -= 1
             for client in used:
                 client.release()
+
+    def _admit(self) -> None:
+        """Refuse a request when shutting down or at the concurrency limit."""
+        if self.draining:
+            raise ShuttingDown("the orchestrator is shutting down and takes no new requests; retry on another instance")
+        if self.active_requests >= self.config.max_active_requests:
+            raise CapacityExceeded(
+                f"orchestrator is at its limit of {self.config.max_active_requests} concurrent requests; retry later"
+            )
+
+    def _spec(self, request) -> GenerationSpec:
+        # Lost drafters count: they may be back (restarted) before the session
+        # needs them, and without one it runs as plain decoding anyway.
+        return build_spec(
+            request,
+            self.config,
+            self.tokenizer,
+            self.vocab_size,
+            self.target_ctx,
+            has_drafter=any(not r.draining for r in self.pools["drafter"].replicas.values()),
+            drafter_method=self.drafter_method,
+        )
+
+    def _clients(
+        self, spec: GenerationSpec, tracker: OutputTracker
+    ) -> tuple[FailoverVerifier, DrafterClient | None, list[FailoverVerifier | FailoverDrafter]]:
+        """The session's verifier and drafter (None: plain decoding), and the
+        leases among them to release at its end. Least-loaded replicas; the
+        session keeps them to its end, or until one is lost: then it moves,
+        rebuilt from what was committed."""
+
+        def committed() -> list[int]:
+            return spec.prompt_ids + tracker.ids
+
+        verifier = FailoverVerifier(self.pools["verifier"], committed, self.config.max_failovers)
+        if spec.method == "ngram":
+            return verifier, self.ngram, [verifier]
+        if spec.method in DRAFTER_METHODS:
+            # An eagle drafter cannot be rebuilt elsewhere: it needs the target's
+            # features of every committed token, which are not kept here.
+            drafter = FailoverDrafter(
+                self.pools["drafter"], committed, self.config.max_failovers, rebuild=not spec.features
+            )
+            return verifier, drafter, [verifier, drafter]
+        return verifier, None, [verifier]
+
+    def _loop(
+        self,
+        spec: GenerationSpec,
+        session_id: str,
+        verifier: FailoverVerifier,
+        drafter: DrafterClient | None,
+        tracker: OutputTracker,
+        trace: NoTrace,
+    ) -> AsyncGenerator[Chunk, None]:
+        # The cost model is per method: ngram and a drafter differ.
+        costs = self.costs[spec.method]
+        return run_generation(
+            spec, session_id, verifier, drafter, tracker, self.target_ctx, self.drafter_ctx, trace, costs
+        )
 
     async def scale(self, counts: dict[str, int]) -> None:
         """Bring each named pool to that many serving replicas (admin API)."""

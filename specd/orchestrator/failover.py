@@ -30,7 +30,7 @@ lost in its pool (no new sessions) until the scaler finds it serving again
 `max_failovers` times, so a flapping cluster cannot keep a stream looping.
 
 FailoverVerifier / FailoverDrafter have the loop's client interfaces
-(loop.VerifierClient / DrafterClient), so the loop does not know about any of
+(ports.VerifierClient / DrafterClient), so the loop does not know about any of
 this; the committed tokens come from the caller (`committed()`).
 """
 
@@ -41,14 +41,15 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
 from specd.errors import CapacityExceeded
 
 from .clients import ServiceError
-from .loop import Draft, Verdict
-from .pool import Pool
+from .pool import Pool, Replica
+from .records import Draft, Verdict
 
 log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1
@@ -88,8 +89,16 @@ class _Lease:
 
     def __init__(self, pool: Pool):
         self.pool = pool
-        self.replica = self.client = None
+        self.replica: Replica | None = None
+        self.client: Any = None  # the replica's client when acquired (revive may swap the replica's since)
         self.failovers = 0
+
+    @property
+    def held(self) -> Replica:
+        """The leased replica (between acquire and release)."""
+        if self.replica is None:
+            raise RuntimeError(f"no {self.pool.kind} replica is leased")
+        return self.replica
 
     def acquire(self) -> None:
         """The least-loaded serving replica (CapacityExceeded when none)."""
@@ -102,7 +111,7 @@ class _Lease:
             self.replica = self.client = None
 
     def lose(self, session_id: str, exc: ServiceError) -> None:
-        r, client = self.replica, self.client
+        r, client = self.held, self.client
         if Pool.mark_lost(r, client):
             log.warning(
                 "%s %s at %s lost (%s): no new sessions go there",
@@ -180,7 +189,7 @@ class FailoverVerifier:
             log.info(
                 "session %s resumed on verifier %s after %d tokens",
                 session_id,
-                self.lease.replica.spec.name,
+                self.lease.held.spec.name,
                 len(tokens),
             )
             return
@@ -188,7 +197,8 @@ class FailoverVerifier:
     def _lose_or_raise(self, session_id: str, exc: ServiceError) -> None:
         if not is_lost(exc):
             raise exc
-        self._last_loss = f"{self.lease.replica.spec.name} at {self.lease.replica.spec.address}: {exc.message}"
+        spec = self.lease.held.spec
+        self._last_loss = f"{spec.name} at {spec.address}: {exc.message}"
         self.lease.lose(session_id, exc)
         if self.lease.failovers > self.max_failovers:
             raise ServiceError(
@@ -302,7 +312,7 @@ class FailoverDrafter:
                 # is not worth ending the stream for.
                 log.warning(
                     "drafter %s refused to rebuild session %s (%s): plain decoding",
-                    self.lease.replica.spec.name,
+                    self.lease.held.spec.name,
                     session_id,
                     exc.message,
                 )
@@ -314,7 +324,7 @@ class FailoverDrafter:
                 log.info(
                     "session %s moved to drafter %s after %d tokens",
                     session_id,
-                    self.lease.replica.spec.name,
+                    self.lease.held.spec.name,
                     len(self.committed()),
                 )
             return True

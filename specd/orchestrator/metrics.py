@@ -51,7 +51,7 @@ class RequestMetrics:
     def __init__(self, m: OrchestratorMetrics):
         self.m = m
         self.start = time.perf_counter()
-        self.last = None  # when the previous tokens were streamed
+        self.last: float | None = None  # when the previous tokens were streamed
         m.active.inc()
 
     def observe(self, chunk, method: str) -> None:

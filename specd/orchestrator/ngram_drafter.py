@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 
 from specd.rules.ngram import propose_ngram
+from specd.runtime.features import HiddenStates
 from specd.telemetry import tracing
 
-from .loop import Draft
+from .records import Draft
 
 
 class NgramDrafter:
@@ -34,8 +35,12 @@ class NgramDrafter:
         *,
         ahead: bool = False,
         rewind: bool = False,
+        hidden: HiddenStates | None = None,
+        alternatives: int = 0,
+        branch: int = 0,
     ) -> Draft:
-        # Never ahead / rewind: build_spec pipelines draft_model chains only.
+        # Never ahead / rewind / alternatives / branch: build_spec pipelines
+        # draft_model chains only; never hidden: features are eagle's.
         start = time.perf_counter()
         context = self.contexts[session_id]
         context += committed

@@ -29,7 +29,7 @@ class GenerationSpec:
     shape: DraftShape | None  # the draft each cycle; None = plain decoding
     stop: tuple[str, ...] = ()
     adaptive: bool = False  # choose the depth per cycle (specd/orchestrator/adaptive.py), up to shape's
-    pipeline: bool = False  # draft the next chain during each verify (specd/orchestrator/loop.py)
+    pipeline: bool = False  # draft the next chain during each verify (specd/orchestrator/drafting.py)
     pipeline_alternatives: int = 0  # ... also for this many rejection outcomes per depth
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import grpc
@@ -14,41 +15,31 @@ from specd.telemetry import tracing
 
 from .clients import ServiceError
 from .core import NotScalable, Orchestrator
+from .records import Chunk, Stats
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 
-def response_for(chunk) -> pb.GenerateResponse:
+# Stats properties sent as the GenerationStats field of the same name.
+DERIVED_STATS = ("mean_accepted_length",)
+# Stats fields kept off the wire: the total behind mean_accepted_length.
+INTERNAL_STATS = ("committed_in_cycles",)
+
+
+def stats_to_proto(stats: Stats) -> pb.GenerationStats:
+    """Every Stats field and derived property to the proto field of the same
+    name (tests/test_stats_proto.py checks that the two list the same names)."""
+    names = [f.name for f in dataclasses.fields(stats) if f.name not in INTERNAL_STATS] + list(DERIVED_STATS)
+    return pb.GenerationStats(**{name: getattr(stats, name) for name in names})
+
+
+def response_for(chunk: Chunk) -> pb.GenerateResponse:
     r = pb.GenerateResponse(token_ids=chunk.emit.token_ids, text=chunk.emit.text)
     if chunk.emit.finish_reason:
-        s = chunk.stats
         r.finish_reason = chunk.emit.finish_reason
-        r.stats.CopyFrom(
-            pb.GenerationStats(
-                cycles=s.cycles,
-                drafted_tokens=s.drafted_tokens,
-                accepted_tokens=s.accepted_tokens,
-                mean_accepted_length=s.mean_accepted_length,
-                prompt_tokens=s.prompt_tokens,
-                completion_tokens=s.completion_tokens,
-                num_speculative_tokens=s.num_speculative_tokens,
-                draft_compute_ms=s.draft_compute_ms,
-                verify_compute_ms=s.verify_compute_ms,
-                cycles_wall_ms=s.cycles_wall_ms,
-                cycle_overhead_ms=s.cycle_overhead_ms,
-                method=s.method,
-                drafts=s.drafts,
-                accepted_per_position=s.accepted_per_position,
-                adaptive=s.adaptive,
-                pipelined_drafts=s.pipelined_drafts,
-                draft_wait_ms=s.draft_wait_ms,
-                draft_call_ms=s.draft_call_ms,
-                feature_bytes=s.feature_bytes,
-                pipelined_alternative_drafts=s.pipelined_alternative_drafts,
-            )
-        )
+        r.stats.CopyFrom(stats_to_proto(chunk.stats))
     return r
 
 

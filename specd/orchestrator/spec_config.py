@@ -111,22 +111,13 @@ class SpeculativeConfig:
                     f"speculative_config.tree: trees need method draft_model or eagle, not {self.method!r}"
                 )
             try:
-                self.tree_shape().validate(self.max_tree_nodes, self.max_num_speculative_tokens)
+                tree_shape(self.tree).validate(self.max_tree_nodes, self.max_num_speculative_tokens)
             except (ValueError, TypeError) as exc:  # TypeError: paths that are not lists of ints
                 raise ConfigError(f"speculative_config.tree: {exc}") from None
         return self
 
     def tree_shape(self) -> DraftShape | None:
-        if not self.tree:
-            return None
-        t = self.tree
-        return DraftShape(
-            branching=tuple(t.get("branching", ())),
-            node_budget=t.get("node_budget", 0),
-            max_depth=t.get("max_depth", 0),
-            top_k=t.get("top_k", 4),
-            paths=tuple(tuple(p) for p in t.get("paths", ())),
-        )
+        return tree_shape(self.tree) if self.tree else None
 
     @classmethod
     def from_dict(cls, data: dict) -> SpeculativeConfig:
@@ -237,3 +228,14 @@ def speculative_config_from_args(args) -> SpeculativeConfig:
     elif args.tree_budget:
         changes["tree"] = {"node_budget": args.tree_budget, "max_depth": args.tree_depth or 6}
     return dataclasses.replace(base, **changes).validate()
+
+
+def tree_shape(t: dict) -> DraftShape:
+    """The DraftShape of a speculative_config.tree (TypeError: paths that are not lists of ints)."""
+    return DraftShape(
+        branching=tuple(t.get("branching", ())),
+        node_budget=t.get("node_budget", 0),
+        max_depth=t.get("max_depth", 0),
+        top_k=t.get("top_k", 4),
+        paths=tuple(tuple(p) for p in t.get("paths", ())),
+    )

@@ -15,7 +15,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specd.telemetry import tracing
 
-from .loop import CycleRecord, NoTrace
+from .ports import NoTrace
+from .records import CycleRecord
 
 
 def cycle_attributes(c: CycleRecord, method: str) -> dict:

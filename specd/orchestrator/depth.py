@@ -1,0 +1,101 @@
+"""Each cycle's draft shape, and what a cycle teaches the cost model.
+
+The depth comes from a `DepthPolicy`: fixed (the request's K) or adaptive (the
+goodput-best depth, specd/orchestrator/adaptive.py); `DraftShaper` cuts the
+request's shape to it and to what is left of the output and the contexts.
+Pure: no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from specd.rules.draft_shape import DraftShape
+
+from .adaptive import CostModel, SessionDepth
+from .records import CycleRecord
+
+
+def draft_budget(k: int, remaining: int, committed: int, target_ctx: int, drafter_ctx: int) -> int:
+    """Draft depth this cycle: k, less near the end of max_new_tokens (a cycle
+    commits up to depth+1) or of either model's context (the verifier forwards
+    positions up to committed+depth-1; the drafter up to committed+depth-2)."""
+    return max(0, min(k, remaining - 1, target_ctx - committed - 1, drafter_ctx - committed + 1))
+
+
+class DepthPolicy(Protocol):
+    def choose(self) -> int:
+        """The depth wanted for the next draft (before the budget cuts it)."""
+        ...
+
+    def observe(self, cycle: CycleRecord) -> None:
+        """Learn the acceptance per level from a finished cycle."""
+        ...
+
+
+@dataclass
+class FixedDepth:
+    """The request's K every cycle."""
+
+    k: int
+    costs: CostModel
+
+    def choose(self) -> int:
+        return self.k
+
+    def observe(self, cycle: CycleRecord) -> None:
+        if cycle.depth:  # fixed-K sessions teach the shared per-level rates too
+            self.costs.observe_levels(cycle.depth, cycle.accepted)
+
+
+@dataclass
+class AdaptiveDepth:
+    """The goodput-best depth for this session's acceptance and the verify
+    forward it shared last (the other sessions' rows)."""
+
+    session: SessionDepth
+    costs: CostModel
+    rest_rows: int = 0  # the other sessions of this session's last verify forward
+    rest_sessions: int = 0
+
+    def choose(self) -> int:
+        return self.session.choose(self.costs, self.rest_rows, self.rest_sessions)
+
+    def observe(self, cycle: CycleRecord) -> None:
+        self.session.observe(cycle.depth, cycle.accepted, self.costs)
+        self.rest_rows = max(0, cycle.verdict.batch_tokens - (len(cycle.draft.tokens) + 1))
+        self.rest_sessions = max(0, cycle.verdict.batch_sessions - 1)
+
+
+def depth_policy(k: int, adaptive: bool, costs: CostModel) -> DepthPolicy:
+    """k: the request's depth, the most an adaptive one goes to."""
+    return AdaptiveDepth(SessionDepth(k), costs) if adaptive else FixedDepth(k, costs)
+
+
+@dataclass
+class DraftShaper:
+    """The draft shape of a cycle starting at `committed` tokens."""
+
+    shape: DraftShape
+    depth: DepthPolicy
+    target_ctx: int
+    drafter_ctx: int
+
+    def next(self, committed: int, remaining: int) -> DraftShape | None:
+        """None: no room for a draft (a plain decode step)."""
+        k = self.depth.choose()
+        cut = self.shape.truncated(draft_budget(k, remaining, committed, self.target_ctx, self.drafter_ctx))
+        # A wide tree's nodes are rows too: fewer levels near the context's end.
+        return cut.fit(self.target_ctx - committed, self.drafter_ctx - committed) if cut is not None else None
+
+
+def learn_costs(costs: CostModel, cycle: CycleRecord) -> None:
+    """What one cycle measured: its verify forward, its drafter batch, the
+    tokens it committed and the rest of its wall time."""
+    draft, verdict = cycle.draft, cycle.verdict
+    rows = len(draft.tokens) + 1
+    costs.observe_verify(verdict.batch_tokens or rows, verdict.batch_sessions or 1, verdict.compute_ms)
+    costs.observe_draft(draft.batch_tokens or len(draft.tokens), draft.compute_ms)
+    costs.observe_tokens(len(verdict.tokens))
+    # A pre-draft's compute ran beside an earlier verify: only the draft waited for counts.
+    costs.observe_cycle(cycle.wall_ms, verdict.compute_ms, 0.0 if draft.ahead else draft.compute_ms)

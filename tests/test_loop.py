@@ -1,0 +1,128 @@
+"""specd/orchestrator/loop.py as a unit over fake clients: pipelined drafting
+(specd/orchestrator/drafting.py) stays exact and tells the drafter what became of
+each ahead draft. The same on real processes is tests/test_pipeline.py."""
+import asyncio
+
+from specd.orchestrator.detok import OutputTracker
+from specd.orchestrator.loop import Draft, Verdict, run_generation
+from specd.orchestrator.request import GenerationSpec
+from specd.rules.draft_shape import DraftShape
+from specd.rules.sampling import SamplingParams
+
+V = 50
+PROMPT = [3, 1, 4, 1, 5]
+
+
+def target_next(seq):
+    return (seq[-1] * 7 + len(seq)) % V
+
+
+class Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+class Verifier:
+    """Greedy chain verification against the target rule."""
+
+    async def open(self, session_id, prompt_ids, sampling):
+        self.seq = list(prompt_ids) + [target_next(prompt_ids)]
+        return self.seq[-1]
+
+    async def verify(self, session_id, draft):
+        await asyncio.sleep(0)                 # let the ahead draft start meanwhile
+        path, out = [], []
+        for i, t in enumerate(draft.tokens):
+            if t != target_next(self.seq + out):
+                break
+            path.append(i)
+            out.append(t)
+        out.append(target_next(self.seq + out))
+        self.seq += out
+        return Verdict(path, out)
+
+    async def close(self, session_id):
+        pass
+
+
+class Drafter:
+    """Knows the truth (the verifier's sequence) but errs now and then, and
+    guesses the bonus and the rejection outcomes right some of the time.
+    Checks on every call that what it was told adds up to the committed tokens."""
+
+    def __init__(self, verifier):
+        self.verifier, self.calls, self.n = verifier, [], 0
+        self.assumed = None  # its last ahead draft's assumed commits, per branch
+
+    async def open(self, session_id, prompt_ids, sampling):
+        self.known = list(prompt_ids)
+
+    def chain(self, seq, k):
+        out = []
+        for j in range(k):
+            t = target_next(seq + out)
+            out.append(t if (len(seq) + j + self.n) % 9 else (t + 1) % V)
+        return out
+
+    def settle(self, kw):
+        """What became of the last ahead draft, as this call says: undone
+        (rewind) or held, in the branch it names (none: the all-kept one)."""
+        if self.assumed is None:
+            assert not kw.get("rewind") and not kw.get("branch")
+        elif not kw.get("rewind"):
+            self.known += self.assumed[kw.get("branch", 0)]
+        self.assumed = None
+
+    async def propose(self, session_id, accepted_path, committed, shape, **kw):
+        self.n += 1
+        self.calls.append(kw)
+        self.settle(kw)
+        if not kw.get("ahead"):
+            self.known += committed
+            assert self.known == self.verifier.seq, "drafter state diverged"
+            tokens = self.chain(self.known, shape.depth)
+            return Draft(tokens, list(range(-1, len(tokens) - 1)))
+        assert self.known == self.verifier.seq  # an ahead call runs before the verify commits
+        guess = target_next(self.known + committed) if self.n % 3 else 0
+        tokens = self.chain(self.known + committed + [guess], shape.depth)
+        self.assumed, branches = [committed + [guess]], []
+        for kept in range(kw.get("alternatives", 0)):
+            token = target_next(self.known + committed[:kept]) if (self.n + kept) % 2 else 0
+            self.assumed.append(committed[:kept] + [token])
+            chain = self.chain(self.known + self.assumed[-1], shape.depth)
+            branches.append((kept, token, Draft(chain, list(range(-1, len(chain) - 1)))))
+        return Draft(tokens, list(range(-1, len(tokens) - 1)), guess=guess, branches=branches)
+
+    async def close(self, session_id):
+        pass
+
+
+def test_pipelined_loop_is_exact_and_reports_each_ahead_draft():
+    n = 120
+    spec = GenerationSpec(PROMPT, n, SamplingParams(seed=1), "draft_model", DraftShape.chain(4), (), False, True, 2)
+    verifier = Verifier()
+    drafter = Drafter(verifier)
+    tracker = OutputTracker(Tok(), set(), n, 1000)
+
+    async def go():
+        return [c async for c in run_generation(spec, "s", verifier, drafter, tracker, 1000, 1000)]
+
+    chunks = asyncio.run(go())
+    stats = chunks[-1].stats
+    assert PROMPT + tracker.ids == truth(n)
+    aheads = sum(bool(c.get("ahead")) for c in drafter.calls)
+    rewinds = sum(bool(c.get("rewind")) for c in drafter.calls)
+    branches = sum(bool(c.get("branch")) for c in drafter.calls)
+    assert stats.pipelined_drafts and stats.pipelined_alternative_drafts and rewinds
+    # Every ahead draft is verified, or undone by the next Propose, or dropped at the end.
+    assert aheads - stats.pipelined_drafts - rewinds in (0, 1)
+    # A taken alternative is named to the drafter by the next Propose (if any comes).
+    assert stats.pipelined_alternative_drafts - branches in (0, 1)
+    assert [c.cycle.draft.ahead for c in chunks[1:]].count(True) == stats.pipelined_drafts
+
+
+def truth(n):
+    seq = list(PROMPT)
+    while len(seq) < len(PROMPT) + n:
+        seq.append(target_next(seq))
+    return seq
