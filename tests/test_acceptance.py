@@ -47,6 +47,8 @@ from specd.rules.sampling import SamplingParams, logits_to_probs, sample, trunca
 from specd.rules.tree import dense_q, residual
 from tests.chain_rules import accept_deterministic, accept_greedy, accept_sampled
 
+pytestmark = pytest.mark.unit
+
 V = 6          # vocabulary
 BOS = V        # context row for the first token
 K = 2          # drafts per cycle: K=2 with L=3 reaches the bonus token and a second cycle
@@ -358,6 +360,7 @@ def assert_covers_all_branches(res: PipelineResult) -> None:
 # ---------------------------------------------------------------- tests: sampled chains
 
 @pytest.mark.parametrize("params", [PLAIN, NUCLEUS, TOPK_NUCLEUS], ids=["T1", "T0.7-p0.8", "T1.3-k4-p0.9"])
+@pytest.mark.statistical
 def test_accept_sampled_sequences_follow_target(params):
     """Speculative sampling with accept_sampled emits L-token sequences distributed
     exactly as target-only sampling with the same temperature / top-k / top-p,
@@ -389,6 +392,7 @@ WRONG_SAMPLED = [
 
 
 @pytest.mark.parametrize("name,params,bug,p_kind,trials", WRONG_SAMPLED, ids=[w[0] for w in WRONG_SAMPLED])
+@pytest.mark.statistical
 def test_wrong_sampled_rules_are_detected(name, params, bug, p_kind, trials):
     """The same pipeline / statistic / threshold rejects each wrong rule. For the
     one-sided processing bugs (p_without_top_p: verifier applies temperature but
@@ -413,6 +417,7 @@ def test_wrong_sampled_rules_are_detected(name, params, bug, p_kind, trials):
 # ---------------------------------------------------------------- tests: deterministic drafts
 
 @pytest.mark.parametrize("params", [PLAIN, NUCLEUS], ids=["T1", "T0.7-p0.8"])
+@pytest.mark.statistical
 def test_accept_deterministic_sequences_follow_target(params):
     """Point-mass drafts (the drafter's argmax, as an argmax drafter or n-gram
     lookup would produce) accepted with accept_deterministic are lossless too.
@@ -428,6 +433,7 @@ def test_accept_deterministic_sequences_follow_target(params):
     assert fit.ok, f"accept_deterministic is not lossless: {fit}"
 
 
+@pytest.mark.statistical
 def test_wrong_deterministic_rules_are_detected():
     """Forgetting to remove the rejected draft from p before resampling, and
     passing the drafter's soft distribution as q although the draft was its
@@ -452,6 +458,7 @@ def test_wrong_deterministic_rules_are_detected():
     assert not fit.ok, fit
 
 
+@pytest.mark.statistical
 def test_point_mass_rule_is_exact_for_any_drafts():
     """accept_deterministic needs no q at all: keeping x with probability p(x) and
     otherwise sampling p with x removed emits p whatever chose x, even drafts
@@ -472,6 +479,7 @@ def test_point_mass_rule_is_exact_for_any_drafts():
 
 # ---------------------------------------------------------------- tests: sparse truncated q
 
+@pytest.mark.statistical
 def test_truncated_sparse_q_is_lossless():
     """A drafter sampling from truncate_top(q, 3) and sending that truncated q as
     ids + probs (densified by the verifier with dense_q) stays exact; sending the
@@ -548,6 +556,7 @@ def test_single_position_residual():
     assert not fit_bad.ok
 
 
+@pytest.mark.statistical
 def test_no_drafts_samples_p():
     """K=0: accept_sampled / accept_deterministic just sample p[0]."""
     p = torch.tensor([[0.5, 0.0, 0.25, 0.25]])

@@ -26,6 +26,8 @@ from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie
 from tests.tiny_models import build_model, build_perturbed_drafter, build_tokenizer, corpus_lines
 
+pytestmark = pytest.mark.cluster
+
 SPECD = [sys.executable, "-m", "specd"]
 LONG, SHORT = 3500, 2500        # tokens per stream: each must outlive the scale steps after its start
 

@@ -20,6 +20,7 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.unit
 def test_demo_pair_shape_and_size():
     target, drafter = load_model(str(DEMO / "target"), "cpu"), load_model(str(DEMO / "drafter"), "cpu")
     assert target.config.model_type == "llama" and n_params(target) >= 6_000_000
@@ -35,6 +36,7 @@ def test_demo_pair_shape_and_size():
     assert any(w in text for w in ("return", "a", "b", "self", "(", "=")), text
 
 
+@pytest.mark.cluster
 def test_specd_demo_offline(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(SPECD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

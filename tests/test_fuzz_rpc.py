@@ -32,6 +32,8 @@ from tests.fuzz_strategies import (
 )
 from tests.test_metrics import value, wait_idle
 
+pytestmark = pytest.mark.services
+
 OK = grpc.StatusCode.OK
 CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}

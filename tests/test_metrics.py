@@ -10,6 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specd.ops.local_stack import Stack
 
+pytestmark = pytest.mark.services
+
 PROMPT = {"ids": [40, 41, 42, 43, 44]}
 # (fields, method that runs): chains, a static and a dynamic tree, sampling, ngram, off.
 TRAFFIC = [

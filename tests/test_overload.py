@@ -21,6 +21,8 @@ from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd.ops.local_stack import ServiceProcess, Stack
 from tests.test_metrics import scrape, value
 
+pytestmark = pytest.mark.services
+
 N = 4
 MAX_NEW = 200           # far more bytes of responses than the held window lets through
 HOLD = [("grpc.http2.lookahead_bytes", 256), ("grpc.http2.bdp_probe", 0)]

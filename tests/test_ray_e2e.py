@@ -21,6 +21,8 @@ from specd.runtime.models import load_model
 from tests.certs import make_pki
 from tests.test_greedy_exact import reference
 
+pytestmark = pytest.mark.cluster
+
 SPECD = [sys.executable, "-m", "specd"]
 
 

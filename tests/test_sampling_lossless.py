@@ -21,6 +21,8 @@ import torch
 from specd.rules.sampling import SamplingParams, logits_to_probs
 from specd.runtime.models import load_model
 
+pytestmark = [pytest.mark.services, pytest.mark.statistical]
+
 N = 2000
 
 

@@ -23,6 +23,7 @@ from specd.verifier.core import Verifier
 from tests.test_metrics import scrape, value
 
 
+@pytest.mark.unit
 def test_verifier_core_expires_only_idle_sessions(pairs):
     target, _ = pairs["llama"]
     core = Verifier(VerifierConfig(model_dir=target, session_idle_timeout_s=100))
@@ -52,6 +53,7 @@ def test_verifier_core_expires_only_idle_sessions(pairs):
     assert core.num_sessions == 0 and core.kv_tokens == 0
 
 
+@pytest.mark.unit
 def test_timeout_zero_never_expires(pairs):
     _, drafter = pairs["llama"]
     core = Drafter(DrafterConfig(model_dir=drafter, session_idle_timeout_s=0))
@@ -60,6 +62,7 @@ def test_timeout_zero_never_expires(pairs):
     core.propose("a", [], [4], DraftShape.chain(2))
 
 
+@pytest.mark.services
 def test_services_expire_idle_sessions(pairs):
     target, drafter = pairs["llama"]
     flags = ("--session-idle-timeout-s", "0.5", "--metrics-port", "0")
