@@ -1,11 +1,19 @@
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from specd.ops.local_stack import Stack
 from tests.tiny_models import build_pair, build_perturbed_drafter
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per process (this one and every service, CLI and Ray
+# process the tests start, which inherit the variable): the tiny test models
+# gain nothing from torch's thread pool, and several processes each spinning a
+# thread per core only contend for the cores. Set OMP_NUM_THREADS to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 FAMILIES = ["llama", "qwen2"]
 
 # Every test declares what it needs to run, with exactly one of these markers
@@ -49,14 +57,18 @@ def pairs(model_root):
 @pytest.fixture(scope="session")
 def stacks(pairs):
     """family -> running Stack (real processes on real ports)."""
-    running = {}
+    # Started and stopped together: each start spends seconds importing and
+    # loading, each stop waits for its processes to drain and exit.
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        started = {family: pool.submit(Stack, target, drafter) for family, (target, drafter) in pairs.items()}
+    running = {family: f.result() for family, f in started.items() if f.exception() is None}
     try:
-        for family, (target, drafter) in pairs.items():
-            running[family] = Stack(target, drafter)
+        for f in started.values():
+            f.result()  # the first failure to start, if any
         yield running
     finally:
-        for s in running.values():
-            s.stop()
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            list(pool.map(Stack.stop, running.values()))
 
 
 @pytest.fixture(scope="session")

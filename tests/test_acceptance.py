@@ -1,5 +1,5 @@
 """The acceptance rules are lossless: the statistical core of "sampling is exact"
-(DESIGN.md, "The rules that keep output exact").
+(README.md, "Lossless rules"), on the chain forms of the rules (tests/chain_rules.py).
 
 Setting. A toy "language model" over a small vocabulary V=6: the target is a table
 of logits T[prev] -> next (row BOS for the first token), and the drafter is a
@@ -510,6 +510,7 @@ def test_dense_q_round_trip():
 
 # ---------------------------------------------------------------- tests: one position, directly
 
+@pytest.mark.statistical
 def test_single_position_residual():
     """One draft position, checked directly (K=1): with x ~ q,
     - the acceptance rate is sum_v min(p(v), q(v)),

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -67,8 +68,8 @@ def multinode(tmp_path):
         pools = {nid: next((p for p in ("drafter", "verifier") if p in res), "head") for nid, res in alive.items()}
         yield address, pools
     finally:
-        for pid in reversed(groups):
-            ray_cluster.stop_local_ray(pid)
+        with ThreadPoolExecutor(len(groups)) as pool:      # each stop waits for its node to exit
+            list(pool.map(ray_cluster.stop_local_ray, reversed(groups)))
 
 
 def _nodes(address) -> dict:

@@ -1,6 +1,8 @@
 """Issue 3: the committed demo pair loads through the normal HF path, meets its
 size rules, and `specd demo` runs offline with it (own Ray, up, one generation,
-down) printing a continuation and the speculation stats."""
+down) printing a continuation and the speculation stats. The demo run is also
+the suite's test that `specd demo` starts a Ray cluster of its own (no
+RAY_ADDRESS) and stops it, leaving no deployment state behind."""
 import os
 import subprocess
 import sys
@@ -44,4 +46,8 @@ def test_specd_demo_offline(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def read_config(path):") and len(r.stdout) > 70
-    assert "method=draft_model" in r.stderr and "mean_accepted_length=" in r.stderr and "specd is down" in r.stderr
+    assert "method=draft_model" in r.stderr and "mean_accepted_length=" in r.stderr
+    assert "completion_tokens=40" in r.stderr
+    # Its own Ray: started, and stopped with the deployment.
+    assert "started a local Ray cluster" in r.stderr and "specd is down" in r.stderr
+    assert not (tmp_path / "home/state.json").exists()

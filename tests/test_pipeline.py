@@ -20,7 +20,7 @@ from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
 from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts, reference
-from tests.test_sampling_lossless import exact_joint, null_threshold, tv
+from tests.test_sampling_lossless import exact_joint, generate_seeds, null_threshold, tv
 
 GREEDY = SamplingParams()
 CHAIN = DraftShape.chain(3)
@@ -280,11 +280,10 @@ def test_pipelined_sampling_matches_target(prompt, temperature, top_p, top_k, al
     params = SamplingParams(temperature, top_p, top_k)
     joint = exact_joint(target_dir, prompt, params, length=4)
     counts, used, dropped, alternative = {}, 0, 0, 0
-    for seed in range(N):
-        ids, last = stacks["llama"].generate(
-            prompt_token_ids={"ids": prompt}, max_new_tokens=6, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, num_speculative_tokens=1, pipeline_drafting=True,
-            pipeline_alternatives=alternatives)
+    for ids, last in generate_seeds(
+            stacks["llama"], N, prompt_token_ids={"ids": prompt}, max_new_tokens=6, temperature=temperature,
+            top_p=top_p, top_k=top_k, num_speculative_tokens=1, pipeline_drafting=True,
+            pipeline_alternatives=alternatives):
         counts[tuple(ids[:4])] = counts.get(tuple(ids[:4]), 0) + 1
         used += last.stats.pipelined_drafts > 0
         dropped += last.stats.drafts - last.stats.pipelined_drafts > 1

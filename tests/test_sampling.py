@@ -1,6 +1,6 @@
-"""`specd.rules.sampling`: the one definition of "plain sampling" (DESIGN.md, "The rules
-that keep output exact": p is the target distribution after exactly the processing
-plain sampling would apply).
+"""`specd.rules.sampling`: the one definition of "plain sampling" (README.md, "Lossless
+rules": p is the target distribution after exactly the processing plain sampling
+would apply).
 
 What these tests prove:
 - `logits_to_probs` is the same distribution Hugging Face samples from with
