@@ -73,7 +73,8 @@ def stacks(pairs):
 
 @pytest.fixture(scope="session")
 def metered(pairs):
-    """A llama Stack with Prometheus endpoints (batching and memory tests)."""
+    """A llama Stack with Prometheus endpoints (batching, cancellation, fuzzing,
+    memory and metrics tests: each leaves it with no session open)."""
     target, drafter = pairs["llama"]
     stack = Stack(target, drafter, metrics=True)
     yield stack
