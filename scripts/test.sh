@@ -1,15 +1,58 @@
 #!/usr/bin/env bash
-# Run the whole test suite (expects ./scripts/setup.sh to have run). Every test
-# starts and stops its own services and Ray cluster; nothing needs to be running.
+# Run the checks and the test suite (expects ./scripts/setup.sh to have run).
+#
+#   ./scripts/test.sh                 lint, then every test (what CI runs)
+#   ./scripts/test.sh --fast          lint, then the fast tier only (-m unit)
+#   ./scripts/test.sh -m services     lint, then any pytest selection / arguments
+#   ./scripts/test.sh --no-lint ...   skip the lint step (e.g. while iterating on a test)
+#
+# The tiers (unit, services, cluster; statistical across them) are described in
+# tests/README.md. Every test starts and stops its own services and Ray cluster;
+# nothing needs to be running.
+#
+# Lint: `ruff check specd`, `ruff format --check specd` and `mypy` (its files and
+# settings come from pyproject.toml's [tool.mypy]). The tests run whether or not
+# lint passed, so one run reports both; the exit status is non-zero if either failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 export TOKENIZERS_PARALLELISM=false RAY_DISABLE_USAGE_STATS=1 PYTHONUNBUFFERED=1
-python -m pytest -q -ra --durations=10 "$@"
+
+lint=1
+args=()
+for a in "$@"; do
+  case "$a" in
+    --fast) args+=(-m unit) ;;
+    --no-lint) lint=0 ;;
+    *) args+=("$a") ;;
+  esac
+done
+
+failed=()
+if [ "$lint" -eq 1 ]; then
+  echo "test.sh: lint: ruff check specd"
+  ruff check specd || failed+=("ruff check specd")
+  echo "test.sh: lint: ruff format --check specd"
+  ruff format --check specd || failed+=("ruff format --check specd")
+  echo "test.sh: lint: mypy"
+  mypy || failed+=("mypy")
+fi
+
+python -m pytest -q -ra --durations=10 ${args[@]+"${args[@]}"}
 rc=$?
 if [ "$rc" -eq 5 ]; then
-  # pytest's "no tests were collected": neither a pass nor a test failure - the
-  # suite is misconfigured. Say so and exit non-zero with pytest's own code.
+  # pytest's "no tests were collected" (also: a -m selection that matched
+  # nothing): neither a pass nor a test failure - the selection is wrong.
   echo "test.sh: ERROR: pytest collected no tests (exit code 5); the test selection is wrong" >&2
+  failed+=("pytest: no tests collected")
+elif [ "$rc" -ne 0 ]; then
+  failed+=("pytest (exit code $rc)")
 fi
-exit "$rc"
+
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "test.sh: FAILED: $(IFS=';'; echo "${failed[*]}" | sed 's/;/; /g')" >&2
+  # pytest's own code when pytest failed, else 1 (lint only).
+  [ "$rc" -ne 0 ] && exit "$rc"
+  exit 1
+fi
+echo "test.sh: all passed"

@@ -1,12 +1,41 @@
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from specd.ops.local_stack import Stack
 from tests.tiny_models import build_pair, build_perturbed_drafter
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per process (this one and every service, CLI and Ray
+# process the tests start, which inherit the variable): the tiny test models
+# gain nothing from torch's thread pool, and several processes each spinning a
+# thread per core only contend for the cores. Set OMP_NUM_THREADS to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 FAMILIES = ["llama", "qwen2"]
+
+# Every test declares what it needs to run, with exactly one of these markers
+# (declared in pyproject.toml; tests/README.md says what each tier holds).
+# `statistical` is not a tier: it is added to distribution tests of any tier.
+TIERS = ("unit", "services", "cluster")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Refuse a test without exactly one tier marker, before any -m selection:
+    an unmarked test would otherwise run only in the full suite and silently
+    drop out of every tier."""
+    bad = []
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t)]
+        if len(tiers) != 1:
+            bad.append(f"  {item.nodeid}: {', '.join(tiers) if tiers else 'no tier marker'}")
+    if bad:
+        raise pytest.UsageError(
+            f"each test needs exactly one tier marker of {', '.join(TIERS)} "
+            "(a module-level `pytestmark` or a per-test mark):\n" + "\n".join(bad))
 
 
 @pytest.fixture(scope="session")
@@ -28,19 +57,24 @@ def pairs(model_root):
 @pytest.fixture(scope="session")
 def stacks(pairs):
     """family -> running Stack (real processes on real ports)."""
-    running = {}
+    # Started and stopped together: each start spends seconds importing and
+    # loading, each stop waits for its processes to drain and exit.
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        started = {family: pool.submit(Stack, target, drafter) for family, (target, drafter) in pairs.items()}
+    running = {family: f.result() for family, f in started.items() if f.exception() is None}
     try:
-        for family, (target, drafter) in pairs.items():
-            running[family] = Stack(target, drafter)
+        for f in started.values():
+            f.result()  # the first failure to start, if any
         yield running
     finally:
-        for s in running.values():
-            s.stop()
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            list(pool.map(Stack.stop, running.values()))
 
 
 @pytest.fixture(scope="session")
 def metered(pairs):
-    """A llama Stack with Prometheus endpoints (batching and memory tests)."""
+    """A llama Stack with Prometheus endpoints (batching, cancellation, fuzzing,
+    memory and metrics tests: each leaves it with no session open)."""
     target, drafter = pairs["llama"]
     stack = Stack(target, drafter, metrics=True)
     yield stack

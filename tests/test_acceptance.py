@@ -1,5 +1,6 @@
 """The acceptance rules are lossless: the statistical core of "sampling is exact"
-(docs/rules.md, "The rules that keep output exact").
+(docs/rules.md, "The rules that keep output exact"), on the chain forms of the rules
+(tests/chain_rules.py).
 
 Setting. A toy "language model" over a small vocabulary V=6: the target is a table
 of logits T[prev] -> next (row BOS for the first token), and the drafter is a
@@ -46,6 +47,8 @@ import torch
 from specd.rules.sampling import SamplingParams, logits_to_probs, sample, truncate_top
 from specd.rules.tree import dense_q, residual
 from tests.chain_rules import accept_deterministic, accept_greedy, accept_sampled
+
+pytestmark = pytest.mark.unit
 
 V = 6          # vocabulary
 BOS = V        # context row for the first token
@@ -358,6 +361,7 @@ def assert_covers_all_branches(res: PipelineResult) -> None:
 # ---------------------------------------------------------------- tests: sampled chains
 
 @pytest.mark.parametrize("params", [PLAIN, NUCLEUS, TOPK_NUCLEUS], ids=["T1", "T0.7-p0.8", "T1.3-k4-p0.9"])
+@pytest.mark.statistical
 def test_accept_sampled_sequences_follow_target(params):
     """Speculative sampling with accept_sampled emits L-token sequences distributed
     exactly as target-only sampling with the same temperature / top-k / top-p,
@@ -389,6 +393,7 @@ WRONG_SAMPLED = [
 
 
 @pytest.mark.parametrize("name,params,bug,p_kind,trials", WRONG_SAMPLED, ids=[w[0] for w in WRONG_SAMPLED])
+@pytest.mark.statistical
 def test_wrong_sampled_rules_are_detected(name, params, bug, p_kind, trials):
     """The same pipeline / statistic / threshold rejects each wrong rule. For the
     one-sided processing bugs (p_without_top_p: verifier applies temperature but
@@ -413,6 +418,7 @@ def test_wrong_sampled_rules_are_detected(name, params, bug, p_kind, trials):
 # ---------------------------------------------------------------- tests: deterministic drafts
 
 @pytest.mark.parametrize("params", [PLAIN, NUCLEUS], ids=["T1", "T0.7-p0.8"])
+@pytest.mark.statistical
 def test_accept_deterministic_sequences_follow_target(params):
     """Point-mass drafts (the drafter's argmax, as an argmax drafter or n-gram
     lookup would produce) accepted with accept_deterministic are lossless too.
@@ -428,6 +434,7 @@ def test_accept_deterministic_sequences_follow_target(params):
     assert fit.ok, f"accept_deterministic is not lossless: {fit}"
 
 
+@pytest.mark.statistical
 def test_wrong_deterministic_rules_are_detected():
     """Forgetting to remove the rejected draft from p before resampling, and
     passing the drafter's soft distribution as q although the draft was its
@@ -452,6 +459,7 @@ def test_wrong_deterministic_rules_are_detected():
     assert not fit.ok, fit
 
 
+@pytest.mark.statistical
 def test_point_mass_rule_is_exact_for_any_drafts():
     """accept_deterministic needs no q at all: keeping x with probability p(x) and
     otherwise sampling p with x removed emits p whatever chose x, even drafts
@@ -472,6 +480,7 @@ def test_point_mass_rule_is_exact_for_any_drafts():
 
 # ---------------------------------------------------------------- tests: sparse truncated q
 
+@pytest.mark.statistical
 def test_truncated_sparse_q_is_lossless():
     """A drafter sampling from truncate_top(q, 3) and sending that truncated q as
     ids + probs (densified by the verifier with dense_q) stays exact; sending the
@@ -502,6 +511,7 @@ def test_dense_q_round_trip():
 
 # ---------------------------------------------------------------- tests: one position, directly
 
+@pytest.mark.statistical
 def test_single_position_residual():
     """One draft position, checked directly (K=1): with x ~ q,
     - the acceptance rate is sum_v min(p(v), q(v)),
@@ -548,6 +558,7 @@ def test_single_position_residual():
     assert not fit_bad.ok
 
 
+@pytest.mark.statistical
 def test_no_drafts_samples_p():
     """K=0: accept_sampled / accept_deterministic just sample p[0]."""
     p = torch.tensor([[0.5, 0.0, 0.25, 0.25]])

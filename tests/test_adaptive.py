@@ -3,6 +3,8 @@ import pytest
 
 from specd.orchestrator.adaptive import CostModel, Load, SessionDepth, best_depth, expected_tokens
 
+pytestmark = pytest.mark.unit
+
 
 def test_expected_tokens():
     assert expected_tokens([0.0] * 5, 5) == 1.0

@@ -8,6 +8,8 @@ import pytest
 from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.services
+
 
 def test_status_and_scale_without_ray(stacks):
     stack = stacks["llama"]

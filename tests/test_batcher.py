@@ -6,7 +6,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import pytest
+
 from specd.runtime.batcher import Batcher
+
+pytestmark = pytest.mark.unit
 
 
 @dataclass

@@ -5,11 +5,14 @@ target-only greedy output. The verifier's own metrics show that calls were
 really batched (more than one session per forward on average)."""
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts
 from tests.test_metrics import scrape, value
+
+pytestmark = pytest.mark.services
 
 SETTINGS = [dict(num_speculative_tokens=2), dict(num_speculative_tokens=4), dict(tree={"branching": [2, 1, 1]}),
             dict(tree={"paths": [{"ranks": [0]}, {"ranks": [1]}, {"ranks": [0, 0]}]}),

@@ -14,10 +14,13 @@ import random
 import time
 
 import grpc
+import pytest
 
 from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 from tests.test_metrics import scrape, value
+
+pytestmark = pytest.mark.services
 
 STREAMS = 1000
 CONCURRENCY = 24

@@ -15,6 +15,8 @@ import tomllib
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 CLUSTER_FILES = ("cluster.yaml", "cluster-local.yaml")

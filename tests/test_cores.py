@@ -12,6 +12,8 @@ from specd.rules.tree import TokenTree, path_to, paths_to_parents
 from specd.verifier.config import VerifierConfig
 from specd.verifier.core import Verifier
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams()
 
 

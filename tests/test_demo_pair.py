@@ -1,6 +1,8 @@
 """The committed demo pair loads through the normal HF path, meets its
 size rules, and `specd demo` runs offline with it (own Ray, up, one generation,
-down) printing a continuation and the speculation stats."""
+down) printing a continuation and the speculation stats. The demo run is also
+the suite's test that `specd demo` starts a Ray cluster of its own (no
+RAY_ADDRESS) and stops it, leaving no deployment state behind."""
 import os
 import subprocess
 import sys
@@ -20,6 +22,7 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.unit
 def test_demo_pair_shape_and_size():
     target, drafter = load_model(str(DEMO / "target"), "cpu"), load_model(str(DEMO / "drafter"), "cpu")
     assert target.config.model_type == "llama" and n_params(target) >= 6_000_000
@@ -35,6 +38,7 @@ def test_demo_pair_shape_and_size():
     assert any(w in text for w in ("return", "a", "b", "self", "(", "=")), text
 
 
+@pytest.mark.cluster
 def test_specd_demo_offline(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(SPECD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -42,4 +46,8 @@ def test_specd_demo_offline(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def read_config(path):") and len(r.stdout) > 70
-    assert "method=draft_model" in r.stderr and "mean_accepted_length=" in r.stderr and "specd is down" in r.stderr
+    assert "method=draft_model" in r.stderr and "mean_accepted_length=" in r.stderr
+    assert "completion_tokens=40" in r.stderr
+    # Its own Ray: started, and stopped with the deployment.
+    assert "started a local Ray cluster" in r.stderr and "specd is down" in r.stderr
+    assert not (tmp_path / "home/state.json").exists()

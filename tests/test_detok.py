@@ -5,6 +5,8 @@ from specd.orchestrator.detok import OutputTracker
 from specd.orchestrator.loop import draft_budget
 from tests.tiny_models import build_tokenizer
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):

@@ -80,6 +80,7 @@ def reference_draft(head: EagleHead, parts: TargetParts, prompt_feats, tokens, k
     return out
 
 
+@pytest.mark.unit
 @torch.inference_mode()
 def test_head_lean_forward_equals_reference(eagle_pair):
     """The drafter's lean head (fc -> lean layer -> target norm / LM head, its
@@ -111,6 +112,7 @@ def test_head_lean_forward_equals_reference(eagle_pair):
     assert chain == want
 
 
+@pytest.mark.unit
 @torch.inference_mode()
 def test_verifier_features_are_the_target_hidden_states(eagle_pair):
     """Prefill: one row per prompt token; verify: the root and the kept path,
@@ -133,6 +135,7 @@ def test_verifier_features_are_the_target_hidden_states(eagle_pair):
     assert torch.allclose(got, full, atol=2e-2, rtol=2e-3), (got - full).abs().max()
 
 
+@pytest.mark.services
 def test_eagle_greedy_equals_target_only(eagle_pair, eagle_stack):
     target_dir, _ = eagle_pair
     model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
@@ -182,6 +185,8 @@ def head_joint(target_dir, head_dir, prompt, params: SamplingParams, eps=1e-7) -
     ([100, 7, 9], 0.7, 0.8, 0, dict(tree={"branching": [2, 2]})),
     ([40, 41, 42, 43, 44], 1.0, 1.0, 6, dict(tree={"node_budget": 6, "max_depth": 3, "top_k": 3})),
 ], ids=["chain-T1", "static22-T0.7p0.8", "dynamic6-T1"])
+@pytest.mark.services
+@pytest.mark.statistical
 def test_eagle_sampling_matches_target(prompt, temperature, top_p, top_k, draft, eagle_pair, eagle_stack):
     target_dir, head_dir = eagle_pair
     params = SamplingParams(temperature, top_p, top_k)
@@ -195,6 +200,7 @@ def test_eagle_sampling_matches_target(prompt, temperature, top_p, top_k, draft,
                      dict(temperature=temperature, top_p=top_p, top_k=top_k, **draft))
 
 
+@pytest.mark.unit
 def test_loop_forwards_features_without_extra_calls(pairs):
     """The loop with counting fake services: one Propose and one Verify per
     cycle (as for draft_model), and each Propose carries exactly the features
@@ -263,6 +269,7 @@ def test_loop_forwards_features_without_extra_calls(pairs):
     assert stats.feature_bytes == 2 * 4 * (verifier.n - 1)
 
 
+@pytest.mark.unit
 def test_eagle_drafter_refuses_bad_features(eagle_pair):
     from specd.errors import InvalidRequest
 
@@ -281,6 +288,7 @@ def test_eagle_drafter_refuses_bad_features(eagle_pair):
 
 
 @pytest.mark.parametrize("dtype,tol", [("float16", 1e-3), ("bfloat16", 8e-3)])
+@pytest.mark.unit
 def test_hidden_states_round_trip(dtype, tol):
     t = torch.randn(5, 8) * 9
     h = HiddenStates.encode(t, dtype)

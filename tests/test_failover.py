@@ -24,6 +24,8 @@ from specd.ops.local_stack import Stack
 from specd.runtime.models import load_model, load_tokenizer
 from tests.tiny_models import corpus_lines
 
+pytestmark = pytest.mark.services
+
 MAX_NEW = 160          # long enough that the stream is far from its end when frozen
 ARRIVED = 8            # tokens read before the kill
 

@@ -20,6 +20,8 @@ from specd.orchestrator.request import GenerationSpec
 from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 V = 50
 
 

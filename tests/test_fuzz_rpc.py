@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops.local_stack import Stack
 from specd.orchestrator.config import OrchestratorConfig
 from tests.fuzz_strategies import (
     drafts,
@@ -31,6 +30,8 @@ from tests.fuzz_strategies import (
     token_ids,
 )
 from tests.test_metrics import value, wait_idle
+
+pytestmark = pytest.mark.services
 
 OK = grpc.StatusCode.OK
 CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -47,11 +48,10 @@ MESSAGES: dict = {}     # (rpc, status name) -> one message, for the log
 
 
 @pytest.fixture(scope="module")
-def stack(pairs):
-    target, drafter = pairs["llama"]
-    s = Stack(target, drafter, metrics=True)
-    yield s
-    s.stop()
+def stack(metered):
+    """The session's metered stack (tests/conftest.py): whatever the fuzzing
+    does to it, the last test here shows it left nothing behind."""
+    return metered
 
 
 @pytest.fixture(scope="module")

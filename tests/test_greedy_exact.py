@@ -10,6 +10,8 @@ import torch
 from specd.runtime.models import load_model, load_tokenizer
 from tests.tiny_models import corpus_lines
 
+pytestmark = pytest.mark.services
+
 NEAR_TIE = 1e-4
 MAX_NEW = 24
 

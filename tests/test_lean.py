@@ -6,6 +6,8 @@ import torch
 from specd.runtime.lean import LeanModel, supports
 from specd.runtime.models import Runner, SessionCache, load_model
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_lean_matches_hf(family, pairs):

@@ -1,5 +1,9 @@
 """The load benchmark's ratio interval (pure; no services)."""
+import pytest
+
 from benchmarks.load import ratio_interval
+
+pytestmark = pytest.mark.unit
 
 
 def rounds(*tps):

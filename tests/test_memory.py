@@ -4,9 +4,13 @@ memory is within 10% of what it was after the first 50, and it holds no session
 and no KV token."""
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from specd.runtime.models import load_tokenizer
 from tests.test_greedy_exact import prompts
 from tests.test_metrics import scrape, value
+
+pytestmark = pytest.mark.services
 
 
 def rss_kib(pid: int) -> int:

@@ -1,6 +1,10 @@
 """After known traffic, the Prometheus endpoints of the
 orchestrator, the drafter and the verifier (real processes, scraped over HTTP)
-count exactly what the requests' final stats say."""
+count exactly what the requests' final stats say.
+
+The stack is the session's metered one (tests/conftest.py), which other modules
+also drive: counters are compared as their increase over this test's traffic
+(scraped idle before and after it), gauges as they are once idle."""
 import collections
 import time
 import urllib.request
@@ -8,7 +12,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.ops.local_stack import Stack
+pytestmark = pytest.mark.services
 
 PROMPT = {"ids": [40, 41, 42, 43, 44]}
 # (fields, method that runs): chains, a static and a dynamic tree, sampling, ngram, off.
@@ -22,14 +26,6 @@ TRAFFIC = [
 ]
 
 
-@pytest.fixture(scope="module")
-def metered_stack(pairs):
-    target, drafter = pairs["qwen2"]
-    stack = Stack(target, drafter, metrics=True)
-    yield stack
-    stack.stop()
-
-
 def scrape(address: str) -> dict:
     """{(sample name, frozenset(labels)): value} of one /metrics endpoint."""
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
@@ -39,6 +35,11 @@ def scrape(address: str) -> dict:
 
 def value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def increase(after: dict, before: dict) -> dict:
+    """Each sample's increase from one scrape to a later one (for counters)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
 def wait_idle(stack, timeout_s=20.0) -> tuple[dict, dict, dict]:
@@ -52,15 +53,17 @@ def wait_idle(stack, timeout_s=20.0) -> tuple[dict, dict, dict]:
         time.sleep(0.1)
 
 
-def test_metrics_count_the_request_stats(metered_stack):
-    stack = metered_stack
+def test_metrics_count_the_request_stats(metered):
+    stack = metered
     assert all(p.metrics_address for p in (stack.orchestrator, stack.drafter_proc, stack.verifier))
+    before = wait_idle(stack)
     stats = collections.defaultdict(list)
     for fields, method in TRAFFIC:
         ids, last = stack.generate(prompt_token_ids=PROMPT, max_new_tokens=16, **fields)
         assert last.stats.method == method and len(ids) == last.stats.completion_tokens
         stats[method].append(last.stats)
-    orch, drafter, verifier = wait_idle(stack)
+    after = wait_idle(stack)
+    orch, drafter, verifier = (increase(a, b) for a, b in zip(after, before))
 
     def total(method, key):
         return sum(getattr(s, key) for s in stats[method])
@@ -110,28 +113,28 @@ def test_metrics_count_the_request_stats(metered_stack):
     assert value(drafter, "specdec:spec_decode_num_drafts_total") == total("draft_model", "drafts")
     assert value(drafter, "specdec:spec_decode_num_draft_tokens_total") == total("draft_model", "drafted_tokens")
 
-    # Everything closed: no sessions, no KV in use.
-    for samples in (orch, drafter, verifier):
+    # Everything closed: no sessions, no KV in use (the gauges themselves).
+    for samples in after:
         assert value(samples, "specdec:active_sessions") == 0
-    assert value(verifier, "specdec:kv_cache_tokens") == 0
-    assert value(verifier, "specdec:kv_cache_usage") == 0
+    assert value(after[2], "specdec:kv_cache_tokens") == 0
+    assert value(after[2], "specdec:kv_cache_usage") == 0
 
 
-def test_gauges_see_open_sessions(metered_stack):
+def test_gauges_see_open_sessions(metered):
     """While a session is open the verifier's gauges show it; they fall back after."""
     import grpc
 
     from specd.api.v1 import specdec_pb2 as pb
     from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 
-    v = pb_grpc.VerifierServiceStub(grpc.insecure_channel(metered_stack.verifier.address))
+    v = pb_grpc.VerifierServiceStub(grpc.insecure_channel(metered.verifier.address))
     v.OpenSession(pb.OpenVerifySessionRequest(session_id="m1", prompt_token_ids=[1, 2, 3, 4]), timeout=30)
     try:
-        during = scrape(metered_stack.verifier.metrics_address)
+        during = scrape(metered.verifier.metrics_address)
         assert value(during, "specdec:active_sessions") == 1
         assert value(during, "specdec:kv_cache_tokens") == 4       # the prompt; the first token is pending
         assert 0 < value(during, "specdec:kv_cache_usage") < 1e-3
     finally:
         v.CloseSession(pb.CloseSessionRequest(session_id="m1"), timeout=30)
-    after = scrape(metered_stack.verifier.metrics_address)
+    after = scrape(metered.verifier.metrics_address)
     assert value(after, "specdec:active_sessions") == 0 and value(after, "specdec:kv_cache_tokens") == 0

@@ -1,4 +1,8 @@
+import pytest
+
 from specd.rules.ngram import propose_ngram
+
+pytestmark = pytest.mark.unit
 
 
 def test_longest_suffix_match_wins_and_latest_occurrence_first():

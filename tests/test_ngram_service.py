@@ -17,6 +17,7 @@ def repetitive_prompts(tok, n=20):
 
 
 @pytest.mark.parametrize("k", [2, 5])
+@pytest.mark.services
 def test_ngram_greedy_equals_target_only(k, pairs, stacks):
     target_dir, _ = pairs["llama"]
     model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
@@ -49,6 +50,8 @@ def lookup_prompt(model, params: SamplingParams) -> list[int]:
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 6), (0.7, 0.8, 0)])
+@pytest.mark.services
+@pytest.mark.statistical
 def test_ngram_sampling_matches_target(temperature, top_p, top_k, pairs, stacks):
     """Point-mass drafts (the deterministic rule) leave the target law intact."""
     target_dir, _ = pairs["llama"]
@@ -60,6 +63,7 @@ def test_ngram_sampling_matches_target(temperature, top_p, top_k, pairs, stacks)
                           top_p=top_p, top_k=top_k))
 
 
+@pytest.mark.services
 def test_per_request_methods_concurrently(pairs, stacks):
     """off, ngram and draft_model served at once by the same system; each final
     stats message names its method; greedy outputs are identical."""

@@ -21,6 +21,8 @@ from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd.ops.local_stack import ServiceProcess, Stack
 from tests.test_metrics import scrape, value
 
+pytestmark = pytest.mark.services
+
 N = 4
 MAX_NEW = 200           # far more bytes of responses than the held window lets through
 HOLD = [("grpc.http2.lookahead_bytes", 256), ("grpc.http2.bdp_probe", 0)]
@@ -124,52 +126,59 @@ def test_session_budget_refuses_exactly_the_excess(budget_stack, pairs):
     assert ids == reference(s.target, prompts[0], 8)
 
 
-def test_kv_budget_refuses_a_prompt_that_does_not_fit(pairs):
+@pytest.fixture(scope="module")
+def target_only(pairs):
+    """One target-only stack for the KV budget (verifier) and the admission
+    bound (orchestrator): each test stays below the other's limit (the KV test
+    runs 2 requests at once, the admission test's prompts are 4 tokens)."""
     target, _ = pairs["llama"]
-    s = TargetOnly(target, "--max-kv-tokens", "300")
-    try:
-        channel = grpc.insecure_channel(s.orchestrator.address, options=HOLD)
-        stub = pb_grpc.OrchestratorServiceStub(channel)
-        long_prompt = running_prompts(target, ([7 + (i * j) % 50 for i in range(200)] for j in range(1, 50)), 1, 50)[0]
-        other = [9 + i % 40 for i in range(150)]
-        held = stub.Generate(pb.GenerateRequest(prompt_token_ids={"ids": long_prompt}, max_new_tokens=50),
-                             timeout=120)
-        first, err = first_or_error(held)
-        assert err is None, err
-        # 200+ tokens cached; 150 more would pass the budget of 300.
-        with pytest.raises(grpc.RpcError) as info:
-            s.generate(prompt_token_ids={"ids": other}, max_new_tokens=4)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "KV budget full" in info.value.details() and "of 300 tokens" in info.value.details()
-        # The running stream is not harmed; once it ends, the same request fits.
-        ids = list(first.token_ids) + [t for r in held for t in r.token_ids]
-        assert ids == reference(target, long_prompt, 50)
-        assert wait_sessions(s.verifier.metrics_address, 0) == 0
-        ids, _ = s.generate(prompt_token_ids={"ids": other}, max_new_tokens=4)
-        assert ids == reference(target, other, 4)
-        channel.close()
-    finally:
-        s.stop()
+    s = TargetOnly(target, "--max-kv-tokens", "300", orchestrator_args=("--max-active-requests", "2"))
+    yield s
+    s.stop()
 
 
-def test_orchestrator_admission_bound(pairs):
+def test_kv_budget_refuses_a_prompt_that_does_not_fit(target_only):
+    s = target_only
+    target = s.target
+    assert wait_sessions(s.verifier.metrics_address, 0) == 0
+    channel = grpc.insecure_channel(s.orchestrator.address, options=HOLD)
+    stub = pb_grpc.OrchestratorServiceStub(channel)
+    long_prompt = running_prompts(target, ([7 + (i * j) % 50 for i in range(200)] for j in range(1, 50)), 1, 50)[0]
+    other = [9 + i % 40 for i in range(150)]
+    held = stub.Generate(pb.GenerateRequest(prompt_token_ids={"ids": long_prompt}, max_new_tokens=50),
+                         timeout=120)
+    first, err = first_or_error(held)
+    assert err is None, err
+    # 200+ tokens cached; 150 more would pass the budget of 300.
+    with pytest.raises(grpc.RpcError) as info:
+        s.generate(prompt_token_ids={"ids": other}, max_new_tokens=4)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "KV budget full" in info.value.details() and "of 300 tokens" in info.value.details()
+    # The running stream is not harmed; once it ends, the same request fits.
+    ids = list(first.token_ids) + [t for r in held for t in r.token_ids]
+    assert ids == reference(target, long_prompt, 50)
+    assert wait_sessions(s.verifier.metrics_address, 0) == 0
+    ids, _ = s.generate(prompt_token_ids={"ids": other}, max_new_tokens=4)
+    assert ids == reference(target, other, 4)
+    channel.close()
+
+
+def test_orchestrator_admission_bound(target_only):
     """--max-active-requests: past it Generate is RESOURCE_EXHAUSTED before any
     replica is asked (the verifier here has room for many more)."""
-    target, _ = pairs["llama"]
-    s = TargetOnly(target, orchestrator_args=("--max-active-requests", "2"))
-    try:
-        channel = grpc.insecure_channel(s.orchestrator.address, options=HOLD)
-        stub = pb_grpc.OrchestratorServiceStub(channel)
-        prompts = running_prompts(target, ([40 + i, 60 + i, 80 + i, 100 + i] for i in range(100)), 3)
-        calls = [stub.Generate(pb.GenerateRequest(prompt_token_ids={"ids": p}, max_new_tokens=MAX_NEW),
-                               timeout=120) for p in prompts]
-        firsts = [first_or_error(c) for c in calls]
-        errors = [e for _, e in firsts if e is not None]
-        assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "limit of 2 concurrent requests" in errors[0].details()
-        for (first, err), call in zip(firsts, calls):
-            if err is None:
-                assert len(first.token_ids) + sum(len(r.token_ids) for r in call) == MAX_NEW
-        channel.close()
-    finally:
-        s.stop()
+    s = target_only
+    target = s.target
+    assert wait_sessions(s.verifier.metrics_address, 0) == 0
+    channel = grpc.insecure_channel(s.orchestrator.address, options=HOLD)
+    stub = pb_grpc.OrchestratorServiceStub(channel)
+    prompts = running_prompts(target, ([40 + i, 60 + i, 80 + i, 100 + i] for i in range(100)), 3)
+    calls = [stub.Generate(pb.GenerateRequest(prompt_token_ids={"ids": p}, max_new_tokens=MAX_NEW),
+                           timeout=120) for p in prompts]
+    firsts = [first_or_error(c) for c in calls]
+    errors = [e for _, e in firsts if e is not None]
+    assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "limit of 2 concurrent requests" in errors[0].details()
+    for (first, err), call in zip(firsts, calls):
+        if err is None:
+            assert len(first.token_ids) + sum(len(r.token_ids) for r in call) == MAX_NEW
+    channel.close()

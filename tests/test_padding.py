@@ -1,9 +1,12 @@
 """training.pad_target must grow a Llama without changing what it computes."""
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from training.pad_target import main as pad_cli
 from training.pad_target import n_params, pad_model
+
+pytestmark = pytest.mark.unit
 
 torch.set_num_threads(1)
 

@@ -20,7 +20,7 @@ from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
 from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts, reference
-from tests.test_sampling_lossless import exact_joint, null_threshold, tv
+from tests.test_sampling_lossless import exact_joint, generate_seeds, null_threshold, tv
 
 GREEDY = SamplingParams()
 CHAIN = DraftShape.chain(3)
@@ -40,6 +40,7 @@ def _open_both(drafters, prompt, sid):
     return [d.propose(sid, [], [prompt[-1] + 1], CHAIN) for d in drafters]
 
 
+@pytest.mark.unit
 def test_rewound_ahead_leaves_no_trace(drafter_pair):
     plain, piped = drafter_pair
     prompt = [5, 9, 14, 3, 7, 21]
@@ -59,6 +60,7 @@ def test_rewound_ahead_leaves_no_trace(drafter_pair):
     assert piped.propose("rw", *nxt, CHAIN).tree.tokens == plain.propose("rw", *nxt, CHAIN).tree.tokens
 
 
+@pytest.mark.unit
 def test_confirmed_ahead_equals_an_ordinary_proposal(drafter_pair):
     plain, piped = drafter_pair
     prompt = [11, 2, 8, 30, 4]
@@ -75,6 +77,7 @@ def test_confirmed_ahead_equals_an_ordinary_proposal(drafter_pair):
         piped.prepare("ok", [], [], CHAIN, rewind=True)
 
 
+@pytest.mark.unit
 def test_malformed_ahead_calls_are_refused(drafter_pair):
     _, piped = drafter_pair
     first = _open_both([piped], [3, 4, 5, 6], "bad")[0]
@@ -91,6 +94,7 @@ def test_malformed_ahead_calls_are_refused(drafter_pair):
 
 # ------------------------------------------------- branches (rejection outcomes) --
 
+@pytest.mark.unit
 def test_branch_outcomes_and_mask():
     from specd.drafter.branches import alternatives_that_fit, branch_mask, outcomes
     # Chain 7, 8, 9; the drafter's ranked choices where it drafted each (the
@@ -130,6 +134,7 @@ def lean_pair(pairs):
 
 
 @pytest.mark.parametrize("kept", [0, 1, 2, 3])
+@pytest.mark.unit
 def test_taking_a_branch_equals_a_fresh_draft(lean_pair, kept):
     """Every branch of an ahead call, once taken, leaves the drafter where a
     plain drafter that got that verdict stands: same tokens, same cache rows,
@@ -152,6 +157,7 @@ def test_taking_a_branch_equals_a_fresh_draft(lean_pair, kept):
     _same_cache(plain, piped, sid)       # the branch's rows were compacted into place, not recomputed
 
 
+@pytest.mark.unit
 def test_branched_ahead_rewinds_and_chains_of_branches(lean_pair):
     """A miss rewinds a branched ahead call to the plain state; a branch taken by
     the next ahead call (pipelining goes on) pre-drafts again from that branch."""
@@ -181,6 +187,7 @@ def test_branched_ahead_rewinds_and_chains_of_branches(lean_pair):
     _same_cache(plain, piped, sid)
 
 
+@pytest.mark.unit
 def test_malformed_branch_calls_are_refused(lean_pair):
     _, piped = lean_pair
     first = _open_both([piped], [3, 4, 5, 6], "badbr")[0]
@@ -208,6 +215,7 @@ def test_malformed_branch_calls_are_refused(lean_pair):
     piped.prepare("badbr", [0], b.tree.tokens[:1] + [1], CHAIN, branch=1)
 
 
+@pytest.mark.unit
 def test_hf_engine_makes_only_the_all_kept_branch(drafter_pair):
     _, piped = drafter_pair
     first = _open_both([piped], [7, 7, 2, 40], "hfbr")[0]
@@ -216,6 +224,7 @@ def test_hf_engine_makes_only_the_all_kept_branch(drafter_pair):
     assert (len(ahead.branches) == 2 * 4) if lean else not ahead.branches
 
 
+@pytest.mark.services
 def test_pipelined_greedy_equals_target_only(pairs, stacks):
     target_dir, _ = pairs["llama"]
     model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
@@ -238,6 +247,7 @@ def test_pipelined_greedy_equals_target_only(pairs, stacks):
     assert used > 0 and dropped > 0 and alternative > 0, (used, dropped, alternative)
 
 
+@pytest.mark.services
 def test_pipelining_needs_a_drafter_chain(stacks):
     with pytest.raises(grpc.RpcError) as e:
         stacks["llama"].generate(prompt="hello", max_new_tokens=4, speculative_method="ngram",
@@ -253,10 +263,12 @@ N = 2000
 
 
 # One sampling setting per branch mode (the all-kept branch only; 2 alternatives
-# per depth, the default): each case costs ~80 s of CI on 2 cores.
+# per depth, the default): each case costs ~25 s on 2 cores.
 @pytest.mark.parametrize("prompt,temperature,top_p,top_k,alternatives",
                          [([40, 41, 42, 43, 44], 1.0, 1.0, 3, 0), ([100, 7, 9], 0.7, 0.8, 0, 2)],
                          ids=["T1k3", "T0.7p0.8-alt2"])
+@pytest.mark.services
+@pytest.mark.statistical
 def test_pipelined_sampling_matches_target(prompt, temperature, top_p, top_k, alternatives, pairs, stacks):
     """Chains of 1: token 1 comes from the prefill, tokens 2-3 from cycle 1, and
     when cycle 1 kept its draft, token 4 from cycle 2, whose draft was made
@@ -268,11 +280,10 @@ def test_pipelined_sampling_matches_target(prompt, temperature, top_p, top_k, al
     params = SamplingParams(temperature, top_p, top_k)
     joint = exact_joint(target_dir, prompt, params, length=4)
     counts, used, dropped, alternative = {}, 0, 0, 0
-    for seed in range(N):
-        ids, last = stacks["llama"].generate(
-            prompt_token_ids={"ids": prompt}, max_new_tokens=6, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, num_speculative_tokens=1, pipeline_drafting=True,
-            pipeline_alternatives=alternatives)
+    for ids, last in generate_seeds(
+            stacks["llama"], N, prompt_token_ids={"ids": prompt}, max_new_tokens=6, temperature=temperature,
+            top_p=top_p, top_k=top_k, num_speculative_tokens=1, pipeline_drafting=True,
+            pipeline_alternatives=alternatives):
         counts[tuple(ids[:4])] = counts.get(tuple(ids[:4]), 0) + 1
         used += last.stats.pipelined_drafts > 0
         dropped += last.stats.drafts - last.stats.pipelined_drafts > 1

@@ -8,6 +8,8 @@ from specd.errors import CapacityExceeded, InvalidRequest
 from specd.orchestrator.pool import Pool, ReplicaSpec
 from specd.orchestrator.scaling import AutoscalePolicy, ReplicaGone, Scaler
 
+pytestmark = pytest.mark.unit
+
 
 class FakeClient:
     def __init__(self, spec):

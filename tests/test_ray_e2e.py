@@ -2,7 +2,8 @@
 verifier gRPC servers as Ray actors on real ports, a client calling Generate over
 the network - and `specd up` / `specd generate` / `specd down` from a shell.
 The `specd up` deployment runs mutual TLS on every link and bearer tokens, so the
-certificate paths are shown to reach the replica actors (`specd demo` stays plaintext)."""
+certificate paths are shown to reach the replica actors. (`specd demo`, which
+starts and stops a Ray cluster of its own, is tests/test_demo_pair.py's.)"""
 import os
 import re
 import subprocess
@@ -16,21 +17,23 @@ from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd.net.auth import bearer_metadata
 from specd.net.grpc_util import open_channel
 from specd.net.security import TlsConfig
-from specd.ops import ray_cluster
+from specd.ops import ray_cluster as local_ray
 from specd.runtime.models import load_model
 from tests.certs import make_pki
 from tests.test_greedy_exact import reference
+
+pytestmark = pytest.mark.cluster
 
 SPECD = [sys.executable, "-m", "specd"]
 
 
 @pytest.fixture
 def ray_cluster(tmp_path):
-    address, pid = ray_cluster.start_local_ray(log_dir=str(tmp_path))
+    address, pid = local_ray.start_local_ray(log_dir=str(tmp_path))
     try:
         yield address
     finally:
-        ray_cluster.stop_local_ray(pid)
+        local_ray.stop_local_ray(pid)
 
 
 def run(args, env, timeout=300):
@@ -135,13 +138,3 @@ def check_drafter_restart(ray_cluster, address, prompt, want, client_tls, metada
             drafter = status()["specd-drafter-0"]
         assert generate().accepted_tokens > 0      # speculating on the restarted drafter
 
-
-def test_specd_demo_starts_and_stops_its_own_ray(pairs, tmp_path):
-    target, drafter = pairs["qwen2"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["SPECD_HOME"] = str(tmp_path / "home")
-    demo = run(["demo", "--target", target, "--drafter", drafter, "--max-new-tokens", "16"], env)
-    assert demo.returncode == 0, demo.stderr
-    assert "started a local Ray cluster" in demo.stderr and "specd is down" in demo.stderr
-    assert "completion_tokens=16" in demo.stderr
-    assert not (tmp_path / "home/state.json").exists()

@@ -26,6 +26,8 @@ from transformers.generation.logits_process import (
 from specd.errors import InvalidRequest
 from specd.rules.sampling import SamplingParams, logits_to_probs, sample, truncate_top
 
+pytestmark = pytest.mark.unit
+
 
 def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Hugging Face's own processing, in the order `generate` builds its warpers

@@ -86,6 +86,7 @@ def health(channel, service=""):
     return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status
 
 
+@pytest.mark.services
 def test_mtls_on_every_link_streams_the_plain_stacks_greedy_output(secure, plain):
     want, _ = stream(plain.channel, token=None)
     got, chunks = stream(secure.channel, num_speculative_tokens=3)
@@ -94,6 +95,7 @@ def test_mtls_on_every_link_streams_the_plain_stacks_greedy_output(secure, plain
     assert got == want and len(want) == 24
 
 
+@pytest.mark.services
 def test_replicas_serve_only_mtls(secure, pki, client_tls):
     """The orchestrator streams above through these servers, so its links are mTLS."""
     for proc in (secure.verifier, secure.drafter_proc):
@@ -105,6 +107,7 @@ def test_replicas_serve_only_mtls(secure, pki, client_tls):
             assert health(ch) == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.services
 def test_client_without_the_ca_or_without_a_client_cert_is_refused(secure, pki):
     address = secure.orchestrator.address
     clients = {"plaintext": grpc.insecure_channel(address),
@@ -116,6 +119,7 @@ def test_client_without_the_ca_or_without_a_client_cert_is_refused(secure, pki):
             assert err.code() == grpc.StatusCode.UNAVAILABLE, (label, err)
 
 
+@pytest.mark.services
 def test_tokens(secure):
     stub = pb_grpc.AdminServiceStub(secure.channel)
     for token, why in ((None, "missing bearer token"), ("wrong-token", "invalid bearer token"),
@@ -134,17 +138,20 @@ def test_tokens(secure):
     assert stub.Status(pb.StatusRequest(), timeout=30, metadata=bearer_metadata(TOKEN)).active_requests == 0
 
 
+@pytest.mark.services
 def test_health_over_tls_needs_no_token(secure):
     for service in ("", "specdec.v1.OrchestratorService", "specdec.v1.AdminService"):
         assert health(secure.channel, service) == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.services
 def test_oversized_message_is_resource_exhausted(secure):
     err = refused(lambda: stream(secure.channel, prompt="x" * (MAX_MESSAGE + 1)))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
     assert len(stream(secure.channel)[0]) == 24             # and it goes on serving
 
 
+@pytest.mark.services
 def test_cli_client_flags(secure, pki, capsys, monkeypatch):
     tls = ["--address", secure.orchestrator.address, "--tls-ca", pki.ca, "--tls-cert", pki.client_cert,
            "--tls-key", pki.client_key]
@@ -159,6 +166,7 @@ def test_cli_client_flags(secure, pki, capsys, monkeypatch):
     assert "/nonexistent/client.key" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_bad_tls_files_are_named(pki, tmp_path):
     not_pem = tmp_path / "cert.txt"
     not_pem.write_text("hello")
@@ -172,6 +180,7 @@ def test_bad_tls_files_are_named(pki, tmp_path):
     TlsConfig(cert=pki.server_cert, key=pki.server_key, ca=pki.ca, require_client_cert=True).check(server=True)
 
 
+@pytest.mark.unit
 def test_token_file_and_compare(tmp_path):
     f = tmp_path / "tokens"
     f.write_text("\n# none yet\n")
@@ -185,6 +194,7 @@ def test_token_file_and_compare(tmp_path):
     assert check_metadata((("x-other", "Bearer a"),), ("a",)).startswith("missing")
 
 
+@pytest.mark.services
 def test_sigterm_drains(plain, pairs):
     """SIGTERM: health NOT_SERVING and new requests UNAVAILABLE at once, while a
     running stream is served to its end; then the process exits cleanly. The

@@ -5,6 +5,7 @@ sleeping), then the real processes with a small timeout."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ from specd.verifier.core import Verifier
 from tests.test_metrics import scrape, value
 
 
+@pytest.mark.unit
 def test_verifier_core_expires_only_idle_sessions(pairs):
     target, _ = pairs["llama"]
     core = Verifier(VerifierConfig(model_dir=target, session_idle_timeout_s=100))
@@ -52,6 +54,7 @@ def test_verifier_core_expires_only_idle_sessions(pairs):
     assert core.num_sessions == 0 and core.kv_tokens == 0
 
 
+@pytest.mark.unit
 def test_timeout_zero_never_expires(pairs):
     _, drafter = pairs["llama"]
     core = Drafter(DrafterConfig(model_dir=drafter, session_idle_timeout_s=0))
@@ -60,12 +63,16 @@ def test_timeout_zero_never_expires(pairs):
     core.propose("a", [], [4], DraftShape.chain(2))
 
 
+@pytest.mark.services
 def test_services_expire_idle_sessions(pairs):
     target, drafter = pairs["llama"]
     flags = ("--session-idle-timeout-s", "0.5", "--metrics-port", "0")
-    procs = [ServiceProcess("specd.verifier", "--model", target, *flags),
-             ServiceProcess("specd.drafter", "--model", drafter, *flags)]
+    with ThreadPoolExecutor(2) as pool:     # started together: each spends seconds importing and loading
+        futures = [pool.submit(ServiceProcess, module, "--model", model, *flags)
+                   for module, model in (("specd.verifier", target), ("specd.drafter", drafter))]
+    procs = [f.result() for f in futures if f.exception() is None]
     try:
+        assert len(procs) == 2, [f.exception() for f in futures]
         v = pb_grpc.VerifierServiceStub(grpc.insecure_channel(procs[0].address))
         d = pb_grpc.DrafterServiceStub(grpc.insecure_channel(procs[1].address))
         v.OpenSession(pb.OpenVerifySessionRequest(session_id="s", prompt_token_ids=[1, 2, 3]), timeout=30)

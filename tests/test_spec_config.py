@@ -22,11 +22,13 @@ BAD = [
 
 
 @pytest.mark.parametrize("data,needle", BAD, ids=[n for _, n in BAD])
+@pytest.mark.unit
 def test_bad_config_names_the_key(data, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         SpeculativeConfig.from_dict(data)
 
 
+@pytest.mark.unit
 def test_yaml_and_toml_files(tmp_path):
     y = tmp_path / "spec.yaml"
     y.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 5\n  prompt_lookup_max: 3\n")
@@ -41,6 +43,7 @@ def test_yaml_and_toml_files(tmp_path):
         load(bad)
 
 
+@pytest.mark.services
 def test_specd_up_refuses_a_bad_config_before_starting_anything(tmp_path, pairs):
     bad = tmp_path / "bad.yaml"
     bad.write_text("method: draft_model\nnum_speculative_tokens: 4\nprompt_lookup_mx: 3\n")
@@ -56,6 +59,7 @@ def test_specd_up_refuses_a_bad_config_before_starting_anything(tmp_path, pairs)
     assert r.returncode == 2 and "prompt_lookup_min (6) is greater than prompt_lookup_max (4)" in r.stderr
 
 
+@pytest.mark.unit
 def test_tree_paths_in_config_and_flags():
     """A static tree node by node: a deep chain plus the second choice at depth 1."""
     from specd.ops.cli import build_parser

@@ -108,6 +108,7 @@ def _children(spans, parent, name):
 
 @pytest.mark.parametrize("fields", [dict(num_speculative_tokens=3), dict(tree={"branching": [2, 2, 1]})],
                          ids=["chain3", "tree221"])
+@pytest.mark.services
 def test_one_generate_is_one_trace_across_services(fields, traced_stack, receiver):
     ids, last, spans, client_span = _generate_traced(traced_stack, receiver, **fields)
     s = last.stats
@@ -181,6 +182,7 @@ def test_one_generate_is_one_trace_across_services(fields, traced_stack, receive
     assert sum(c["attrs"]["specdec.accepted_length"] for c in cycles) == s.accepted_tokens
 
 
+@pytest.mark.unit
 def test_tracing_is_off_without_an_endpoint(monkeypatch):
     for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
@@ -195,6 +197,7 @@ def test_tracing_is_off_without_an_endpoint(monkeypatch):
     assert tracing.outgoing_metadata() is None
 
 
+@pytest.mark.unit
 def test_cycle_record_and_attributes():
     """The per-cycle data the loop produces (pure): depth, bonus vs correction,
     per-position acceptance, in Stats and in the cycle span's attributes."""

@@ -48,6 +48,8 @@ from specd.rules.tree import (
 from tests.test_acceptance import BOS, GoodnessOfFit, L, V, exact_sequence_law, goodness_of_fit
 from tests.test_acceptance import model_tables as acceptance_tables
 
+pytestmark = pytest.mark.unit
+
 N_TRIALS = 15_000        # sequences per correct rule
 N_TRIALS_WRONG = 4_000   # per wrong rule (fewer trials only makes failing harder)
 PLAIN = SamplingParams(temperature=1.0)
@@ -309,6 +311,7 @@ def report(name: str, fit: GoodnessOfFit, res: PipelineResult) -> None:
 
 @pytest.mark.parametrize("params", [PLAIN, NUCLEUS], ids=["T1", "T0.7-p0.8"])
 @pytest.mark.parametrize("kind", ["sampled", "deterministic"])
+@pytest.mark.statistical
 def test_tree_rules_follow_target(kind, params):
     """Tree speculative decoding emits L-token sequences distributed exactly as
     target-only sampling, with paths of every length and non-first children kept."""
@@ -331,6 +334,7 @@ WRONG = [("no_q_renorm", "sampled"), ("no_zero", "deterministic"), ("no_residual
 
 @pytest.mark.parametrize("params", [PLAIN, NUCLEUS], ids=["T1", "T0.7-p0.8"])
 @pytest.mark.parametrize("bug,kind", WRONG, ids=[w[0] for w in WRONG])
+@pytest.mark.statistical
 def test_wrong_tree_rules_are_detected(bug, kind, params):
     target, drafter, topk_drafter = model_tables()
     p_table = logits_to_probs(target, params)

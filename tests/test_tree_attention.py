@@ -22,6 +22,8 @@ from specd.rules.tree import (
     validate_tree,
 )
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 100
 PROMPT = [11, 42, 7, 93, 5, 64, 23]
 ATOL = 1e-4

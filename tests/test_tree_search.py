@@ -1,6 +1,7 @@
 """benchmarks/tree_search.py: the replay that scores trees must be the verifier's
 own greedy rule (checked against the real services), and the search must find
 the branch a chain misses."""
+import pytest
 import torch
 
 from benchmarks.tree_search import bfs_paths, candidates, chain, grow, measure_ranks, tokens_per_cycle
@@ -9,6 +10,7 @@ from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import prompts
 
 
+@pytest.mark.unit
 def test_replay_by_hand():
     # Tokens 1..7 ranked 0,0,1,0,0,0,0. Chain of 2: keep t1,t2 (+t3) | keep t4,t5 (+t6) | t7 is last: 2 cycles
     # of 3, then one of 1 (t7 emitted, nothing to keep) -> 7 tokens / 3 cycles.
@@ -23,12 +25,14 @@ def test_replay_by_hand():
     assert tokens_per_cycle(r, chain(3) | {(1,), (1, 0), (1, 0, 0)}) == 4.0
 
 
+@pytest.mark.unit
 def test_candidates_keep_ranks_contiguous():
     tree = frozenset({(0,), (0, 0)})
     assert set(candidates(tree, max_rank=4, max_depth=3)) == {(1,), (0, 1), (0, 0, 0)}
     assert (0, 0, 0) not in candidates(tree, 4, max_depth=2)
 
 
+@pytest.mark.unit
 def test_search_finds_the_branch_a_chain_misses():
     # The drafter's first choice is right 60% of the time, its second 35%:
     # a second child at depth 1 beats deepening a chain.
@@ -42,6 +46,7 @@ def test_search_finds_the_branch_a_chain_misses():
     DraftShape(paths=tuple(map(tuple, bfs_paths(best)))).validate(64, 16)
 
 
+@pytest.mark.services
 def test_replay_equals_the_services(pairs, stacks):
     """Tokens per cycle replayed from measured ranks == what the real verifier
     did, for a chain and a path tree (fp32, greedy)."""

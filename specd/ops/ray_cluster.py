@@ -8,6 +8,7 @@ nothing else on the machine (`ray stop` would kill every Ray on the host).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -143,8 +144,17 @@ def stop_local_ray(pid: int, timeout_s: float = 5.0) -> None:
             return
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            _reap(pid)
             try:
                 os.killpg(pid, 0)
             except ProcessLookupError:
                 return
             time.sleep(0.3)
+
+
+def _reap(pid: int) -> None:
+    """Collect `pid`'s exit status if it is this process's child and has exited:
+    until then the zombie leader keeps its process group signalable, and a stop
+    waiting for the group to go would wait out its whole timeout."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
