@@ -7,6 +7,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "specd"
 LAYERS = ("errors", "rules", "runtime", "telemetry", "api", "net", "drafter", "verifier", "orchestrator", "ops")

@@ -3,11 +3,15 @@
 each ahead draft. The same on real processes is tests/test_pipeline.py."""
 import asyncio
 
+import pytest
+
 from specd.orchestrator.detok import OutputTracker
 from specd.orchestrator.loop import Draft, Verdict, run_generation
 from specd.orchestrator.request import GenerationSpec
 from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 V = 50
 PROMPT = [3, 1, 4, 1, 5]

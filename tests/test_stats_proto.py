@@ -9,6 +9,8 @@ from specd.api.v1 import specdec_pb2 as pb
 from specd.orchestrator.records import Draft, Stats, Verdict
 from specd.orchestrator.servicer import DERIVED_STATS, INTERNAL_STATS, stats_to_proto
 
+pytestmark = pytest.mark.unit
+
 
 def test_stats_and_proto_have_the_same_fields():
     fields = {f.name for f in dataclasses.fields(Stats)}
