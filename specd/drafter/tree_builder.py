@@ -105,7 +105,9 @@ def _choose(logits: torch.Tensor, n: int, params, top_n: int, gen):
     replacement from its truncated q, returned with them (sampled)."""
     if params.greedy:
         return torch.topk(logits, n).indices.tolist(), None
-    ids, probs = truncate_top(logits_to_probs(logits, params), top_n)
+    # The draws use the session's CPU generator; the truncated q (top_n entries)
+    # comes over once, and it is what the verifier is sent anyway.
+    ids, probs = (t.cpu() for t in truncate_top(logits_to_probs(logits, params), top_n))
     return _sample_without_replacement(ids, probs, n, gen), (ids.tolist(), probs.tolist())
 
 

@@ -73,7 +73,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a (V,) distribution."""
+    """Draw one token id from a (V,) distribution. The draw happens where the
+    generator lives (sessions seed a CPU generator, so that a seed gives the same
+    draws on any device): probs on a GPU come over once for it."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 

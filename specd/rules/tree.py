@@ -170,7 +170,15 @@ def accept_tree_greedy(logits: torch.Tensor, tree: TokenTree) -> TreeAcceptance:
     row i+1 at node i. Siblings are distinct, so at most one child matches; every
     emitted token is an argmax at its position, hence bit-identical to greedy decoding."""
     _check_rows(logits, tree, "logits")
-    best = logits.argmax(-1).tolist()  # (N+1,)
+    return accept_tree_argmax(logits.argmax(-1).tolist(), tree)
+
+
+def accept_tree_argmax(best: list[int], tree: TokenTree) -> TreeAcceptance:
+    """accept_tree_greedy from each row's argmax (N+1 ids), computed by the
+    caller: a verifier takes every greedy session's argmax in one device call
+    and one transfer, rather than one host sync per session."""
+    if len(best) != len(tree.tokens) + 1:
+        raise ValueError(f"best must hold N+1 = {len(tree.tokens) + 1} ids; got {len(best)}")
     kids = children(tree)
     path: list[int] = []
     row = 0

@@ -12,6 +12,7 @@ the accepted path's rows, moved in place (specd/rules/tree.py). No grpc here.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,8 +21,8 @@ from specd.errors import CapacityExceeded, InvalidRequest
 from specd.rules.sampling import SamplingParams, logits_to_probs, sample
 from specd.rules.tree import (
     TokenTree,
+    accept_tree_argmax,
     accept_tree_deterministic,
-    accept_tree_greedy,
     accept_tree_sampled,
     children,
     compaction_indices,
@@ -243,7 +244,8 @@ class Verifier(ModelCore):
             for (j, s), lg, h in zip(admitted, logits[len(live) :], states[len(live) :]):
                 done[id(j)] = self._first_token(j, s, lg[0], h)
                 self._add(j.session_id, s)
-            accepted = [self._accept(j, lg) for j, lg in zip(live, logits)]
+            best = iter(self._argmaxes([lg for j, lg in zip(live, logits) if j.session.params.greedy]))
+            accepted = [self._accept(j, lg, best) for j, lg in zip(live, logits)]
             phases.mark("accept")
             for j, r, h in zip(live, accepted, states):
                 if j.session.hidden:
@@ -261,12 +263,29 @@ class Verifier(ModelCore):
             done |= {id(j): r for j, r in zip(live, accepted)}
             return self._in_order(jobs, done | refused, "verify")
 
-    def _accept(self, job: VerifyJob, logits: torch.Tensor) -> VerifyResult:
+    @staticmethod
+    def _argmaxes(logits: list[torch.Tensor]) -> list[list[int]]:
+        """Each greedy session's per-row argmax, in one device call and one
+        transfer to the host (not a host sync per session)."""
+        if not logits:
+            return []
+        flat = torch.cat(logits).argmax(-1).tolist() if len(logits) > 1 else logits[0].argmax(-1).tolist()
+        out, r0 = [], 0
+        for lg in logits:
+            out.append(flat[r0 : r0 + lg.shape[0]])
+            r0 += lg.shape[0]
+        return out
+
+    def _accept(self, job: VerifyJob, logits: torch.Tensor, best: Iterator[list[int]]) -> VerifyResult:
+        """best: the greedy sessions' argmaxes in batch order (_argmaxes),
+        consumed here in the same order."""
         s, tree = job.session, job.tree
         if s.params.greedy:
-            result = accept_tree_greedy(logits, tree)
+            result = accept_tree_argmax(next(best), tree)
         else:
-            p = logits_to_probs(logits, s.params)
+            # The rule walks the tree with host-side decisions and draws from the
+            # session's CPU generator: its rows come over once, not per node.
+            p = logits_to_probs(logits, s.params).cpu()
             result = (
                 accept_tree_sampled(p, tree, job.q, s.generator)
                 if job.q is not None

@@ -1,0 +1,36 @@
+"""benchmarks/gpu.py in its tiny CPU mode: every step it runs on a GPU runs
+here too (pair building, in-process forward timing, streams through the
+services, a sampled stream), so the script cannot rot between GPU runs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.services
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_benchmark_tiny_mode(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--tiny", "--rounds", "1", "--seconds", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    # Every (sessions, rows) cell timed, with a positive time.
+    cells = {(r["sessions"], r["rows"]) for r in report["verify_ms"]}
+    assert cells == {(1, 1), (1, 5), (4, 1), (4, 5)}
+    assert all(r["ms"] > 0 for r in report["verify_ms"] + report["draft_ms"])
+    assert [r["streams"] for r in report["streams"]] == [1, 2]
+    assert all(r["off_tokens_per_s"] > 0 and r["k4_tokens_per_s"] > 0 for r in report["streams"])
+    # The forced acceptance holds: K = 4 chains are kept whole (4 drafts + a
+    # bonus per cycle, less where max_new_tokens cuts the last cycle short).
+    assert report["cycle"]["tokens_per_cycle"] >= 3.5
+    assert report["cycle"]["sampled_tokens"] == 12
+    assert report["meta"]["engines"]["target"] in ("lean", "hf")
+    assert "forced" in report["meta"]["acceptance"]
