@@ -16,6 +16,8 @@ BAD_GENERATE = [
     ("empty prompt", dict(prompt=""), "prompt must not be empty"),
     ("empty token prompt", dict(prompt_token_ids={"ids": []}), "prompt must not be empty"),
     ("no prompt", dict(), "either prompt"),
+    ("chat without a template", dict(messages=[{"role": "user", "content": "hi"}]),
+     "the target tokenizer has no chat template; send prompt or prompt_token_ids"),
     ("prompt over context", dict(prompt_token_ids={"ids": [5] * 300}), "context is 256"),
     ("max_new_tokens 0", dict(prompt_token_ids=PROMPT, max_new_tokens=0), "max_new_tokens"),
     ("max_new_tokens < 0", dict(prompt_token_ids=PROMPT, max_new_tokens=-3), "max_new_tokens"),

@@ -3,7 +3,8 @@ and loaded back like a user's checkpoint. No hub access needed.
 
 Two families (Llama, Qwen2) share one byte-level BPE tokenizer; each family has a
 "target" and a differently seeded, smaller "drafter", so draft and target
-distributions really differ.
+distributions really differ. `build_chat_tokenizer` saves a separate tokenizer
+with a real family's chat template, for chat models built on it.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -46,6 +47,43 @@ def build_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(corpus_lines(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+BOS = "<s>"
+CHATML_MARKERS = ["<|im_start|>", "<|im_end|>"]
+# The ChatML template as Nous-Hermes-2-Mistral ships it (BOS text first, then
+# <|im_start|>role\ncontent<|im_end|> per message), plus a role check the way
+# Mistral's template refuses what it cannot render (raise_exception).
+CHATML_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_chat_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
+    """Like build_tokenizer (same VOCAB: the special tokens are trained in, not
+    added after), with the ChatML markers as special tokens, the ChatML chat
+    template, and a BOS that plain tokenisation adds (as Llama and Mistral
+    tokenizers do): so a template that writes the BOS text gives a second BOS
+    when its text is tokenised with special tokens, the mistake to guard against."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=[EOS, BOS, *CHATML_MARKERS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(corpus_lines(), trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=BOS,
+                                   additional_special_tokens=CHATML_MARKERS)
+    fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 
@@ -92,6 +130,15 @@ def build_pair(root: str | os.PathLike, family: str, target_scale: float = 15.0,
     target = build_model(root / f"{family}-target", family, "target", 1, tok, target_scale)
     drafter = build_model(root / f"{family}-drafter", family, "drafter", 2, tok, drafter_scale)
     return target, drafter
+
+
+def build_chat_pair(root: str | os.PathLike, family: str = "llama") -> tuple[str, str]:
+    """(target_dir, drafter_dir) on the chat tokenizer: the drafter is the
+    target plus noise, so drafts are sometimes kept and sometimes not."""
+    root = Path(root)
+    tok = build_chat_tokenizer(root / "chat-tokenizer")
+    target = build_model(root / f"{family}-chat-target", family, "target", 1, tok, 15.0)
+    return target, build_perturbed_drafter(target, root / f"{family}-chat-noisy", noise=0.3)
 
 
 def build_perturbed_drafter(target_dir: str, out_dir: str | os.PathLike, noise: float, seed: int = 7) -> str:

@@ -174,13 +174,19 @@ def cmd_generate(args) -> int:
 
     address = args.address or (ray_cluster.read_state() or {}).get("address") or "127.0.0.1:50051"
     req = pb.GenerateRequest(
-        prompt=args.prompt,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         stop=args.stop or [],
     )
+    if getattr(args, "chat", False):
+        req.messages.extend(chat_messages(args.prompt, args.system))
+    elif getattr(args, "system", None) is not None:
+        print("error: --system needs --chat", file=sys.stderr)
+        return 2
+    else:
+        req.prompt = args.prompt
     if args.seed is not None:
         req.seed = args.seed
     if args.num_speculative_tokens is not None:
@@ -225,6 +231,14 @@ def cmd_generate(args) -> int:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     return 0
+
+
+def chat_messages(prompt: str, system: str | None) -> list:
+    """`--chat`: the prompt as the user's message, after --system's if given."""
+    from specd.api.v1 import specdec_pb2 as pb
+
+    turns = ([("system", system)] if system is not None else []) + [("user", prompt)]
+    return [pb.ChatMessage(role=role, content=content) for role, content in turns]
 
 
 def _client_channel(args, address: str):
@@ -393,7 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_flags(up)
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="stream a completion")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt text; with --chat, the user's message")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message, rendered with the target's chat template (instruct models)",
+    )
+    gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user's")
     _add_generate_flags(gen)
     add_tls_flags(gen, server=False)
     g = gen.add_argument_group("per-request speculation (default: the service's config)")

@@ -16,6 +16,7 @@ from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
 from specd.rules.validation import check_token_ids
 
+from .chat import chat_prompt_ids
 from .config import OrchestratorConfig
 from .spec_config import DRAFTER_METHODS, MAX_PIPELINE_ALTERNATIVES, METHODS, SpeculativeConfig
 
@@ -49,15 +50,7 @@ def build_spec(
     drafter_method: str = "draft_model",
 ) -> GenerationSpec:
     """drafter_method: what the deployment's drafter pool serves (draft_model | eagle)."""
-    kind = req.WhichOneof("input")
-    if kind == "prompt":
-        if not req.prompt:
-            raise InvalidRequest("prompt must not be empty")
-        prompt_ids = tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
-    elif kind == "prompt_token_ids":
-        prompt_ids = list(req.prompt_token_ids.ids)
-    else:
-        raise InvalidRequest("give either prompt (text) or prompt_token_ids")
+    prompt_ids = request_prompt_ids(req, tokenizer)
     check_token_ids(prompt_ids, vocab_size, context_length, "prompt")
 
     max_new = req.max_new_tokens if req.HasField("max_new_tokens") else config.default_max_new_tokens
@@ -88,6 +81,26 @@ def build_spec(
         adaptive and shape is not None,
         pipeline,
         alternatives(req, config.speculative) if pipeline else 0,
+    )
+
+
+def request_prompt_ids(req, tokenizer) -> list[int]:
+    """The prompt of a request, from its one input: text (tokenised without
+    special tokens: the text is the whole prompt), ids, or chat messages."""
+    kind = req.WhichOneof("input")
+    if kind and req.messages:
+        raise InvalidRequest(f"give one input: {kind} or messages, not both")
+    if kind == "prompt":
+        if not req.prompt:
+            raise InvalidRequest("prompt must not be empty")
+        return tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+    if kind == "prompt_token_ids":
+        return list(req.prompt_token_ids.ids)
+    if req.messages:
+        return chat_prompt_ids(tokenizer, [(m.role, m.content) for m in req.messages])
+    raise InvalidRequest(
+        "give either prompt (text), prompt_token_ids or messages (a chat); "
+        "the request has none (an empty messages list counts as none)"
     )
 
 

@@ -215,9 +215,10 @@ class VerifyResponse(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_path: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method", "adaptive_speculation", "pipeline_drafting", "pipeline_alternatives")
+    __slots__ = ("prompt", "prompt_token_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method", "adaptive_speculation", "pipeline_drafting", "pipeline_alternatives")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +233,7 @@ class GenerateRequest(_message.Message):
     PIPELINE_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: PromptTokenIds
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -244,13 +246,21 @@ class GenerateRequest(_message.Message):
     adaptive_speculation: bool
     pipeline_drafting: bool
     pipeline_alternatives: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ..., adaptive_speculation: _Optional[bool] = ..., pipeline_drafting: _Optional[bool] = ..., pipeline_alternatives: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ..., adaptive_speculation: _Optional[bool] = ..., pipeline_drafting: _Optional[bool] = ..., pipeline_alternatives: _Optional[int] = ...) -> None: ...
 
 class PromptTokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position", "adaptive", "pipelined_drafts", "draft_wait_ms", "draft_call_ms", "feature_bytes", "pipelined_alternative_drafts")
