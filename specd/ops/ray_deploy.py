@@ -302,9 +302,13 @@ def deploy(cfg: DeploymentConfig) -> str:
         return _deploy(cfg, handles)
     except BaseException:
         # Its handles, and any replica its orchestrator had launched by name.
-        for actor in handles + [ray.get_actor(n, namespace=NAMESPACE) for n in _named_actors() - before]:
+        for actor in handles:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            for name in _named_actors() - before:
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         raise
 
 
