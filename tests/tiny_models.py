@@ -105,14 +105,18 @@ def _config(family: str, size: str, vocab: int, eos_id: int, context: int = 256)
 
 
 def build_model(out_dir: str | os.PathLike, family: str, size: str, seed: int,
-                tokenizer: PreTrainedTokenizerFast, logit_scale: float = 1.0, context: int = 256) -> str:
+                tokenizer: PreTrainedTokenizerFast, logit_scale: float = 1.0, context: int = 256,
+                rows: int | None = None) -> str:
     """Save a random-init model + tokenizer to out_dir; return the path.
 
     logit_scale multiplies the output layer so tiny random models have peaked,
     differing distributions (more realistic than near-uniform logits).
+    rows: embedding / LM-head rows (default: the tokenizer's size); more pads
+    the table like real checkpoints do, with random rows that are not
+    suppressed, so the model really emits padding ids sometimes.
     """
     torch.manual_seed(seed)
-    config, cls = _config(family, size, len(tokenizer), tokenizer.eos_token_id, context)
+    config, cls = _config(family, size, rows or len(tokenizer), tokenizer.eos_token_id, context)
     config.tie_word_embeddings = False
     model = cls(config)
     with torch.no_grad():
@@ -141,10 +145,13 @@ def build_chat_pair(root: str | os.PathLike, family: str = "llama") -> tuple[str
     return target, build_perturbed_drafter(target, root / f"{family}-chat-noisy", noise=0.3)
 
 
-def build_perturbed_drafter(target_dir: str, out_dir: str | os.PathLike, noise: float, seed: int = 7) -> str:
+def build_perturbed_drafter(target_dir: str, out_dir: str | os.PathLike, noise: float, seed: int = 7,
+                            rows: int | None = None) -> str:
     """A drafter that is the target plus relative Gaussian noise on every weight:
     same architecture, correlated but really different distributions, so that
-    tests see a mix of accepted and rejected drafts."""
+    tests see a mix of accepted and rejected drafts. rows: resize its embedding
+    and LM-head tables to this many rows (dropping the last ones, or adding
+    random ones), as a padded pair's drafter."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -152,6 +159,29 @@ def build_perturbed_drafter(target_dir: str, out_dir: str | os.PathLike, noise: 
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * noise * p.std().clamp_min(1e-3))
+    if rows:
+        head = model.get_output_embeddings().weight
+        scale = float(head.detach().std())
+        model.resize_token_embeddings(rows, mean_resizing=False)
+        with torch.no_grad():  # new head rows as random as the old ones (not suppressed)
+            new = model.get_output_embeddings().weight
+            if rows > head.shape[0]:
+                new[head.shape[0]:] = torch.randn_like(new[head.shape[0]:]) * scale
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(target_dir).save_pretrained(out_dir)
     return str(out_dir)
+
+
+def build_padded_pair(root: str | os.PathLike, family: str, target_rows: int, drafter_rows: int,
+                      noise: float = 0.3) -> tuple[str, str]:
+    """(target_dir, drafter_dir) with the SAME tokenizer (VOCAB tokens) but
+    embedding tables of different sizes, both padded past the tokenizer, like
+    Qwen2.5-7B (152,064 rows) with Qwen2.5-0.5B (151,936). The drafter is the
+    target plus noise (so drafts are often kept), resized to drafter_rows."""
+    root = Path(root)
+    tok = build_tokenizer(root / "tokenizer")
+    target = build_model(root / f"{family}-target-{target_rows}", family, "target", 1, tok, 15.0,
+                         rows=target_rows)
+    drafter = build_perturbed_drafter(target, root / f"{family}-drafter-{drafter_rows}", noise,
+                                      rows=drafter_rows)
+    return target, drafter

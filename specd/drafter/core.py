@@ -35,6 +35,7 @@ from specd.runtime.phases import Phases
 from .branches import Branch, alternatives_that_fit, grow_branches, outcomes
 from .config import DrafterConfig
 from .tree_builder import DraftTree, build_tree, grow_chains
+from .vocab import PaddedRunner, PaddedSession, substitute_id
 
 
 @dataclass
@@ -88,6 +89,8 @@ class _Session:
     # After an ahead call on the lean engine: its outcomes, [0] = all kept. Until
     # one is taken, `tokens` end at the chain and the branches' rows follow.
     branches: list[Branch] | None = None
+    target_vocab: int = 0  # the target's rows: the ids committed tokens may be (specd/drafter/vocab.py)
+    logits_width: int = 0  # ids the drafter may propose: min(its rows, target_vocab)
 
 
 class Drafter(ModelCore):
@@ -96,11 +99,15 @@ class Drafter(ModelCore):
     def __init__(self, config: DrafterConfig, model=None):
         super().__init__(config, model)
 
-    def open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._check_request(session_id, prompt_ids, params)
+    def open_session(
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams, target_vocab_size: int = 0
+    ) -> None:
+        """target_vocab_size: the target's rows (0 = the drafter's own); see specd/drafter/vocab.py."""
+        target_vocab = self._target_vocab(target_vocab_size)
+        self._check_request(session_id, prompt_ids, params, target_vocab)
         with self._lock:
             self._check_room(session_id)
-            s = self._new_session(prompt_ids, params)
+            s = self._new_session(prompt_ids, params, target_vocab)
             # Prefill now (overlaps the verifier's prefill); the last prompt token
             # is forwarded with the first proposal, which needs its logits.
             if len(prompt_ids) > 1:
@@ -108,11 +115,28 @@ class Drafter(ModelCore):
             s.base = s.cache.length
             self._add(session_id, s)
 
-    def _new_session(self, prompt_ids: list[int], params: SamplingParams) -> _Session:
+    def _target_vocab(self, target_vocab_size: int) -> int:
+        if target_vocab_size < 0:
+            raise InvalidRequest(f"target_vocab_size must be >= 0 (0 = the drafter's own), got {target_vocab_size}")
+        return target_vocab_size or self.vocab_size
+
+    def _new_session(self, prompt_ids: list[int], params: SamplingParams, target_vocab: int = 0) -> _Session:
         # A distinct stream from the verifier's: draft randomness must be
         # independent of the acceptance randomness.
         gen = torch.Generator().manual_seed((params.seed * 2654435761 + 1) % 2**63)
-        return _Session(self.runner.new_session(), params, gen, list(prompt_ids))
+        target_vocab = target_vocab or self.vocab_size
+        cache = self.runner.new_session()
+        if target_vocab != self.vocab_size:  # a padded pair: see specd/drafter/vocab.py
+            cache = PaddedSession(
+                cache, self.vocab_size, target_vocab, substitute_id(self.model.config, self.vocab_size)
+            )
+        width = min(self.vocab_size, target_vocab)
+        return _Session(cache, params, gen, list(prompt_ids), target_vocab=target_vocab, logits_width=width)
+
+    @property
+    def _forwards(self) -> PaddedRunner:
+        """The runner as drafting uses it: padded sessions seen through."""
+        return PaddedRunner(self.runner)
 
     def propose(
         self,
@@ -157,14 +181,15 @@ class Drafter(ModelCore):
             raise InvalidRequest("hidden_states were sent to a draft_model drafter (they are for method eagle)")
         s = self._get(session_id)
         shape.validate(self.config.max_tree_nodes, self.config.max_draft_tokens)
-        if shape.dynamic and shape.top_k > min(self.vocab_size, self.config.max_tree_nodes):
+        if shape.dynamic and shape.top_k > min(s.logits_width, self.config.max_tree_nodes):
             # Refused here: torch.topk past the vocabulary would raise inside the
             # batch (INTERNAL, for every session in it). More candidates per node
             # than the tree may hold is never useful either.
             raise InvalidRequest(
-                f"tree top_k {shape.top_k} is over the limit of {min(self.vocab_size, self.config.max_tree_nodes)}"
+                f"tree top_k {shape.top_k} is over the limit of {min(s.logits_width, self.config.max_tree_nodes)}"
             )
-        check_token_ids(committed, self.vocab_size, None, "committed_token_ids", allow_empty=True)
+        # The target's ids: with a smaller table the drafter still takes them (vocab.py).
+        check_token_ids(committed, s.target_vocab, None, "committed_token_ids", allow_empty=True)
         if rewind and s.checkpoint is None:
             raise InvalidRequest("rewind: there is no ahead proposal to undo")
         self._check_branch(s, rewind, branch)
@@ -269,7 +294,7 @@ class Drafter(ModelCore):
         together level by level on the lean engine; the rest one by one."""
         chains = [(j, r) for j, r in rest if batched and j.shape.is_chain]
         grown = grow_chains(
-            self.runner,
+            self._forwards,
             [(j.session.cache, j.session.params, j.session.generator, j.shape.depth, r[0]) for j, r in chains],
             self.config.draft_top_n,
             self._tops,
@@ -331,7 +356,7 @@ class Drafter(ModelCore):
             groups.append((s.cache, s.params, s.generator, j.shape.depth, s.branches))
             out[id(j)] = s.branches
         if groups:
-            grow_branches(self.runner, groups, self.config.draft_top_n, self._tops)
+            grow_branches(self._forwards, groups, self.config.draft_top_n, self._tops)
         return out
 
     def _catch_up(self, j: ProposeJob) -> None:
@@ -375,7 +400,7 @@ class Drafter(ModelCore):
     def _root_logits(self, live: list[ProposeJob]) -> list[torch.Tensor]:
         """Forward every session's committed tokens not yet cached, in one
         batch; each one's logits after its last committed token, (1, V)."""
-        return self.runner.forward_batch(
+        return self._forwards.forward_batch(
             [(j.session.cache, j.session.tokens[j.session.cache.length :], None, None) for j in live], last_only=True
         )
 
@@ -391,7 +416,7 @@ class Drafter(ModelCore):
             guesses[id(j)] = int(torch.argmax(roots[i][0]))
             j.session.tokens.append(guesses[id(j)])
         if ahead:
-            after = self.runner.forward_batch(
+            after = self._forwards.forward_batch(
                 [(live[i].session.cache, [live[i].session.tokens[-1]], None, None) for i in ahead], last_only=True
             )
             for i, logits in zip(ahead, after):

@@ -201,9 +201,15 @@ class EagleDrafter(Drafter):
             raise ValueError("method eagle runs on the lean engine")
         self.runner = HeadRunner(built_runner.lean, fc)
 
-    def open_session(self, session_id: str, prompt_ids: list[int], params) -> None:
+    def open_session(self, session_id: str, prompt_ids: list[int], params, target_vocab_size: int = 0) -> None:
         # Nothing to prefill yet: the head needs the prompt's features, which
         # come from the verifier's prefill with the first Propose.
+        if self._target_vocab(target_vocab_size) != self.vocab_size:
+            # The head's table is the target's own (build_head_model checks it).
+            raise InvalidRequest(
+                f"target_vocab_size {target_vocab_size} differs from the head's {self.vocab_size} "
+                f"(an EAGLE head drafts over its target's vocabulary)"
+            )
         self._check_request(session_id, prompt_ids, params)
         with self._lock:
             self._check_room(session_id)

@@ -43,7 +43,10 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
             else None,
         ):
             self.core.open_session(
-                request.session_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling)
+                request.session_id,
+                list(request.prompt_token_ids),
+                sampling_from_proto(request.sampling),
+                request.target_vocab_size,
             )
         close_if_caller_left(self.core, request.session_id, context)
         return pb.OpenDraftSessionResponse()

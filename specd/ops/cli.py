@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -50,12 +51,18 @@ def cmd_up(args, print_address: bool = True) -> int:
     except (ConfigError, SecurityConfigError, OSError, ValueError) as exc:
         print(f"specd up: {exc}", file=sys.stderr)
         return 2
-    problem = _choose_drafter(args, flags.speculative)
+    problem = _choose_drafter(args, flags.speculative) or _pair_problem(args)
     if problem:
         print(problem, file=sys.stderr)
         return 2
-    ray_address, ray_pid = _ray_cluster(args)
-    address = _deploy_on_ray(args, flags, ray_address, ray_pid).replace("0.0.0.0", "127.0.0.1")
+    try:
+        ray_address, ray_pid = _ray_cluster(args)
+        address = _deploy_on_ray(args, flags, ray_address, ray_pid).replace("0.0.0.0", "127.0.0.1")
+    except (RuntimeError, TimeoutError, ConnectionError) as exc:
+        # An actor that failed to start (DeployError: its own error, one line),
+        # Ray not starting or not reachable. What was started is gone by now.
+        print(f"specd up: {exc}", file=sys.stderr)
+        return 1
     ray_cluster.write_state({"address": address, "ray_address": ray_address, "ray_pid": ray_pid})
     if print_address:  # stdout carries only the address, for scripts
         print(address)
@@ -101,6 +108,18 @@ def _choose_drafter(args, sc: SpeculativeConfig) -> str | None:
     return None
 
 
+def _pair_problem(args) -> str | None:
+    """Whether the drafter shares the target's tokenizer, checked here before
+    Ray or any replica starts (the orchestrator checks again when it starts)."""
+    from specd.orchestrator.pair import IncompatiblePair, check_pair
+
+    try:
+        check_pair(args.target, args.drafter)
+    except IncompatiblePair as exc:
+        return f"specd up: {exc}"
+    return None
+
+
 def _ray_cluster(args) -> tuple[str, int | None]:
     """(Ray address, pid of the local Ray we started or None): --ray-address,
     else $RAY_ADDRESS, else a new local cluster."""
@@ -114,7 +133,11 @@ def _ray_cluster(args) -> tuple[str, int | None]:
 
 def _deploy_on_ray(args, flags: _UpFlags, ray_address: str, ray_pid: int | None) -> str:
     """Deploy the replicas and the orchestrator; the orchestrator's address.
-    A failure stops the local Ray cluster we started."""
+    A failure leaves nothing running: deploy() kills the actors it started,
+    this driver disconnects, and the local Ray cluster we started stops - in
+    that order: a driver still connected when its cluster's head is stopped
+    waits for the head at exit ("Failed to connect to GCS within 60 seconds")
+    instead of exiting with the error."""
     import ray
 
     from .ray_deploy import DeploymentConfig, deploy
@@ -141,6 +164,8 @@ def _deploy_on_ray(args, flags: _UpFlags, ray_address: str, ray_pid: int | None)
             )
         )
     except BaseException:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
         if ray_pid:
             ray_cluster.stop_local_ray(ray_pid)
         raise

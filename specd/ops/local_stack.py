@@ -18,6 +18,7 @@ from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd.net.grpc_util import open_channel
 from specd.net.security import TlsConfig
+from specd.orchestrator.pair import check_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,6 +100,8 @@ class Stack:
         client_tls: TlsConfig | None = None,
     ):
         self.target, self.drafter = target, drafter
+        # A pair that cannot draft together is refused before any process starts.
+        check_pair(target, drafter)
         extra = ("--metrics-port", "0") if metrics else ()
         starts = [("specd.verifier", "--model", target, *service_args, *verifier_args, *extra)] * verifiers
         starts += [("specd.drafter", "--model", drafter, *service_args, *extra)] * (drafters if drafter else 0)

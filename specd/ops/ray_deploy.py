@@ -33,6 +33,53 @@ from specd.verifier.config import VerifierConfig
 log = logging.getLogger(__name__)
 NAMESPACE = "specd"
 ORCHESTRATOR_NAME = "specd-orchestrator"
+# Starts the one-line cause an actor's failed start hands back (`startup_error`).
+STARTUP_MARK = "specd startup failed: "
+
+
+class DeployError(RuntimeError):
+    """An actor failed to start (its cause in one line), or did not in time."""
+
+
+class StartupFailed(RuntimeError):
+    """Raised by an actor's __init__ in place of what stopped its start: the
+    message is that error in one line, after STARTUP_MARK."""
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """`Type: message` on one line (a multi-line message joined), at most `limit` characters."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _starting():
+    """Context for an actor's __init__: whatever stops it comes back to the
+    deployer as StartupFailed, the error in one line. Ray hands the
+    deployer an actor's creation error only as text (the remote traceback,
+    inside RayActorError's message); the mark lets `startup_error` find the
+    cause in it, rather than print a traceback wall."""
+
+    @contextlib.contextmanager
+    def guard():
+        try:
+            yield
+        except Exception as exc:
+            raise StartupFailed(STARTUP_MARK + one_line(exc)) from None
+
+    return guard()
+
+
+def startup_error(exc: BaseException) -> str:
+    """The cause of an actor's failed start, from the RayActorError a call on
+    it raised: the line `_starting` marked, else the error's last line (a
+    process that died without raising, e.g. killed for memory)."""
+    text = str(exc)
+    at = text.rfind(STARTUP_MARK)
+    if at >= 0:
+        return text[at + len(STARTUP_MARK) :].splitlines()[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -68,6 +115,10 @@ class ModelServiceActor:
     """One drafter or verifier replica: loads its model, serves gRPC on this node."""
 
     def __init__(self, kind: str, config_fields: dict):
+        with _starting():
+            self._start(kind, config_fields)
+
+    def _start(self, kind: str, config_fields: dict) -> None:
         logging.basicConfig(level=logging.INFO)
         tracing.setup(kind)  # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
         # The services default to loopback, which the orchestrator on another
@@ -105,10 +156,11 @@ class OrchestratorActor:
     def __init__(self, config: OrchestratorConfig, deployment: DeploymentConfig):
         from specd.orchestrator.server import BackgroundServer
 
-        logging.basicConfig(level=logging.INFO)
-        tracing.setup("orchestrator")
-        self.server = BackgroundServer(config, RayLauncher(deployment))
-        self.host = ray.util.get_node_ip_address()
+        with _starting():
+            logging.basicConfig(level=logging.INFO)
+            tracing.setup("orchestrator")
+            self.server = BackgroundServer(config, RayLauncher(deployment))
+            self.host = ray.util.get_node_ip_address()
 
     def address(self) -> str:
         return f"{self.host}:{self.server.port}"
@@ -193,6 +245,13 @@ class RayLauncher:
         except asyncio.TimeoutError:
             ray.kill(actor, no_restart=True)  # do not leave a pending actor behind
             raise _not_ready(self.cfg, kind) from None
+        except ray.exceptions.RayActorError as exc:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            raise DeployError(
+                f"{kind} replica {name} ({replica_fields(self.cfg, kind)['model_dir']}) failed to start: "
+                f"{startup_error(exc)}"
+            ) from None
         return ReplicaSpec(kind, name, address, node)
 
     async def stop(self, spec: ReplicaSpec) -> None:
@@ -225,20 +284,57 @@ def _wait(ref):
     return asyncio.wrap_future(ref.future())
 
 
+def _named_actors() -> set[str]:
+    return {info["name"] for info in ray.util.list_named_actors(all_namespaces=True) if info["namespace"] == NAMESPACE}
+
+
 def deploy(cfg: DeploymentConfig) -> str:
     """Start replicas and the orchestrator; return the public Generate address.
 
     Assumes ray.init() was called. Replicas ask for their pool's resource, so on
-    a cluster without it they stay pending (the timeout says which)."""
+    a cluster without it they stay pending (the timeout says which). When
+    anything fails to start, every actor this call started is killed (on an
+    attached cluster nothing of the failed deployment stays) and DeployError
+    (or the TimeoutError) says what failed, with the actor's own error."""
+    before = _named_actors()
+    handles: list = []
+    try:
+        return _deploy(cfg, handles)
+    except BaseException:
+        # Its handles, and any replica its orchestrator had launched by name.
+        for actor in handles:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            for name in _named_actors() - before:
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        raise
+
+
+def _ready(refs: list, timeout_s: float, what: str, not_ready: Exception) -> list:
+    """ray.get of an actor's first calls: its results, or the reason it did not start."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise not_ready from None
+    except ray.exceptions.RayActorError as exc:
+        raise DeployError(f"{what} failed to start: {startup_error(exc)}") from None
+
+
+def _deploy(cfg: DeploymentConfig, handles: list) -> str:
     actors = [("verifier", f"specd-verifier-{i}") for i in range(cfg.num_verifiers)]
     actors += [("drafter", f"specd-drafter-{i}") for i in range(cfg.num_drafters if cfg.drafter_dir else 0)]
-    handles = [_replica(cfg, kind, name) for kind, name in actors]
+    for kind, name in actors:
+        handles.append(_replica(cfg, kind, name))
     specs = []
     for (kind, name), actor in zip(actors, handles):
-        try:
-            address, node = ray.get([actor.address.remote(), actor.node.remote()], timeout=cfg.ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise _not_ready(cfg, kind) from None
+        address, node = _ready(
+            [actor.address.remote(), actor.node.remote()],
+            cfg.ready_timeout_s,
+            f"{kind} replica {name} ({replica_fields(cfg, kind)['model_dir']})",
+            _not_ready(cfg, kind),
+        )
         specs.append(ReplicaSpec(kind, name, address, node))
     orch_config = OrchestratorConfig(
         target_dir=cfg.target_dir,
@@ -262,7 +358,9 @@ def deploy(cfg: DeploymentConfig) -> str:
         scheduling_strategy=here,
         **_actor_env((TOKENS_ENV,)),
     ).remote(orch_config, cfg)
-    return ray.get(orch.address.remote(), timeout=cfg.ready_timeout_s)
+    handles.append(orch)
+    not_ready = TimeoutError(f"the orchestrator did not start within {cfg.ready_timeout_s}s")
+    return _ready([orch.address.remote()], cfg.ready_timeout_s, "the orchestrator", not_ready)[0]
 
 
 def teardown() -> list[str]:

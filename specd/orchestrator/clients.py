@@ -203,15 +203,21 @@ class GrpcDrafter(_Client):
     stub_cls = pb_grpc.DrafterServiceStub
     service = "specdec.v1.DrafterService"
 
-    def __init__(self, address: str, timeout_s: float, **channel):
+    def __init__(self, address: str, timeout_s: float, target_vocab_size: int = 0, **channel):
         super().__init__(address, timeout_s, **channel)
         self.mux = StreamMux(self.stub.ProposeStream)
+        # Every session tells the drafter the target's rows, so that it proposes
+        # only ids the verifier has (padded pairs; specd/drafter/vocab.py).
+        self.target_vocab_size = target_vocab_size
 
     async def open(self, session_id, prompt_ids, sampling) -> None:
         await self._unary(
             self.stub.OpenSession,
             pb.OpenDraftSessionRequest(
-                session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling)
+                session_id=session_id,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling_to_proto(sampling),
+                target_vocab_size=self.target_vocab_size,
             ),
             "specdec.draft_prefill",
             "OpenSession",

@@ -22,6 +22,7 @@ from .failover import FailoverDrafter, FailoverVerifier
 from .loop import run_generation
 from .metrics import OrchestratorMetrics
 from .ngram_drafter import NgramDrafter
+from .pair import check_pair
 from .pool import Pool, ReplicaSpec
 from .ports import DrafterClient, NoTrace
 from .records import Chunk
@@ -59,6 +60,8 @@ class Orchestrator:
         self.model_name = Path(config.target_dir).name  # gen_ai.request.model
         self.tokenizer = load_tokenizer(config.target_dir)
         target_cfg = AutoConfig.from_pretrained(config.target_dir)
+        # The target's embedding rows (padding included): the ids a prompt may
+        # hold and drafters may propose; the verifier checks the same bound.
         self.vocab_size = target_cfg.vocab_size
         self.target_ctx = context_length(target_cfg)
         self.eos_ids = eos_ids(target_cfg)
@@ -69,13 +72,11 @@ class Orchestrator:
         if self.drafter_method == "eagle":
             pass  # the head uses the target's vocabulary and context
         elif config.drafter_dir:
-            drafter_cfg = AutoConfig.from_pretrained(config.drafter_dir)
-            if drafter_cfg.vocab_size != self.vocab_size:
-                raise ValueError(
-                    f"drafter vocabulary ({drafter_cfg.vocab_size}) differs from the "
-                    f"target's ({self.vocab_size}); they must share a tokenizer"
-                )
-            self.drafter_ctx = context_length(drafter_cfg)
+            # Decided on the tokenizers, not on the embedding rows: padded tables
+            # differ in size over the same tokens (specd/rules/vocab.py), and the
+            # drafter proposes only ids the target has (specd/drafter/vocab.py).
+            check_pair(config.target_dir, config.drafter_dir, self.tokenizer)
+            self.drafter_ctx = context_length(AutoConfig.from_pretrained(config.drafter_dir))
         self.pools = {"verifier": Pool("verifier"), "drafter": Pool("drafter")}
         for spec in specs:
             self.pools[spec.kind].add(spec, self.client_for(spec))
@@ -100,13 +101,10 @@ class Orchestrator:
         self.costs: collections.defaultdict[str, CostModel] = collections.defaultdict(CostModel)
 
     def client_for(self, spec: ReplicaSpec):
-        cls = GrpcVerifier if spec.kind == "verifier" else GrpcDrafter
-        return cls(
-            spec.address,
-            self.config.rpc_timeout_s,
-            tls=self.config.tls,
-            max_message_bytes=self.config.max_message_bytes,
-        )
+        tls, limit = self.config.tls, self.config.max_message_bytes
+        if spec.kind == "verifier":
+            return GrpcVerifier(spec.address, self.config.rpc_timeout_s, tls=tls, max_message_bytes=limit)
+        return GrpcDrafter(spec.address, self.config.rpc_timeout_s, self.vocab_size, tls=tls, max_message_bytes=limit)
 
     async def generate(self, request, trace_context=None) -> AsyncGenerator[Chunk, None]:
         """Run one request; trace_context: the caller's (from its gRPC metadata)."""

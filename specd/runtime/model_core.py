@@ -66,14 +66,17 @@ class ModelCore:
         since = time.monotonic() - ACTIVE_INTERVALS * self._call_interval_s
         return sum(1 for sid, t in list(self._touched.items()) if t >= since and sid in self._sessions)
 
-    def _check_request(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The input checks of a new session (no lock needed)."""
+    def _check_request(
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int | None = None
+    ) -> None:
+        """The input checks of a new session (no lock needed). vocab_size: the
+        ids the prompt may hold (default: this model's rows)."""
         params.validate()
         if not session_id:
             raise InvalidRequest("session_id must not be empty")
         if len(session_id) > MAX_SESSION_ID:  # ids are held in tables and echoed in messages and logs
             raise InvalidRequest(f"session_id has {len(session_id)} characters; at most {MAX_SESSION_ID} are allowed")
-        check_token_ids(prompt_ids, self.vocab_size, self.context_length, "prompt_token_ids")
+        check_token_ids(prompt_ids, vocab_size or self.vocab_size, self.context_length, "prompt_token_ids")
 
     def _check_room(self, session_id: str, pending: int = 0) -> None:
         """Under the lock: the id is new and the session table has room (beside

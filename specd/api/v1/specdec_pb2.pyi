@@ -67,14 +67,16 @@ class HiddenStates(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class OpenDraftSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "target_vocab_size")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    target_vocab_size: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target_vocab_size: _Optional[int] = ...) -> None: ...
 
 class OpenDraftSessionResponse(_message.Message):
     __slots__ = ()
