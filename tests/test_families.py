@@ -194,6 +194,19 @@ def test_the_windows_matter_here(family, models):
     assert not torch.allclose(want[-1], hf_logits(unwindowed, PROMPT)[-1], atol=1e-3)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_hf_fallback_rolls_back_past_a_window(family, models):
+    """The Hugging Face engine (SessionCache) on a sliding-window model: a
+    rollback after the window was passed, then chunks and steps, equal HF's
+    forward of the sequence (its cache keeps every row, not just the window)."""
+    model = models(family)
+    s = SessionCache(model)
+    s.forward(PROMPT[:20])
+    s.rollback(15)
+    got = torch.cat([s.forward(PROMPT[15:30])] + [s.forward([t]) for t in PROMPT[30:40]])
+    close(got, hf_logits(model, PROMPT)[15:40])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_runner_runs_every_family_lean(family, models):
     assert Runner(models(family)).engine == "lean"

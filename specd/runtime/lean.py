@@ -39,6 +39,7 @@ only the softmax's arithmetic is more precise than a bf16 cache's.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from .arch import Arch, describe
 from .rope import Rope
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
     "gelu": F.gelu,
@@ -245,7 +246,7 @@ class LeanModel:
             end = start + n
             s.reserve(end)
             default = positions is None
-            pos = torch.arange(start, end, device=self.device) if default else positions
+            pos = torch.arange(start, end, device=self.device) if default else positions.to(self.device)
             rope_items.append((pos, end, default))
             attend = tuple(self._attend(mask, n, start, end, window) for window in self.windows)
             plans.append(_Plan(s, n, start, end, attend))
@@ -275,7 +276,7 @@ class LeanModel:
             attn_mask = torch.zeros(n, end - k0, dtype=kvt, device=self.device).masked_fill_(~seen, float("-inf"))
             return _Attend(k0, attn_mask[None, None], False)
         # A given mask (a tree): keep the last `window` keys each row may see.
-        attn_mask = mask.to(kvt)
+        attn_mask = mask.to(self.device, kvt)
         seen = attn_mask > torch.finfo(kvt).min / 2
         later = seen.flip(-1).cumsum(-1).flip(-1)  # keys seen at or after each column
         return _Attend(0, attn_mask.masked_fill(later > window, float("-inf"))[None, None], False)
@@ -284,7 +285,7 @@ class LeanModel:
         """(additive mask (1, 1, n, end) or None, is_causal) for n new rows after start cached ones."""
         kvt = self.kv_dtype
         if mask is not None:
-            return mask.to(kvt)[None, None], False
+            return mask.to(self.device, kvt)[None, None], False
         if n > 1 and start > 0:
             # Causal over the new rows, full attention to the past.
             attn_mask = torch.full((n, end), float("-inf"), dtype=kvt, device=self.device)
@@ -308,14 +309,14 @@ class LeanModel:
         q = self._rope(q, cos, sin).to(kvt).transpose(0, 1)  # (nh, R, hd)
         k = self._rope(k, cos, sin).to(kvt).transpose(0, 1)  # (nkv, R, hd)
         v = v.view(rows, nkv, hd).to(kvt).transpose(0, 1)
-        kind = L["kind"]
+        kind, cap = L["kind"], self.softcap
         ys, r0 = [], 0
         for s, n, start, end, attend in plans:
             k0, attn_mask, causal = attend[kind]
             s.kv[i, 0, :, start:end] = k[:, r0 : r0 + n]
             s.kv[i, 1, :, start:end] = v[:, r0 : r0 + n]
-            if self.softcap is not None:
-                ys.append(self._capped(q[:, r0 : r0 + n], s.kv[i, 0, :, k0:end], s.kv[i, 1, :, k0:end], attn_mask))
+            if cap is not None:
+                ys.append(self._capped(q[:, r0 : r0 + n], s.kv[i, 0, :, k0:end], s.kv[i, 1, :, k0:end], attn_mask, cap))
             else:
                 # 4-D (batch of 1): with 3-D inputs PyTorch's CPU dispatch takes the
                 # unfused "math" attention, ~3.5x slower per call here (334 vs 94 us
@@ -337,7 +338,7 @@ class LeanModel:
         out = F.linear(y.transpose(0, 1).reshape(rows, nh * hd).to(x.dtype), L["o"], L["o_b"])
         return out if L["post_attn"] is None else self._rms(out, L["post_attn"])
 
-    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None):
+    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, cap: float):
         """Attention with tanh soft-capped scores (Gemma-2), in Hugging Face's
         eager order: scale, cap, mask, softmax in float32. SDPA has no cap, so
         this is explicit. q (nh, n, hd), k/v (nkv, L, hd) -> (nh, n, hd)."""
@@ -345,7 +346,7 @@ class LeanModel:
         nkv = k.shape[0]
         g = nh // nkv  # query heads per KV head, grouped as HF's repeat_kv does
         scores = torch.matmul(q.reshape(nkv, g * n, hd), k.transpose(1, 2)).view(nh, n, -1) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = torch.tanh(scores / cap) * cap
         if attn_mask is not None:
             scores = scores + attn_mask[0]
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
