@@ -24,7 +24,9 @@ largest length it has seen (`max_seq_len_cached`) until a call is shorter than
 max_position_embeddings, so after a rollback - or after another session went
 longer - HF would rotate new rows with a longer length's frequencies than the
 positions alone say. Rows already cached keep the frequencies they were rotated
-with, in both.
+with, in both - so in both, past the switch, logits depend on how the sequence was
+split into calls (a k-row verify rotates every row with its last position's length,
+plain decoding each row with its own).
 """
 
 from __future__ import annotations
