@@ -1,10 +1,15 @@
 """Tiny random-initialised HF models with a real tokenizer, saved to a directory
 and loaded back like a user's checkpoint. No hub access needed.
 
-Two families (Llama, Qwen2) share one byte-level BPE tokenizer; each family has a
+Every family in FAMILIES shares one byte-level BPE tokenizer; each has a
 "target" and a differently seeded, smaller "drafter", so draft and target
-distributions really differ. `build_chat_tokenizer` saves a separate tokenizer
-with a real family's chat template, for chat models built on it.
+distributions really differ. The families beyond Llama and Qwen2 take the
+fields of a published config, shrunk (named beside each), with the quirks that
+make the family what it is: RoPE variants, sliding windows small enough that
+a test of 40+ tokens crosses them, q/k norms, a head_dim that is not
+hidden/heads, fused weights, soft-capping, tied embeddings.
+`build_chat_tokenizer` saves a separate tokenizer with a real family's chat
+template, for chat models built on it.
 """
 from __future__ import annotations
 
@@ -15,17 +20,34 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 VOCAB = 384
 EOS = "<|endoftext|>"
+# Every family build_model makes for the lean engine (gpt2 too exists, for the
+# Hugging Face fallback).
+FAMILIES = ("llama", "qwen2", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "mistral", "qwen3",
+            "phi3", "phi3.5", "gemma2", "gemma3")
+# Families whose models keep HF's initial norm weights (all ones) unless asked:
+# the models other tests were tuned on stay as they were.
+PLAIN_NORMS = ("llama", "qwen2", "gpt2")
 
 
 def corpus_lines(limit: int = 4000) -> list[str]:
@@ -89,36 +111,132 @@ def build_chat_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
 
 
 def _config(family: str, size: str, vocab: int, eos_id: int, context: int = 256):
+    """(config, model class) of a tiny model of `family`; size "target" or "drafter"."""
     hidden, layers = (64, 2) if size == "target" else (32, 1)
+    small = size != "target"
     common = dict(vocab_size=vocab, eos_token_id=eos_id, bos_token_id=eos_id)
+    shape = dict(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2)
+    untied = dict(tie_word_embeddings=False)
     if family == "llama":
-        return LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=context, **common), LlamaForCausalLM
+        return LlamaConfig(**shape, max_position_embeddings=context, **untied, **common), LlamaForCausalLM
     if family == "qwen2":
-        return Qwen2Config(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=256, **common), Qwen2ForCausalLM
+        return Qwen2Config(**shape, max_position_embeddings=256, **untied, **common), Qwen2ForCausalLM
+    if family == "llama3":
+        # Llama-3.1-8B: theta 5e5, llama3 scaling (factor 8, low/high_freq_factor 1/4,
+        # original 8192 -> 64 here, so the head's frequencies fall in all three bands);
+        # the small one ties its embeddings as Llama-3.2-1B does.
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=64)
+        return LlamaConfig(**shape, max_position_embeddings=context, rope_parameters=rope,
+                           tie_word_embeddings=small, rms_norm_eps=1e-5, **common), LlamaForCausalLM
+    if family == "llama-linear":
+        # LongChat-7B-16k: linear position interpolation (factor 8 there, 4 here).
+        rope = dict(rope_type="linear", rope_theta=10000.0, factor=4.0)
+        return LlamaConfig(**shape, max_position_embeddings=context, rope_parameters=rope,
+                           **untied, **common), LlamaForCausalLM
+    if family == "llama-dynamic":
+        # Dynamic NTK scaling (factor 2): frequencies recomputed past max_position_embeddings.
+        rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+        return LlamaConfig(**shape, max_position_embeddings=context, rope_parameters=rope,
+                           **untied, **common), LlamaForCausalLM
+    if family == "llama-yarn":
+        # Yarn-Llama-2-64k: yarn (factor 16, original 4096 there; 4 and context/4 here):
+        # its attention_factor scales cos/sin.
+        rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                    original_max_position_embeddings=context // 4)
+        return LlamaConfig(**shape, max_position_embeddings=context, rope_parameters=rope,
+                           **untied, **common), LlamaForCausalLM
+    if family == "mistral":
+        # Mistral-7B-v0.1: GQA, sliding_window 4096 (8 here) on every layer.
+        return MistralConfig(**shape, max_position_embeddings=context, sliding_window=8,
+                             rms_norm_eps=1e-5, **untied, **common), MistralForCausalLM
+    if family == "qwen3":
+        # Qwen3-0.6B: head_dim 128 with hidden/heads 64 (here 24 vs 16), q/k RMSNorm per
+        # head, theta 1e6, tied embeddings. The small one sets attention_bias, a flag of
+        # the family no published size uses, so that q/k/v/o biases are covered.
+        return Qwen3Config(**shape, head_dim=hidden * 3 // 8, max_position_embeddings=context,
+                           rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+                           attention_bias=small, tie_word_embeddings=True, **common), Qwen3ForCausalLM
+    if family == "phi3":
+        # Phi-3-mini-4k: fused qkv_proj and gate_up_proj, MHA, sliding_window 2047 for a
+        # context of 4096 (31 here), rms_norm_eps 1e-5.
+        return Phi3Config(**{**shape, "num_key_value_heads": 4}, max_position_embeddings=context,
+                          original_max_position_embeddings=context, sliding_window=31, rms_norm_eps=1e-5,
+                          pad_token_id=eos_id, **untied, **common), Phi3ForCausalLM
+    if family == "phi3.5":
+        # Phi-3.5-mini: longrope with short/long factors per frequency, original 4096 of
+        # 131072 positions (48 of 256 here), a window longer than the context; and
+        # partial_rotary_factor as Phi-4-mini (same class) has it.
+        rotary_half = (hidden // 4) // 4  # head_dim * 0.5 / 2
+        rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                    short_factor=[1.0 + 0.05 * i for i in range(rotary_half)],
+                    long_factor=[1.0 + 1.5 * i**1.5 for i in range(rotary_half)],
+                    original_max_position_embeddings=48)
+        return Phi3Config(**{**shape, "num_key_value_heads": 4}, max_position_embeddings=context,
+                          original_max_position_embeddings=48, rope_parameters=rope,
+                          sliding_window=2 * context, rms_norm_eps=1e-5, pad_token_id=eos_id, **untied,
+                          **common), Phi3ForCausalLM
+    if family == "gemma2":
+        # gemma-2-2b: head_dim 256, query_pre_attn_scalar (here 24, not head_dim 16, as
+        # gemma-2-27b's differs from its head_dim), soft-capping of attention scores (50)
+        # and logits (30), sliding_window 4096 (8 here) on alternating layers, GeGLU,
+        # tied embeddings. Caps lowered (5, 10) so that the tiny model's scores reach them.
+        return Gemma2Config(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            query_pre_attn_scalar=24, max_position_embeddings=context, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"],
+                            attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+                            hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                            initializer_range=0.2, **common), Gemma2ForCausalLM
+    if family == "gemma3":
+        # gemma-3-4b text: q/k norms, a local RoPE base (rope_local_base_freq 1e4) on
+        # sliding layers and a global one (1e6, linear factor 8) on full ones, 5 sliding
+        # layers per full one (1:1 here), sliding_window 1024 (8 here), one KV head,
+        # query_pre_attn_scalar apart from head_dim, tied embeddings.
+        return Gemma3TextConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                query_pre_attn_scalar=32, max_position_embeddings=context, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"],
+                                rope_parameters={
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                       "rope_theta": 1000000.0},
+                                },
+                                hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                                initializer_range=0.2, **common), Gemma3ForCausalLM
     if family == "gpt2":
-        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=256, **common), GPT2LMHeadModel
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=256, **untied, **common), GPT2LMHeadModel
     raise ValueError(family)
+
+
+def _randomise_norms(model, gemma: bool) -> None:
+    """Norm weights around 1 instead of HF's exact ones, so a mistake in applying
+    them shows (Gemma stores weight - 1: its norms scale by 1 + weight)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if gemma else 1.0))
 
 
 def build_model(out_dir: str | os.PathLike, family: str, size: str, seed: int,
                 tokenizer: PreTrainedTokenizerFast, logit_scale: float = 1.0, context: int = 256,
-                rows: int | None = None) -> str:
+                rows: int | None = None, random_norms: bool | None = None) -> str:
     """Save a random-init model + tokenizer to out_dir; return the path.
 
     logit_scale multiplies the output layer so tiny random models have peaked,
-    differing distributions (more realistic than near-uniform logits).
+    differing distributions (more realistic than near-uniform logits); with tied
+    embeddings it scales the input embeddings too. random_norms: norm weights
+    around 1 (default: for every family but the original llama and qwen2).
     rows: embedding / LM-head rows (default: the tokenizer's size); more pads
     the table like real checkpoints do, with random rows that are not
     suppressed, so the model really emits padding ids sometimes.
     """
     torch.manual_seed(seed)
     config, cls = _config(family, size, rows or len(tokenizer), tokenizer.eos_token_id, context)
-    config.tie_word_embeddings = False
     model = cls(config)
+    if random_norms if random_norms is not None else family not in PLAIN_NORMS:
+        _randomise_norms(model, family.startswith("gemma"))
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(logit_scale)
     model.save_pretrained(out_dir)

@@ -1,5 +1,6 @@
-"""A lean forward for Llama-family decoders (Llama, Qwen2 without sliding window)
-with a preallocated KV cache.
+"""A lean forward for decoder-only transformers with a preallocated KV cache:
+Llama 1-3.3, Mistral, Qwen2/2.5, Qwen3, Phi-3/3.5, Gemma-2 and Gemma-3 text
+(specd/runtime/arch.py says which configs exactly; docs/models.md lists them).
 
 Why: a small model's step is almost all framework overhead (a 2.6 M model costs
 ~3.4 ms per HF forward on 2 CPU cores, nearly all Python; docs/architecture.md,
@@ -7,10 +8,25 @@ Why: a small model's step is almost all framework overhead (a 2.6 M model costs
 HF DynamicCache grows by torch.cat every step. Here the weights are plain
 tensors, the cache is one preallocated (layers, 2, kv_heads, max_len, head_dim)
 tensor with a length per session, rollback is `length = n` (free), and tree
-compaction copies only the kept rows. Models this does not support exactly
-(other RoPE types, biases other than Qwen2's q/k/v bias, sliding windows) fall
-back to the Hugging Face forward (specd.runtime.models.SessionCache); the test suite
-checks logits against Hugging Face's forward.
+compaction copies only the kept rows. Configs this does not cover exactly
+(`supports`; e.g. MoE, other architectures, unknown RoPE types) fall back to the
+Hugging Face forward (specd.runtime.models.SessionCache); tests/test_families.py
+checks every covered family's logits, trees, compaction, hidden states and
+batching against Hugging Face's forward.
+
+What differs between the families is data (`arch.Arch`): Gemma's (1 + weight)
+norms, sandwich norms, scaled embeddings, soft-capping and query_pre_attn_scalar;
+Qwen3/Gemma-3's per-head q/k norms; Phi-3's fused weights and partial rotary;
+sliding windows per layer; RoPE per layer type (specd/runtime/rope.py, HF's own
+frequency functions).
+
+Sliding windows: a key is attended when the query's position minus its position
+is below the window (Hugging Face's rule). Positions are not stored per cache
+row; instead a row attends to the last `window` keys that its mask lets it see.
+The rows a mask shows a query (the committed sequence, then its tree ancestors,
+then itself) are its own sequence, at consecutive positions - so the last
+`window` of them are exactly the keys within the window, trees included. A window
+at least as long as the cache is plain attention.
 
 The KV cache is float32 on a CPU even when the weights are bf16/fp16: CPU
 attention kernels have no fast half-precision path (measured here: one
@@ -22,24 +38,49 @@ only the softmax's arithmetic is more precise than a bf16 cache's.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-SUPPORTED = {"llama", "qwen2"}
+from .arch import Arch, describe
+from .rope import Rope
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 
 def supports(config) -> bool:
-    rope = getattr(config, "rope_parameters", None) or {}
-    return (
-        config.model_type in SUPPORTED
-        and rope.get("rope_type", "default") == "default"
-        and getattr(config, "hidden_act", "silu") == "silu"
-        and not getattr(config, "mlp_bias", False)
-        and (config.model_type == "qwen2" or not getattr(config, "attention_bias", False))
-        and not getattr(config, "use_sliding_window", False)
-    )
+    """Whether the lean forward computes exactly what Hugging Face's does for this config."""
+    return isinstance(describe(config), Arch)
+
+
+def unsupported_reason(config) -> str | None:
+    """Why the lean forward does not cover a config (None: it does)."""
+    arch = describe(config)
+    return None if isinstance(arch, Arch) else arch
+
+
+def _fused(module, fused: str, parts: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a module's projections concatenated along the output rows."""
+    if hasattr(module, fused):
+        return getattr(module, fused).weight, getattr(module, fused).bias
+    linears = [getattr(module, p) for p in parts]
+    bias = torch.cat([x.bias for x in linears]) if linears[0].bias is not None else None
+    return torch.cat([x.weight for x in linears]), bias
+
+
+class _Attend(NamedTuple):
+    """How one item's new rows attend in layers of one window size."""
+
+    k0: int  # first cache row they may see (a window shorter than the cache starts later)
+    mask: torch.Tensor | None  # additive, (1, 1, n, end - k0); None: see causal
+    causal: bool  # without a mask: causal over the new rows (no cached rows before)
 
 
 class _Plan(NamedTuple):
@@ -49,8 +90,7 @@ class _Plan(NamedTuple):
     n: int  # rows it adds
     start: int  # its cache length before them
     end: int
-    attn_mask: torch.Tensor | None  # additive, (1, 1, n, end); None: see causal
-    causal: bool  # without a mask: causal over the new rows (no cached rows before)
+    attend: tuple[_Attend, ...]  # per distinct window of the model's layers (LeanModel.windows)
 
 
 class LeanModel:
@@ -58,6 +98,10 @@ class LeanModel:
 
     def __init__(self, hf_model):
         cfg = hf_model.config
+        arch = describe(cfg)
+        if not isinstance(arch, Arch):
+            raise ValueError(f"the lean engine does not cover this {cfg.model_type} config: {arch}")
+        self.arch = arch
         self.config = cfg
         self.device = hf_model.device
         self.dtype = next(hf_model.parameters()).dtype
@@ -67,33 +111,58 @@ class LeanModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.max_positions = cfg.max_position_embeddings
-        base = cfg.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype)
+        self.scale = arch.attn_scale
+        self.softcap = arch.attn_softcap
+        self.final_softcap = arch.final_softcap
+        self._gemma_norm = arch.gemma_norm
+        self._act = _ACTIVATIONS[arch.act]
         m = hf_model.model
+        # Distinct windows and RoPE parameter sets; each layer points at its own.
+        self.windows = list(dict.fromkeys(arch.windows))
+        self._rope_keys = list(dict.fromkeys(arch.rope_keys))
+        rotary_cls = type(m.rotary_emb)
+        self.ropes = [Rope(cfg, rotary_cls, key, self.device, self.dtype) for key in self._rope_keys]
         self.embed = m.embed_tokens.weight
-        self.norm = m.norm.weight
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as HF does.
+        self.embed_scale = (
+            torch.tensor(arch.embed_scale).to(self.device, self.dtype) if arch.embed_scale is not None else None
+        )
+        self.norm = self._norm_weight(m.norm)
         self.lm_head = hf_model.lm_head.weight
-        self.layers = []
-        for layer in m.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            # One fused QKV matmul: fewer kernel launches is what matters at this size.
-            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-            self.layers.append(
-                {
-                    "ln1": layer.input_layernorm.weight,
-                    "ln2": layer.post_attention_layernorm.weight,
-                    "qkv_w": qkv_w,
-                    "qkv_b": qkv_b,
-                    "o": a.o_proj.weight,
-                    "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                    "down": mlp.down_proj.weight,
-                }
-            )
+        self.layers = [self._layer(i, layer) for i, layer in enumerate(m.layers)]
         self.vocab_size = self.lm_head.shape[0]
+
+    def _layer(self, i: int, layer) -> dict:
+        """Layer i's weights as plain tensors, and which window and RoPE it uses."""
+        a, mlp, arch = layer.self_attn, layer.mlp, self.arch
+        # One fused QKV matmul: fewer kernel launches is what matters at this size.
+        # Phi-3 stores QKV and gate/up fused already.
+        qkv_w, qkv_b = _fused(a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        gate_up, gate_up_b = _fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        # The norm before the MLP: Gemma's pre_feedforward, the others' post_attention.
+        ln2 = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
+        return {
+            "ln1": self._norm_weight(layer.input_layernorm),
+            "ln2": self._norm_weight(ln2),
+            "post_attn": self._norm_weight(layer.post_attention_layernorm) if arch.sandwich else None,
+            "post_ff": self._norm_weight(layer.post_feedforward_layernorm) if arch.sandwich else None,
+            "q_norm": self._norm_weight(a.q_norm) if hasattr(a, "q_norm") else None,
+            "k_norm": self._norm_weight(a.k_norm) if hasattr(a, "k_norm") else None,
+            "qkv_w": qkv_w,
+            "qkv_b": qkv_b,
+            "o": a.o_proj.weight,
+            "o_b": a.o_proj.bias,
+            "gate_up": gate_up,
+            "gate_up_b": gate_up_b,
+            "down": mlp.down_proj.weight,
+            "down_b": mlp.down_proj.bias,
+            "kind": self.windows.index(arch.windows[i]),
+            "rope": self._rope_keys.index(arch.rope_keys[i]),
+        }
+
+    def _norm_weight(self, norm) -> torch.Tensor:
+        # Gemma's RMSNorm multiplies by (1 + weight) in float32: precomputed once.
+        return 1.0 + norm.weight.float() if self._gemma_norm else norm.weight
 
     def new_session(self, max_len: int | None = None) -> LeanSession:
         return LeanSession(self, max_len or self.max_positions)
@@ -104,11 +173,17 @@ class LeanModel:
 
     def _rms(self, x, w):
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self._gemma_norm:
+            return (normed * w).to(x.dtype)
+        return normed.to(x.dtype) * w
 
-    def _rope(self, x, pos):  # x: (R, H, d), pos: (R,)
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (R, 1, d)
-        half = x.shape[-1] // 2
+    @staticmethod
+    def _rope(x, cos, sin):  # x: (R, H, d); cos, sin: (R, 1, rotary_dim)
+        rd = cos.shape[-1]
+        if rd != x.shape[-1]:  # partial rotary (Phi-3): the rest of each head passes through
+            return torch.cat([LeanModel._rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+        half = rd // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
@@ -138,7 +213,10 @@ class LeanModel:
         the weights, so this is where batching pays. Attention runs per session
         on its own cache rows, in place: no session's cache is copied."""
         ids = [t for _, token_ids, _, _ in items for t in token_ids]
-        return self.forward_embeds(items, self.embed[torch.tensor(ids, device=self.device)], last_only, hidden)
+        x = self.embed[torch.tensor(ids, device=self.device)]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        return self.forward_embeds(items, x, last_only, hidden)
 
     @torch.inference_mode()
     def forward_embeds(self, items: list, x: torch.Tensor, last_only: bool | list[bool] = False, hidden: bool = False):
@@ -147,11 +225,11 @@ class LeanModel:
         item's last-layer hidden states before the final norm, (n, C), every
         row even with last_only - the features an EAGLE head reads (and, for a
         head built on this class, the features it predicts)."""
-        plans, pos = self._plan(items)
+        plans, rope = self._plan(items)
         sizes = [p.n for p in plans]
         rows = sum(sizes)
         for i, L in enumerate(self.layers):
-            x = x + self._attention(i, L, x, plans, pos, rows)
+            x = x + self._attention(i, L, x, plans, rope[L["rope"]], rows)
             x = x + self._mlp(L, x)
         for p in plans:
             p.session.length = p.end
@@ -159,25 +237,55 @@ class LeanModel:
         logits = self._logits(x, sizes, last_only)
         return (logits, states) if hidden else logits
 
-    def _plan(self, items: list) -> tuple[list[_Plan], torch.Tensor]:
-        """Each item's cache rows (reserved now) and attention mask, and the
-        RoPE positions of all rows, (R,)."""
-        plans, positions_all = [], []
+    def _plan(self, items: list) -> tuple[list[_Plan], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each item's cache rows (reserved now) and attention per window, and
+        the RoPE cos/sin of all rows per RoPE parameter set, (R, 1, rotary_dim)."""
+        plans, rope_items = [], []
         for s, token_ids, positions, mask in items:
             n, start = len(token_ids), s.length
             end = start + n
             s.reserve(end)
-            positions_all.append(positions if positions is not None else torch.arange(start, end, device=self.device))
+            default = positions is None
+            pos = torch.arange(start, end, device=self.device) if default else positions.to(self.device)
+            rope_items.append((pos, end, default))
+            attend = tuple(self._attend(mask, n, start, end, window) for window in self.windows)
+            plans.append(_Plan(s, n, start, end, attend))
+        rope = []
+        for r in self.ropes:
+            cos, sin = r.cos_sin(rope_items)
+            rope.append((cos[:, None], sin[:, None]))
+        return plans, rope
+
+    def _attend(self, mask: torch.Tensor | None, n: int, start: int, end: int, window: int | None) -> _Attend:
+        """How n new rows after start cached ones attend, in layers with this window."""
+        kvt = self.kv_dtype
+        if window is None or window >= end:  # every key the mask allows is within the window
             attn_mask, causal = self._attn_mask(mask, n, start, end)
-            plans.append(_Plan(s, n, start, end, attn_mask, causal))
-        pos = positions_all[0] if len(items) == 1 else torch.cat(positions_all)
-        return plans, pos
+            if causal and self.softcap is not None:  # the explicit path needs the mask itself
+                attn_mask = torch.full((n, n), float("-inf"), dtype=kvt, device=self.device).triu(1)[None, None]
+                causal = False
+            return _Attend(0, attn_mask, causal)
+        if mask is None:
+            # A row at r sees keys (r - window, r]: slice the cache from the first row's first key.
+            k0 = max(0, start - window + 1)
+            if n == 1:
+                return _Attend(k0, None, False)
+            rows = torch.arange(start, end, device=self.device)[:, None]
+            keys = torch.arange(k0, end, device=self.device)[None]
+            seen = (keys <= rows) & (keys > rows - window)
+            attn_mask = torch.zeros(n, end - k0, dtype=kvt, device=self.device).masked_fill_(~seen, float("-inf"))
+            return _Attend(k0, attn_mask[None, None], False)
+        # A given mask (a tree): keep the last `window` keys each row may see.
+        attn_mask = mask.to(self.device, kvt)
+        seen = attn_mask > torch.finfo(kvt).min / 2
+        later = seen.flip(-1).cumsum(-1).flip(-1)  # keys seen at or after each column
+        return _Attend(0, attn_mask.masked_fill(later > window, float("-inf"))[None, None], False)
 
     def _attn_mask(self, mask: torch.Tensor | None, n: int, start: int, end: int) -> tuple[torch.Tensor | None, bool]:
         """(additive mask (1, 1, n, end) or None, is_causal) for n new rows after start cached ones."""
         kvt = self.kv_dtype
         if mask is not None:
-            return mask.to(kvt)[None, None], False
+            return mask.to(self.device, kvt)[None, None], False
         if n > 1 and start > 0:
             # Causal over the new rows, full attention to the past.
             attn_mask = torch.full((n, end), float("-inf"), dtype=kvt, device=self.device)
@@ -186,44 +294,70 @@ class LeanModel:
             return attn_mask[None, None], False
         return None, n > 1
 
-    def _attention(self, i: int, L: dict, x: torch.Tensor, plans: list[_Plan], pos: torch.Tensor, rows: int):
+    def _attention(self, i: int, L: dict, x: torch.Tensor, plans: list[_Plan], rope, rows: int):
         """Layer i's attention block over all rows: its output projection, (R, C).
         Writes each session's new keys and values into its cache rows."""
         hd, nh, nkv, kvt = self.head_dim, self.n_heads, self.n_kv, self.kv_dtype
         h = self._rms(x, L["ln1"])
         qkv = F.linear(h, L["qkv_w"], L["qkv_b"])  # (R, (nh+2nkv)*hd)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k = q.view(rows, nh, hd), k.view(rows, nkv, hd)
+        if L["q_norm"] is not None:  # per-head norms before RoPE (Qwen3, Gemma-3)
+            q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
         # RoPE and the cast to the cache's dtype once over every session's rows.
-        q = self._rope(q.view(rows, nh, hd), pos).to(kvt).transpose(0, 1)  # (nh, R, hd)
-        k = self._rope(k.view(rows, nkv, hd), pos).to(kvt).transpose(0, 1)  # (nkv, R, hd)
+        cos, sin = rope
+        q = self._rope(q, cos, sin).to(kvt).transpose(0, 1)  # (nh, R, hd)
+        k = self._rope(k, cos, sin).to(kvt).transpose(0, 1)  # (nkv, R, hd)
         v = v.view(rows, nkv, hd).to(kvt).transpose(0, 1)
+        kind, cap = L["kind"], self.softcap
         ys, r0 = [], 0
-        for s, n, start, end, attn_mask, causal in plans:
+        for s, n, start, end, attend in plans:
+            k0, attn_mask, causal = attend[kind]
             s.kv[i, 0, :, start:end] = k[:, r0 : r0 + n]
             s.kv[i, 1, :, start:end] = v[:, r0 : r0 + n]
-            # 4-D (batch of 1): with 3-D inputs PyTorch's CPU dispatch takes the
-            # unfused "math" attention, ~3.5x slower per call here (334 vs 94 us
-            # for 5 queries x 155 keys), and a batched verify makes a call per
-            # session and layer.
-            ys.append(
-                F.scaled_dot_product_attention(
-                    q[None, :, r0 : r0 + n],
-                    s.kv[i, 0, None, :, :end],
-                    s.kv[i, 1, None, :, :end],
-                    attn_mask=attn_mask,
-                    is_causal=causal,
-                    enable_gqa=nh != nkv,
-                )[0]
-            )  # (nh, n, hd)
+            if cap is not None:
+                ys.append(self._capped(q[:, r0 : r0 + n], s.kv[i, 0, :, k0:end], s.kv[i, 1, :, k0:end], attn_mask, cap))
+            else:
+                # 4-D (batch of 1): with 3-D inputs PyTorch's CPU dispatch takes the
+                # unfused "math" attention, ~3.5x slower per call here (334 vs 94 us
+                # for 5 queries x 155 keys), and a batched verify makes a call per
+                # session and layer.
+                ys.append(
+                    F.scaled_dot_product_attention(
+                        q[None, :, r0 : r0 + n],
+                        s.kv[i, 0, None, :, k0:end],
+                        s.kv[i, 1, None, :, k0:end],
+                        attn_mask=attn_mask,
+                        is_causal=causal,
+                        scale=self.scale,
+                        enable_gqa=nh != nkv,
+                    )[0]
+                )  # (nh, n, hd)
             r0 += n
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # (nh, R, hd)
-        return F.linear(y.transpose(0, 1).reshape(rows, nh * hd).to(x.dtype), L["o"])
+        out = F.linear(y.transpose(0, 1).reshape(rows, nh * hd).to(x.dtype), L["o"], L["o_b"])
+        return out if L["post_attn"] is None else self._rms(out, L["post_attn"])
+
+    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, cap: float):
+        """Attention with tanh soft-capped scores (Gemma-2), in Hugging Face's
+        eager order: scale, cap, mask, softmax in float32. SDPA has no cap, so
+        this is explicit. q (nh, n, hd), k/v (nkv, L, hd) -> (nh, n, hd)."""
+        nh, n, hd = q.shape
+        nkv = k.shape[0]
+        g = nh // nkv  # query heads per KV head, grouped as HF's repeat_kv does
+        scores = torch.matmul(q.reshape(nkv, g * n, hd), k.transpose(1, 2)).view(nh, n, -1) * self.scale
+        scores = torch.tanh(scores / cap) * cap
+        if attn_mask is not None:
+            scores = scores + attn_mask[0]
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs.view(nkv, g * n, -1), v).view(nh, n, hd)
 
     def _mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
-        """The layer's MLP block (SwiGLU), (R, C)."""
+        """The layer's MLP block (SwiGLU / GeGLU), (R, C)."""
         h = self._rms(x, L["ln2"])
-        gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, L["down"])
+        gate, up = F.linear(h, L["gate_up"], L["gate_up_b"]).chunk(2, dim=-1)
+        out = F.linear(self._act(gate) * up, L["down"], L["down_b"])
+        return out if L["post_ff"] is None else self._rms(out, L["post_ff"])
 
     def _logits(self, x: torch.Tensor, sizes: list[int], last_only: bool | list[bool]) -> list[torch.Tensor]:
         """Final norm and LM head over the rows wanted: every row, or each
@@ -237,7 +371,10 @@ class LeanModel:
                 keep = [r for n, e, last in zip(sizes, ends, flags) for r in ((e - 1,) if last else range(e - n, e))]
                 x = x[torch.tensor(keep, device=self.device)]
             sizes = [1 if last else n for n, last in zip(sizes, flags)]
-        return list(F.linear(self._rms(x, self.norm), self.lm_head).float().split(sizes))
+        logits = F.linear(self._rms(x, self.norm), self.lm_head)
+        if self.final_softcap is not None:  # Gemma: in the model dtype, before the cast, as HF
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return list(logits.float().split(sizes))
 
 
 class LeanSession:

@@ -101,7 +101,8 @@ class Runner:
         if engine not in ("auto", "lean", "hf"):
             raise ValueError(f"engine must be auto | lean | hf, got {engine!r}")
         if engine == "lean" and not lean.supports(model.config):
-            raise ValueError(f"the lean engine does not support {model.config.model_type} with this config")
+            reason = lean.unsupported_reason(model.config)
+            raise ValueError(f"the lean engine does not support {model.config.model_type} with this config: {reason}")
         self.model = model
         self.lean = lean.LeanModel(model) if engine != "hf" and lean.supports(model.config) else None
         self.engine = "lean" if self.lean else "hf"
@@ -133,7 +134,9 @@ class SessionCache:
 
     def __init__(self, model):
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        # Full layers even where the model has sliding windows: HF's sliding-window
+        # layers drop the rows past the window, and then cannot roll back.
+        self.cache = DynamicCache()
 
     @property
     def length(self) -> int:
