@@ -154,30 +154,43 @@ def fresh_rope(model) -> None:
         ("llama-dynamic", 256, 250, 10),
     ],
 )
-def test_length_dependent_rope_follows_a_growing_sequence(family, switch, prompt, steps, models):
-    """Across the length where the frequencies change: a prefill, decode steps
-    one at a time, then a chunk - each row equal to HF's cached forward doing
-    the same (rows already cached keep the frequencies they were made with, in
-    both); and one prefill of the whole sequence equal to HF's."""
+def test_length_dependent_rope_equals_plain_decoding(family, switch, prompt, steps, models):
+    """Past the length where the frequencies change, HF's logits depend on how
+    a sequence is split into calls; specd must give what the target alone
+    gives in plain decoding (a prefill, then one token per call). Here the
+    lean engine runs a prefill, then verify-sized chunks and a tree, and every
+    row equals HF's plain decoding of that row's own sequence (a tree node's:
+    the committed tokens, then its path)."""
     model = models(family)
     ids = [(5 * i + 1) % 300 + 3 for i in range(prompt + steps + 4)]
-    fresh_rope(model)
-    hf, lean = SessionCache(model), LeanModel(model).new_session(max_len=512)
-    chunks = [ids[:prompt]] + [[t] for t in ids[prompt : prompt + steps]] + [ids[prompt + steps :]]
-    for chunk in chunks:
-        close(lean.forward(chunk), hf.forward(chunk))
-    # A tree on top (its own positions and mask, as the verifier's): HF takes the
-    # length from its deepest node too.
+
+    def plain(seq: list[int]) -> torch.Tensor:
+        """HF's logits after each token of seq past the prompt, decoding one at a time."""
+        fresh_rope(model)
+        hf = SessionCache(model)
+        rows = [hf.forward(seq[:prompt])[-1:]] + [hf.forward([t]) for t in seq[prompt:]]
+        return torch.cat(rows)
+
+    lean = LeanModel(model).new_session(max_len=512)
+    got = [lean.forward(ids[:prompt])[-1:]]
+    got += [lean.forward(ids[i : i + 5]) for i in range(prompt, len(ids), 5)]
+    close(torch.cat(got), plain(ids))
+    # A tree on top (its own positions and mask, as the verifier's): each node's
+    # row is plain decoding along its path.
+    lean.rollback(len(ids) - 1)  # the last committed token is the tree's root row, as in a verify
     small = TokenTree(tokens=(40, 41, 42, 43), parents=(-1, 0, 1, -1))
-    mask, pos = tree_attention(small, len(ids))
-    tree = [ids[-1]] + list(small.tokens)
-    close(lean.forward(tree, positions=pos[0], mask=mask[0, 0]), hf.forward(tree, positions=pos[0], mask=mask[0, 0]))
+    mask, pos = tree_attention(small, len(ids) - 1)
+    rows = lean.forward([ids[-1]] + list(small.tokens), positions=pos[0], mask=mask[0, 0])
+    paths = {0: [40], 1: [40, 41], 2: [40, 41, 42], 3: [43]}
+    for node, path in paths.items():
+        close(rows[node + 1], plain(ids + path)[-1])
+    close(rows[0], plain(ids)[-1])
+    # One prefill of the whole sequence equals HF's (a prefill is one call in both).
     fresh_rope(model)
-    whole = hf_logits(model, ids)
-    close(LeanModel(model).new_session(max_len=512).forward(ids), whole)
-    # The switch matters: up to it, a longer sequence's forward gives other logits.
+    close(LeanModel(model).new_session(max_len=512).forward(ids), hf_logits(model, ids))
+    # The switch matters: past it, the split into calls changes HF's logits.
     fresh_rope(model)
-    assert not torch.allclose(hf_logits(model, ids[:switch])[-1], whole[switch - 1], atol=1e-3)
+    assert not torch.allclose(hf_logits(model, ids)[-1], plain(ids)[-1], atol=1e-3)
 
 
 @pytest.mark.parametrize("family", ["mistral", "phi3", "gemma2", "gemma3"])

@@ -247,7 +247,7 @@ class LeanModel:
             s.reserve(end)
             default = positions is None
             pos = torch.arange(start, end, device=self.device) if default else positions.to(self.device)
-            rope_items.append((pos, end, default))
+            rope_items.append((pos, start, end, default))
             attend = tuple(self._attend(mask, n, start, end, window) for window in self.windows)
             plans.append(_Plan(s, n, start, end, attend))
         rope = []

@@ -14,19 +14,21 @@ as max(position) + 1 of each call (`dynamic_rope_update`):
 * longrope (Phi-3.5): the short factors while that length is at most
   original_max_position_embeddings, else the long ones - two tables.
 * dynamic (NTK): the original frequencies up to max_position_embeddings, past it
-  frequencies recomputed for that length - computed on the fly for such items.
+  frequencies recomputed for that length.
 
-Here the length is each item's own (max of its positions + 1), so a forward is a
-pure function of each session's positions, also inside a batch. For a sequence
-that grows (prefill, then decode steps) that is exactly HF's choice. HF's
-version is stateful and shared by all sessions of the model: dynamic keeps the
-largest length it has seen (`max_seq_len_cached`) until a call is shorter than
-max_position_embeddings, so after a rollback - or after another session went
-longer - HF would rotate new rows with a longer length's frequencies than the
-positions alone say. Rows already cached keep the frequencies they were rotated
-with, in both - so in both, past the switch, logits depend on how the sequence was
-split into calls (a k-row verify rotates every row with its last position's length,
-plain decoding each row with its own).
+So in HF, past the switch, the logits depend on how a sequence is split into
+calls: a k-row call rotates all its rows with its last row's length, plain
+decoding (a prefill, then one token per call) each row with its own. What
+specd must reproduce is the target alone, i.e. plain decoding. So here a
+session's first call (its prefill: HF's generate prefills the prompt in one
+call too) takes the length of the call for all its rows, and every later call
+rotates each row with its own length, position + 1 - what that row would have
+had as a decode step of its own. A verify of k draft rows, a tree's nodes (at
+their depths' positions) or a drafter's chain therefore carry exactly the
+rotations of plain decoding along each path. Rows already cached keep the
+rotation they were made with, as in HF. Everything is a pure function of each
+session's positions, also inside a batch (HF's rotary state is shared by all
+sessions of a model, and grows with the longest one).
 """
 
 from __future__ import annotations
@@ -87,45 +89,53 @@ class Rope:
         self._tables = {name: self._cos_sin(pos, inv) for name, inv in self._inv.items()}
         self._rows = rows
 
-    def cos_sin(self, items: list[tuple[torch.Tensor, int, bool]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, items: list[tuple[torch.Tensor, int, int, bool]]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (R, rotary_dim) for every row of a forward. items: per
-        session (positions (n,), end = its cache length after the forward,
+        session (positions (n,), its cache length before the forward, after it,
         whether the positions are the default ones start..end-1); every
         position is below end (a row never sits past its own cache row)."""
-        top = max(end for _, end, _ in items)
+        top = max(end for _, _, end, _ in items)
         if top > self._rows:
             self._grow(top)
         if self.rope_type in STATIC:
             cos, sin = self._tables["short"]
-            pos = items[0][0] if len(items) == 1 else torch.cat([p for p, _, _ in items])
+            pos = items[0][0] if len(items) == 1 else torch.cat([p for p, _, _, _ in items])
             return cos[pos], sin[pos]
-        parts = [self._item(pos, end, default) for pos, end, default in items]
+        parts = [self._item(*item) for item in items]
         if len(parts) == 1:
             return parts[0]
         return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
 
-    def _item(self, pos: torch.Tensor, end: int, default: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One item's cos/sin for a sequence-dependent variant. With default
-        positions the length is `end`, a host int; with given positions it is
-        decided on the device (torch.where), without a sync."""
+    def _item(self, pos: torch.Tensor, start: int, end: int, default: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One item's cos/sin for a sequence-dependent variant (see the module
+        docstring): a prefill (start 0) with the call's length, a later call
+        with each row's own."""
         short_cos, short_sin = self._tables["short"]
+        if end <= self.switch_at:  # every length involved is at most end: the original frequencies
+            return short_cos[pos], short_sin[pos]
         if self.rope_type == "longrope":
             long_cos, long_sin = self._tables["long"]
-            if default:
-                cos, sin = self._tables["long" if end > self.switch_at else "short"]
-                return cos[pos], sin[pos]
-            use_long = pos.max() + 1 > self.switch_at
+            if start == 0:
+                return long_cos[pos], long_sin[pos]  # the call's length is end, past the switch
+            use_long = (pos + 1 > self.switch_at)[:, None]  # per row, on the device
             return torch.where(use_long, long_cos[pos], short_cos[pos]), torch.where(
                 use_long, long_sin[pos], short_sin[pos]
             )
-        # dynamic: HF passes the length as a 0-dim int64 tensor; so does this, for the same float arithmetic.
-        if default:
-            if end <= self.switch_at:
-                return short_cos[pos], short_sin[pos]
-            inv, _ = self._init(self.config, self.device, seq_len=torch.tensor(end, device=self.device), **self._kw)
-            return self._cos_sin(pos, inv)
-        seq_len = pos.max() + 1
-        inv, _ = self._init(self.config, self.device, seq_len=seq_len, **self._kw)
-        cos, sin = self._cos_sin(pos, inv)
-        longer = seq_len > self.switch_at
-        return torch.where(longer, cos, short_cos[pos]), torch.where(longer, sin, short_sin[pos])
+        # dynamic: frequencies per length past the switch; HF passes the length
+        # as a 0-dim int64 tensor, and so does this, for the same float arithmetic.
+        if start == 0:
+            return self._dynamic(pos, end)
+        # Per row. Positions of a tree come as a tensor: read them once (a
+        # host sync on a GPU, only for sessions past the switch).
+        rows = list(range(start, end)) if default else pos.tolist()
+        parts = [
+            self._dynamic(pos[i : i + 1], p + 1)
+            if p + 1 > self.switch_at
+            else (short_cos[pos[i : i + 1]], short_sin[pos[i : i + 1]])
+            for i, p in enumerate(rows)
+        ]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+    def _dynamic(self, pos: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inv, _ = self._init(self.config, self.device, seq_len=torch.tensor(length, device=self.device), **self._kw)
+        return self._cos_sin(pos, inv)
