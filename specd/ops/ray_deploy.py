@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -57,6 +58,9 @@ class DeploymentConfig:
     tls: TlsConfig | None = None
     auth_tokens_file: str | None = None  # bearer tokens of the public API (read on the head node)
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    kv_cache_memory: str = "auto"  # each replica's KV budget (specd/runtime/kv_budget.py)
+    kv_block_size: int = 64
+    engine: str = "auto"  # auto | lean | hf, every replica
     # Where replicas listen: None = their Ray node's IP, the address the
     # orchestrator (possibly on another node) dials; not 0.0.0.0, so a replica
     # is not reachable on interfaces the cluster does not use.
@@ -75,15 +79,21 @@ class ModelServiceActor:
         config_fields = dict(config_fields, host=config_fields.get("host") or ray.util.get_node_ip_address())
         config: VerifierConfig | DrafterConfig
         if kind == "verifier":
+            from specd.verifier.core import Verifier
             from specd.verifier.server import start as start_verifier
 
             config = VerifierConfig(**config_fields)
-            self.server, self.port = start_verifier(config)
+            verifier = Verifier(config)
+            self.server, self.port = start_verifier(config, verifier)
+            self._info = verifier.info
         else:
+            from specd.drafter.eagle import make_drafter
             from specd.drafter.server import start as start_drafter
 
             config = DrafterConfig(**config_fields)
-            self.server, self.port = start_drafter(config)
+            drafter = make_drafter(config)
+            self.server, self.port = start_drafter(config, drafter)
+            self._info = drafter.info
         # The address the orchestrator dials: the bound host, or this node's IP
         # when bound to every interface.
         self.host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
@@ -98,6 +108,10 @@ class ModelServiceActor:
     def pid(self) -> int:
         """Its process (tests kill it to check the restart)."""
         return os.getpid()
+
+    def info(self) -> dict:
+        """Its engine, model, dtype and KV budget (the service's Info)."""
+        return self._info()
 
 
 @ray.remote(num_cpus=0, max_restarts=3)
@@ -131,6 +145,9 @@ def replica_fields(cfg: DeploymentConfig, kind: str) -> dict:
         "port": 0,
         "device": cfg.device,
         "dtype": cfg.dtype,
+        "engine": cfg.engine,
+        "kv_cache_memory": cfg.kv_cache_memory,
+        "kv_block_size": cfg.kv_block_size,
         "tls": cfg.tls,
         "max_message_bytes": cfg.max_message_bytes,
     }
@@ -225,21 +242,40 @@ def _wait(ref):
     return asyncio.wrap_future(ref.future())
 
 
-def deploy(cfg: DeploymentConfig) -> str:
+def fallback_warnings(infos: list[tuple[str, str, dict]]) -> list[str]:
+    """A warning per replica (kind, name, its info) that runs the Hugging Face
+    fallback engine: it serves correctly but slower than the lean forward."""
+    return [
+        f"warning: {kind} replica {name} runs the Hugging Face fallback engine (hf) for model type "
+        f"{info.get('model_type') or '?'} ({info.get('architecture') or '?'}): slower than the lean "
+        "engine; docs/models.md lists the models the lean engine supports"
+        for kind, name, info in infos
+        if info.get("engine") == "hf"
+    ]
+
+
+def deploy(cfg: DeploymentConfig, warn: Callable[[str], None] | None = None) -> str:
     """Start replicas and the orchestrator; return the public Generate address.
+    warn: told a line per replica on the Hugging Face fallback engine.
 
     Assumes ray.init() was called. Replicas ask for their pool's resource, so on
     a cluster without it they stay pending (the timeout says which)."""
     actors = [("verifier", f"specd-verifier-{i}") for i in range(cfg.num_verifiers)]
     actors += [("drafter", f"specd-drafter-{i}") for i in range(cfg.num_drafters if cfg.drafter_dir else 0)]
     handles = [_replica(cfg, kind, name) for kind, name in actors]
-    specs = []
+    specs, infos = [], []
     for (kind, name), actor in zip(actors, handles):
         try:
-            address, node = ray.get([actor.address.remote(), actor.node.remote()], timeout=cfg.ready_timeout_s)
+            address, node, info = ray.get(
+                [actor.address.remote(), actor.node.remote(), actor.info.remote()], timeout=cfg.ready_timeout_s
+            )
         except ray.exceptions.GetTimeoutError:
             raise _not_ready(cfg, kind) from None
         specs.append(ReplicaSpec(kind, name, address, node))
+        infos.append((kind, name, info))
+    if warn is not None:
+        for line in fallback_warnings(infos):
+            warn(line)
     orch_config = OrchestratorConfig(
         target_dir=cfg.target_dir,
         drafter_dir=cfg.drafter_dir,
