@@ -233,3 +233,32 @@ def test_dtype_auto_takes_the_checkpoints():
     assert checkpoint_dtype(Bare()) == "float32"
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model(str(DEMO_DRAFTER), "cpu", "float8")
+
+
+def test_flags_check_the_budget_before_anything_starts(capsys, monkeypatch, tmp_path):
+    from specd.net.service_main import _build_parser, _config_from_args
+    from specd.ops.cli import main
+
+    parser = _build_parser("specd.verifier", VerifierConfig)
+    args = parser.parse_args(["--model", "m", "--kv-cache-memory", "2GiB", "--kv-block-size", "32",
+                              "--dtype", "auto", "--engine", "hf"])
+    cfg = _config_from_args(VerifierConfig, args, None)
+    assert (cfg.kv_cache_memory, cfg.kv_block_size, cfg.dtype, cfg.engine) == ("2GiB", 32, "auto", "hf")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--kv-cache-memory", "lots"])
+    assert "kv_cache_memory 'lots'" in capsys.readouterr().err
+    monkeypatch.setenv("SPECD_HOME", str(tmp_path))  # no state of another `specd up`
+    assert main(["up", "--kv-cache-memory", "1.5"]) == 2  # refused before Ray starts
+    assert "a fraction must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_up_warns_about_replicas_on_the_fallback_engine():
+    from specd.ops.ray_deploy import fallback_warnings
+
+    lines = fallback_warnings([
+        ("verifier", "specd-verifier-0", {"engine": "lean", "model_type": "llama"}),
+        ("drafter", "specd-drafter-0", {"engine": "hf", "model_type": "gpt2", "architecture": "GPT2LMHeadModel"}),
+    ])
+    assert lines == ["warning: drafter replica specd-drafter-0 runs the Hugging Face fallback engine (hf) for model "
+                     "type gpt2 (GPT2LMHeadModel): slower than the lean engine; docs/models.md lists the models the "
+                     "lean engine supports"]

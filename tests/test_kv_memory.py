@@ -5,10 +5,13 @@
   Verify that would grow its cache - while the others go on; the refused
   session goes on too once blocks come back, and the service never fails.
 * Resident memory: a verifier whose sessions fill a 64 MiB budget grows by the
-  budget and no more. Baseline: the same process after one session of the
+  budget and no more, and the session past it is refused. Baseline: the same process after one session of the
   same size was opened and closed (weights, Python/torch runtime, and the
   allocator warmed by a prefill of that size); allowance over the budget:
-  ALLOWANCE_MIB (the transient rows of a verify, allocator rounding)."""
+  ALLOWANCE_MIB (a forward's activations, allocator rounding; measured here:
+  0-1 MiB). Short prompts keep a prefill's activations small: with 1000-token
+  prompts its attention scores (~30 MiB, 8 heads) are freed but may stay
+  resident in the allocator, which is activation memory, not the KV cache."""
 from __future__ import annotations
 
 import grpc
@@ -25,7 +28,7 @@ from tests.test_memory import rss_kib
 pytestmark = pytest.mark.services
 
 GREEDY = pb.SamplingParams(temperature=0.0)
-ALLOWANCE_MIB = 12
+ALLOWANCE_MIB = 8
 
 
 def _open(stub, sid, prompt):
@@ -100,7 +103,10 @@ def wide_model(tmp_path_factory):
 def test_resident_memory_stays_within_the_budget(wide_model):
     model_dir, row = wide_model
     assert row == 16384
-    budget_mib, prompt = 64, [1 + i % 200 for i in range(1000)]  # 1000 rows: 16 blocks of 64 = 16 MiB
+    # 230-token prompts: 4 blocks of 64 rows (4 MiB) each, two verifies of 8
+    # included; short enough that a prefill's activations (its attention
+    # scores: 8 heads x 230^2 floats) stay small beside the budget.
+    budget_mib, prompt = 64, [1 + i % 200 for i in range(230)]
     proc = ServiceProcess("specd.verifier", "--model", model_dir, "--kv-cache-memory", f"{budget_mib}MiB",
                           "--max-draft-tokens", "8")
     try:
@@ -123,13 +129,13 @@ def test_resident_memory_stays_within_the_budget(wide_model):
                 sids.append(sid)
                 for _ in range(2):
                     stub.Verify(pb.VerifyRequest(session_id=sid, draft_token_ids=[3] * 8), timeout=60)
-                assert len(sids) <= 4
+                assert len(sids) <= 16
             info = _info(stub)
             full = rss_kib(proc.proc.pid)
             grown_mib = (full - base) / 1024
             print(f"verifier RSS: {base / 1024:.0f} MiB warm and empty, {full / 1024:.0f} MiB with "
                   f"{len(sids)} sessions holding {info.kv_used_bytes / 2**20:.0f} of {budget_mib} MiB")
-            assert len(sids) == 4 and info.kv_used_bytes == budget_mib * 2**20
+            assert len(sids) == 16 and info.kv_used_bytes == budget_mib * 2**20
             # The cache is really resident (zeroed pages), and nothing beyond it is.
             assert 0.75 * budget_mib <= grown_mib <= budget_mib + ALLOWANCE_MIB, grown_mib
             for sid in sids:
