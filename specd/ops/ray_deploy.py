@@ -210,6 +210,8 @@ class RayLauncher:
         except asyncio.TimeoutError:
             ray.kill(actor, no_restart=True)  # do not leave a pending actor behind
             raise _not_ready(self.cfg, kind) from None
+        for line in fallback_warnings([(kind, name, await _wait(actor.info.remote()))]):
+            log.warning(line)
         return ReplicaSpec(kind, name, address, node)
 
     async def stop(self, spec: ReplicaSpec) -> None:
