@@ -34,3 +34,37 @@ def test_status_and_scale_without_ray(stacks):
         e.value.details()
     ids, last = stack.generate(prompt="def f(x):", max_new_tokens=4)
     assert len(ids) == 4
+
+
+def test_status_reports_each_replicas_engine_model_and_kv(pairs, capsys):
+    """Status carries what each replica reports of itself: engine (a verifier
+    forced onto the Hugging Face fallback says hf), architecture, dtype and
+    its KV budget and use; `specd status` prints them and notes the fallback."""
+    from specd.ops.cli import main
+    from specd.ops.local_stack import Stack
+
+    target, drafter = pairs["llama"]
+    stack = Stack(target, drafter, verifier_args=("--engine", "hf", "--kv-cache-memory", "4MiB"))
+    try:
+        admin = pb_grpc.AdminServiceStub(stack.channel)
+        replicas = {r.kind: r for r in admin.Status(pb.StatusRequest(), timeout=10).replicas}
+        v, d = replicas["verifier"], replicas["drafter"]
+        assert (v.engine, d.engine) == ("hf", "lean")
+        assert v.architecture == d.architecture == "LlamaForCausalLM" and v.model_type == "llama"
+        assert v.dtype == d.dtype == "float32"
+        assert 0 < v.kv_capacity_bytes <= 4 * 2**20 and v.kv_capacity_tokens > 0 and v.kv_used_tokens == 0
+        assert d.kv_capacity_tokens > 0 and d.kv_used_tokens == 0
+        # While a stream runs its sessions hold blocks on both; afterwards none.
+        used = set()
+        for _ in stack.stub.Generate(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=60,
+                                                        num_speculative_tokens=2), timeout=60):
+            s = admin.Status(pb.StatusRequest(), timeout=10)
+            used.add(tuple(sorted((r.kind, r.kv_used_tokens > 0) for r in s.replicas)))
+        assert (("drafter", True), ("verifier", True)) in used, used
+        assert all(r.kv_used_tokens == 0 for r in admin.Status(pb.StatusRequest(), timeout=10).replicas)
+        assert main(["status", "--address", stack.orchestrator.address]) == 0
+        out = capsys.readouterr().out
+        assert "ENGINE" in out and "KV TOKENS" in out and f"0/{v.kv_capacity_tokens} (0%)" in out
+        assert "note: verifier-0 runs the Hugging Face fallback engine for llama" in out and "docs/models.md" in out
+    finally:
+        stack.stop()

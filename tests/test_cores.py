@@ -9,6 +9,7 @@ from specd.errors import CapacityExceeded, InvalidRequest
 from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
 from specd.rules.tree import TokenTree, path_to, paths_to_parents
+from specd.runtime.models import Runner, load_model
 from specd.verifier.config import VerifierConfig
 from specd.verifier.core import Verifier
 
@@ -84,15 +85,24 @@ def test_caches_track_committed_tokens_across_cycles(cores, shape):
 
 def test_verifier_refuses_sessions_past_its_budget(pairs):
     target, _ = pairs["llama"]
-    v = Verifier(VerifierConfig(target, device="cpu", max_sessions=2, max_kv_tokens=50))
-    v.open_session("a", [1, 2, 3], GREEDY)
-    with pytest.raises(CapacityExceeded, match="KV budget"):
+    model = load_model(target, "cpu")
+    block = 16
+    budget = 4 * block * Runner(model).kv_row_bytes  # 4 blocks of 16 tokens
+    v = Verifier(VerifierConfig(target, device="cpu", max_sessions=2, kv_cache_memory=f"{budget}B",
+                                kv_block_size=block), model)
+    assert v.kv_pool.total_blocks == 4
+    v.open_session("a", [1, 2, 3], GREEDY)  # 1 block
+    with pytest.raises(CapacityExceeded, match="KV budget full.*needs 4 more block"):
         v.open_session("b", [1] * 60, GREEDY)
+    assert v.kv_pool.used_blocks == 1  # the refused session took nothing
     v.open_session("c", [1, 2], GREEDY)
     with pytest.raises(CapacityExceeded, match="limit of 2 sessions"):
         v.open_session("d", [1, 2], GREEDY)
     # Running sessions are unharmed.
     assert len(v.verify("a", [5, 6]).tokens) >= 1
+    v.close_session("a")
+    v.close_session("c")
+    assert v.kv_pool.used_blocks == 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

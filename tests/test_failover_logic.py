@@ -242,6 +242,36 @@ def test_other_errors_are_not_failovers():
         run([Refusing(), FakeVerifier()], [FakeDrafter(PROMPT)])
 
 
+def test_verifier_full_mid_stream_ends_the_request_with_its_reason():
+    """A verify refused for the KV budget is no failover: the request ends with
+    RESOURCE_EXHAUSTED and the verifier's message; the other verifier is untouched."""
+    class Full(FakeVerifier):
+        async def verify(self, session_id, draft):
+            if self.calls >= 4:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "verifier KV budget full: session 's1' ...")
+            return await super().verify(session_id, draft)
+    spare = FakeVerifier()
+    with pytest.raises(ServiceError, match="KV budget full") as err:
+        run([Full(), spare], [FakeDrafter(PROMPT)])
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and spare.calls == 0
+
+
+def test_drafter_full_mid_stream_continues_as_plain_decoding():
+    """A Propose refused for the drafter's KV budget: the session frees its
+    drafter session and goes on without drafts, output unchanged."""
+    class Full(FakeDrafter):
+        async def propose(self, session_id, accepted_path, committed, shape, **kw):
+            if self.calls >= 3:
+                self._call("refused")
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "drafter KV budget full: ...")
+            return await super().propose(session_id, accepted_path, committed, shape, **kw)
+    d, v = Full(PROMPT), FakeVerifier()
+    ids, _, dpool = run([v], [d])
+    assert ids == truth(PROMPT, 40)[len(PROMPT):]
+    assert d.log.count("refused") == 1 and "close" in d.log and not dpool.replicas["drafter-0"].lost
+    assert d.active == 0 and v.log.count("verify") > 20   # one token per verify after the refusal
+
+
 def test_reseeded_is_a_fixed_fresh_seed_per_length():
     p = SamplingParams(temperature=1.0, seed=5)
     seeds = {reseeded(p, n).seed for n in range(100)}

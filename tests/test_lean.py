@@ -3,6 +3,7 @@ decode steps, rollback, growth of the cache and compaction."""
 import pytest
 import torch
 
+from specd.runtime.kv_budget import KVPool
 from specd.runtime.lean import LeanModel, supports
 from specd.runtime.models import Runner, SessionCache, load_model
 
@@ -13,8 +14,9 @@ pytestmark = pytest.mark.unit
 def test_lean_matches_hf(family, pairs):
     model = load_model(pairs[family][0], "cpu")
     assert supports(model.config)
-    lean, hf = LeanModel(model).new_session(), SessionCache(model)
-    lean.INITIAL_ROWS = 4
+    lm = LeanModel(model)
+    # Blocks of 4 rows: the cache grows (and copies) several times below.
+    lean, hf = lm.new_session(pool=KVPool(64, 4, lm.kv_row_bytes)), SessionCache(model)
     prompt = list(range(40, 50))
     steps = [prompt, [7], [8, 9, 10], [11]]
     for ids in steps:

@@ -1,7 +1,7 @@
 """Overload. With the verifier's budget at N sessions, N+5
 concurrent Generate streams: exactly the 5 in excess get RESOURCE_EXHAUSTED with
 a clear message, and the N complete with target-only greedy output. Also the
-KV-token budget, and the orchestrator's own admission bound.
+KV budget (--kv-cache-memory), and the orchestrator's own admission bound.
 
 Deterministic, not timed: the client holds the admitted streams open by not
 reading them over a channel with a tiny HTTP/2 window (256 bytes, no window
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.services
 N = 4
 MAX_NEW = 200           # far more bytes of responses than the held window lets through
 HOLD = [("grpc.http2.lookahead_bytes", 256), ("grpc.http2.bdp_probe", 0)]
+KV_BLOCK, KV_BLOCKS = 16, 19  # the KV budget test's verifier: 304 tokens
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,7 +133,10 @@ def target_only(pairs):
     bound (orchestrator): each test stays below the other's limit (the KV test
     runs 2 requests at once, the admission test's prompts are 4 tokens)."""
     target, _ = pairs["llama"]
-    s = TargetOnly(target, "--max-kv-tokens", "300", orchestrator_args=("--max-active-requests", "2"))
+    from specd.runtime.models import Runner, load_model
+    budget = KV_BLOCKS * KV_BLOCK * Runner(load_model(target, "cpu")).kv_row_bytes
+    s = TargetOnly(target, "--kv-cache-memory", f"{budget}B", "--kv-block-size", str(KV_BLOCK),
+                   orchestrator_args=("--max-active-requests", "2"))
     yield s
     s.stop()
 
@@ -149,11 +153,11 @@ def test_kv_budget_refuses_a_prompt_that_does_not_fit(target_only):
                          timeout=120)
     first, err = first_or_error(held)
     assert err is None, err
-    # 200+ tokens cached; 150 more would pass the budget of 300.
+    # 200+ tokens cached (13+ blocks of 16); 150 more (10 blocks) would pass the budget of 19.
     with pytest.raises(grpc.RpcError) as info:
         s.generate(prompt_token_ids={"ids": other}, max_new_tokens=4)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "KV budget full" in info.value.details() and "of 300 tokens" in info.value.details()
+    assert "KV budget full" in info.value.details() and "of 304 tokens" in info.value.details()
     # The running stream is not harmed; once it ends, the same request fits.
     ids = list(first.token_ids) + [t for r in held for t in r.token_ids]
     assert ids == reference(target, long_prompt, 50)

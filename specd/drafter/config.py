@@ -15,7 +15,7 @@ class DrafterConfig:
     host: str = "127.0.0.1"
     port: int = 50071  # 0 = pick a free port
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | float16 | bfloat16 | auto (the checkpoint's own)
     max_draft_tokens: int = 16  # K (chain length / tree depth) limit per Propose
     max_tree_nodes: int = 64  # node limit of a draft tree
     # Sampled drafts are drawn from the drafter's distribution truncated to its
@@ -23,6 +23,13 @@ class DrafterConfig:
     # verifier's rule stays exact for that q.
     draft_top_n: int = 32
     max_sessions: int = 1024
+    # The KV cache budget, a pool of blocks (specd/runtime/kv_budget.py): bytes
+    # ("512MiB", "4GiB") or a fraction in (0, 1] of the memory free once the
+    # weights are loaded; "auto" = 0.85 on CUDA, 0.5 on a CPU (why: kv_budget's
+    # DEFAULT_FRACTION). Past it OpenSession, and a call that would grow a
+    # session's cache, are RESOURCE_EXHAUSTED.
+    kv_cache_memory: str = "auto"
+    kv_block_size: int = 64  # tokens (cache rows) per block of that budget
     # A session without a call for this long is closed and its KV cache freed
     # (its client is gone without closing it); later calls get NOT_FOUND saying
     # it expired. 0 = never.

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.errors import InvalidRequest
+from specd.errors import CapacityExceeded, InvalidRequest
 from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
 from specd.rules.validation import check_token_ids
@@ -108,10 +108,16 @@ class Drafter(ModelCore):
         with self._lock:
             self._check_room(session_id)
             s = self._new_session(prompt_ids, params, target_vocab)
-            # Prefill now (overlaps the verifier's prefill); the last prompt token
-            # is forwarded with the first proposal, which needs its logits.
-            if len(prompt_ids) > 1:
-                s.cache.forward(prompt_ids[:-1], last_only=True)
+            try:
+                # The prompt's KV blocks (CapacityExceeded when the budget is full).
+                s.cache.reserve(len(prompt_ids), f"session {session_id!r} (a prompt of {len(prompt_ids)} tokens)")
+                # Prefill now (overlaps the verifier's prefill); the last prompt token
+                # is forwarded with the first proposal, which needs its logits.
+                if len(prompt_ids) > 1:
+                    s.cache.forward(prompt_ids[:-1], last_only=True)
+            except BaseException:
+                s.cache.release()  # not added: give its blocks back
+                raise
             s.base = s.cache.length
             self._add(session_id, s)
 
@@ -266,6 +272,7 @@ class Drafter(ModelCore):
         with self._lock:
             start, phases = time.perf_counter(), Phases()
             live, refused = self._still_valid(self._live(jobs), self._check_state)
+            live = self._reserved(live, refused)
             for j in live:
                 self._catch_up(j)
             roots = self._root_logits(live)
@@ -288,6 +295,29 @@ class Drafter(ModelCore):
             ms = (time.perf_counter() - start) * 1e3
             done = self._proposals(live, trees, branched, guesses, ms, phases)
             return self._in_order(jobs, done | refused, "Propose")
+
+    def _reserved(self, live: list[ProposeJob], refused: dict) -> list[ProposeJob]:
+        """The jobs whose rows fit in the KV budget, reserved before anything
+        changes (an upper bound of what the call forwards); the others go to
+        `refused` with their CapacityExceeded, their session unchanged, so that
+        one session past the budget fails alone and not the batch."""
+        ok = []
+        for j in live:
+            _, known = self._outcome_of(j.session, j.rewind, j.branch)
+            k = len(j.committed)
+            # The committed tokens, an ahead call's guess, then the tree's rows
+            # or the branches' (1 + n(k+1) branches, depth rows each: branches.py).
+            rows = known + k + j.ahead + max(j.shape.depth - 1, j.shape.forward_rows)
+            if j.ahead and j.alternatives:
+                rows += (1 + j.alternatives * (k + 1)) * j.shape.depth
+            try:
+                j.session.cache.reserve(
+                    min(rows, self.context_length), f"session {j.session_id!r} (a draft after {known + k} tokens)"
+                )
+                ok.append(j)
+            except CapacityExceeded as exc:
+                refused[id(j)] = exc
+        return ok
 
     def _grow_trees(self, rest: list, batched: bool) -> dict[int, DraftTree]:
         """The drafts of (job, root logits) pairs, by id(job): chains grow

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 from specd.errors import InvalidRequest
 from specd.runtime.eagle_head import CONFIG_NAME, load_head
+from specd.runtime.kv_budget import KVPool
 from specd.runtime.lean import LeanModel
-from specd.runtime.models import ModelRunner, resolve_device
+from specd.runtime.models import ModelRunner, resolve_device, resolve_dtype
 
 from .core import Drafter, ProposeJob
 
@@ -91,7 +92,8 @@ def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype
             getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
-    dev, dt = resolve_device(device), _DTYPES[dtype]
+    # dtype "auto": the target's checkpoint dtype (the head shares its output layer).
+    dev, dt = resolve_device(device), _DTYPES[resolve_dtype(target_dir, dtype)]
     # transformers types its `to` (functools.wraps on a method) as if unbound.
     return model.to(dev, dt).eval(), head.fc.weight.detach().to(dev, dt)  # type: ignore[arg-type]
 
@@ -110,8 +112,9 @@ class HeadSession:
     def store(self, start: int, states: torch.Tensor) -> None:
         end = start + states.shape[0]
         if end > self.feats.shape[0]:
+            # As many rows as the KV cache holds (its capacity is in the budget).
             grown = torch.zeros(
-                max(end, 2 * self.feats.shape[0]), self.feats.shape[1], dtype=self.feats.dtype, device=self.feats.device
+                max(end, self.kv.capacity), self.feats.shape[1], dtype=self.feats.dtype, device=self.feats.device
             )
             grown[:start] = self.feats[:start]
             self.feats = grown
@@ -135,6 +138,13 @@ class HeadSession:
     def rollback(self, length: int) -> None:
         self.kv.rollback(length)
 
+    def reserve(self, rows: int, what: str = "a session") -> None:
+        self.kv.reserve(rows, what)
+
+    def release(self) -> None:
+        self.kv.release()
+        self.feats = self.feats[:0]
+
     def compact(self, start: int, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long) + start
         self.feats[start : start + len(keep)] = self.feats[idx]
@@ -150,9 +160,13 @@ class HeadRunner:
     def __init__(self, lean: LeanModel, fc: torch.Tensor):
         self.lean, self.fc = lean, fc  # the one-layer model (build_head_model)
         self.hidden_size = fc.shape[0]
+        self.kv_pool: KVPool | None = None  # the drafter's KV budget (EagleDrafter installs it)
+        self.kv_dtype = lean.kv_dtype
+        # A session's rows hold K and V and, beside them, each row's output feature.
+        self.kv_row_bytes = lean.kv_row_bytes + self.hidden_size * lean.embed.element_size()
 
     def new_session(self) -> HeadSession:
-        return HeadSession(self, self.lean.new_session())
+        return HeadSession(self, self.lean.new_session(pool=self.kv_pool))
 
     @torch.inference_mode()
     def _run(self, items: list, feats: torch.Tensor, last_only: bool) -> list[torch.Tensor]:
@@ -200,6 +214,7 @@ class EagleDrafter(Drafter):
         if built_runner.lean is None:
             raise ValueError("method eagle runs on the lean engine")
         self.runner = HeadRunner(built_runner.lean, fc)
+        self.install_kv_pool()  # per row: the head's K and V and a feature
 
     def open_session(self, session_id: str, prompt_ids: list[int], params, target_vocab_size: int = 0) -> None:
         # Nothing to prefill yet: the head needs the prompt's features, which

@@ -125,3 +125,8 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
         with tracing.server_span("drafter.close", grpc_context=context):
             self.core.close_session(request.session_id)
         return pb.CloseSessionResponse()
+
+    @grpc_errors
+    def Info(self, request, context):
+        """Its engine, model, dtype and KV budget (AdminService Status shows them)."""
+        return pb.ReplicaInfo(**self.core.info())

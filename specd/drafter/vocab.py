@@ -66,6 +66,12 @@ class PaddedSession:
     def compact(self, start: int, keep: list[int]) -> None:
         self.inner.compact(start, keep)
 
+    def reserve(self, rows: int, what: str = "a session") -> None:
+        self.inner.reserve(rows, what)
+
+    def release(self) -> None:
+        self.inner.release()
+
 
 class PaddedRunner:
     """A runner's batched forward as the drafting code uses it: padded sessions

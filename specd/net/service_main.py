@@ -11,6 +11,8 @@ import logging
 import signal
 import threading
 
+from specd.runtime.kv_budget import parse_memory
+from specd.runtime.models import DTYPE_CHOICES
 from specd.telemetry import metrics, tracing
 
 from .security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
@@ -28,7 +30,7 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
 
 def _build_parser(name: str, config_cls) -> argparse.ArgumentParser:
     """The flags of a model service; the optional groups only where config_cls
-    has the field (batching and the KV budget: verifier; --target-dir: drafter)."""
+    has the field (batching: verifier; --target-dir: drafter)."""
     parser = argparse.ArgumentParser(prog=f"python -m {name}")
     _add_model_flags(parser, config_cls)
     _add_capacity_flags(parser, config_cls)
@@ -54,7 +56,18 @@ def _add_model_flags(parser: argparse.ArgumentParser, config_cls) -> None:
         help="interface to listen on (default loopback: only a local orchestrator can reach it)",
     )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPE_CHOICES,
+        help="weights dtype; auto = the checkpoint's own (float32 when its config names none)",
+    )
+    parser.add_argument(
+        "--engine",
+        default=config_cls.engine,
+        choices=["auto", "lean", "hf"],
+        help="auto: the lean forward where the model is supported, else Hugging Face's (hf)",
+    )
     parser.add_argument("--max-draft-tokens", type=int, default=config_cls.max_draft_tokens)
     parser.add_argument("--torch-threads", type=int, default=0)
 
@@ -81,13 +94,20 @@ def _add_capacity_flags(parser: argparse.ArgumentParser, config_cls) -> None:
         default=config_cls.max_sessions,
         help="open sessions at once; past it OpenSession is RESOURCE_EXHAUSTED",
     )
-    if hasattr(config_cls, "max_kv_tokens"):
-        parser.add_argument(
-            "--max-kv-tokens",
-            type=int,
-            default=config_cls.max_kv_tokens,
-            help="KV cache tokens over all sessions; past it OpenSession is RESOURCE_EXHAUSTED",
-        )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=_kv_memory,
+        default=config_cls.kv_cache_memory,
+        help="KV cache budget: bytes (512MiB, 4GiB) or a fraction in (0, 1] of the memory free "
+        "after loading the weights (default auto: 0.85 on CUDA, 0.5 on a CPU); past it "
+        "RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=config_cls.kv_block_size,
+        help="tokens per block of the KV budget (sessions take and give back whole blocks)",
+    )
     parser.add_argument(
         "--session-idle-timeout-s",
         type=float,
@@ -121,6 +141,15 @@ def _add_serving_flags(parser: argparse.ArgumentParser, config_cls) -> None:
     )
 
 
+def _kv_memory(text: str) -> str:
+    """--kv-cache-memory, checked at parse time (the error names the value)."""
+    try:
+        parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _checked_tls(parser: argparse.ArgumentParser, name: str, args: argparse.Namespace) -> TlsConfig | None:
     """The TLS flags as a config, its files checked; a bad one exits (status 2)."""
     try:
@@ -134,9 +163,7 @@ def _checked_tls(parser: argparse.ArgumentParser, name: str, args: argparse.Name
 
 def _config_from_args(config_cls, args: argparse.Namespace, tls: TlsConfig | None):
     """The service's config from its parsed flags."""
-    extra = {
-        k: getattr(args, k) for k in ("max_batch_sessions", "batch_wait_fraction", "max_kv_tokens") if hasattr(args, k)
-    }
+    extra = {k: getattr(args, k) for k in ("max_batch_sessions", "batch_wait_fraction") if hasattr(args, k)}
     if hasattr(args, "target_dir"):
         extra["target_dir"] = args.target_dir
     return config_cls(
@@ -145,6 +172,7 @@ def _config_from_args(config_cls, args: argparse.Namespace, tls: TlsConfig | Non
         port=args.port,
         device=args.device,
         dtype=args.dtype,
+        engine=args.engine,
         max_draft_tokens=args.max_draft_tokens,
         torch_threads=args.torch_threads,
         tls=tls,
@@ -152,6 +180,8 @@ def _config_from_args(config_cls, args: argparse.Namespace, tls: TlsConfig | Non
         max_sessions=args.max_sessions,
         session_idle_timeout_s=args.session_idle_timeout_s,
         max_queued_calls=args.max_queued_calls,
+        kv_cache_memory=args.kv_cache_memory,
+        kv_block_size=args.kv_block_size,
         **extra,
     )
 

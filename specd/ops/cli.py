@@ -75,7 +75,9 @@ def _check_up_flags(args) -> _UpFlags:
     flags. Certificates and tokens are checked here, before Ray starts, with
     the file named."""
     from specd.orchestrator.scaling import AutoscalePolicy
+    from specd.runtime.kv_budget import parse_memory
 
+    parse_memory(args.kv_cache_memory)  # a ValueError naming the value, before Ray starts
     sc = speculative_config_from_args(args)
     autoscale = {
         kind: AutoscalePolicy.parse(text)
@@ -161,7 +163,11 @@ def _deploy_on_ray(args, flags: _UpFlags, ray_address: str, ray_pid: int | None)
                 auth_tokens_file=flags.tokens_file,
                 max_message_bytes=args.max_message_bytes,
                 replica_host=args.replica_host,
-            )
+                kv_cache_memory=args.kv_cache_memory,
+                kv_block_size=args.kv_block_size,
+                engine=args.engine,
+            ),
+            warn=lambda line: print(line, file=sys.stderr),
         )
     except BaseException:
         with contextlib.suppress(Exception):
@@ -287,8 +293,15 @@ def _admin_call(args, method: str, request):
         return getattr(pb_grpc.AdminServiceStub(channel), method)(request, timeout=args.timeout, metadata=_auth(args))
 
 
+def _kv_use(r) -> str:
+    """A replica's KV budget use: used/capacity tokens (percent); '-' when unknown."""
+    if not r.kv_capacity_tokens:
+        return "-"
+    return f"{r.kv_used_tokens}/{r.kv_capacity_tokens} ({100 * r.kv_used_tokens / r.kv_capacity_tokens:.0f}%)"
+
+
 def print_status(status) -> None:
-    rows = [("POOL", "REPLICA", "ADDRESS", "NODE", "SESSIONS", "STATE")]
+    rows = [("POOL", "REPLICA", "ADDRESS", "NODE", "SESSIONS", "STATE", "ENGINE", "MODEL", "DTYPE", "KV TOKENS")]
     for r in sorted(status.replicas, key=lambda r: (r.kind != "verifier", r.name)):
         rows.append(
             (
@@ -298,6 +311,10 @@ def print_status(status) -> None:
                 r.node[:12] or "-",
                 str(r.sessions),
                 "lost" if r.lost else "draining" if r.draining else "serving",
+                r.engine or "-",
+                r.architecture or "-",
+                r.dtype or "-",
+                _kv_use(r),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -308,6 +325,12 @@ def print_status(status) -> None:
         policy = status.autoscale.get(kind)
         print(f"{kind}s: {serving} serving" + (f", autoscaling min:max:target_sessions {policy}" if policy else ""))
     print(f"active requests: {status.active_requests}" + ("" if status.scalable else "  (fixed pools: not on Ray)"))
+    for r in status.replicas:
+        if r.engine == "hf":
+            print(
+                f"note: {r.name} runs the Hugging Face fallback engine for {r.model_type or r.architecture} "
+                "(slower than lean; docs/models.md)"
+            )
 
 
 def cmd_status(args) -> int:
@@ -372,9 +395,22 @@ def _add_deploy_flags(p) -> None:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="model weights dtype in every replica",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        help="model weights dtype in every replica (auto: the checkpoint's own)",
     )
+    p.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "lean", "hf"],
+        help="every replica's forward: auto = lean where the model is supported, else hf",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        default="auto",
+        help="each replica's KV cache budget: bytes (512MiB, 4GiB) or a fraction in (0, 1] of the "
+        "memory free after loading its weights (auto: 0.85 on CUDA, 0.5 on a CPU)",
+    )
+    p.add_argument("--kv-block-size", type=int, default=64, help="tokens per block of the KV budget")
     p.add_argument(
         "--replica-gpus", type=float, default=0.0, help="GPUs each replica asks Ray for (1 on GPU pools; 0 = CPU)"
     )

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -104,6 +105,9 @@ class DeploymentConfig:
     tls: TlsConfig | None = None
     auth_tokens_file: str | None = None  # bearer tokens of the public API (read on the head node)
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    kv_cache_memory: str = "auto"  # each replica's KV budget (specd/runtime/kv_budget.py)
+    kv_block_size: int = 64
+    engine: str = "auto"  # auto | lean | hf, every replica
     # Where replicas listen: None = their Ray node's IP, the address the
     # orchestrator (possibly on another node) dials; not 0.0.0.0, so a replica
     # is not reachable on interfaces the cluster does not use.
@@ -126,15 +130,21 @@ class ModelServiceActor:
         config_fields = dict(config_fields, host=config_fields.get("host") or ray.util.get_node_ip_address())
         config: VerifierConfig | DrafterConfig
         if kind == "verifier":
+            from specd.verifier.core import Verifier
             from specd.verifier.server import start as start_verifier
 
             config = VerifierConfig(**config_fields)
-            self.server, self.port = start_verifier(config)
+            verifier = Verifier(config)
+            self.server, self.port = start_verifier(config, verifier)
+            self._info = verifier.info
         else:
+            from specd.drafter.eagle import make_drafter
             from specd.drafter.server import start as start_drafter
 
             config = DrafterConfig(**config_fields)
-            self.server, self.port = start_drafter(config)
+            drafter = make_drafter(config)
+            self.server, self.port = start_drafter(config, drafter)
+            self._info = drafter.info
         # The address the orchestrator dials: the bound host, or this node's IP
         # when bound to every interface.
         self.host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
@@ -149,6 +159,10 @@ class ModelServiceActor:
     def pid(self) -> int:
         """Its process (tests kill it to check the restart)."""
         return os.getpid()
+
+    def info(self) -> dict:
+        """Its engine, model, dtype and KV budget (the service's Info)."""
+        return self._info()
 
 
 @ray.remote(num_cpus=0, max_restarts=3)
@@ -183,6 +197,9 @@ def replica_fields(cfg: DeploymentConfig, kind: str) -> dict:
         "port": 0,
         "device": cfg.device,
         "dtype": cfg.dtype,
+        "engine": cfg.engine,
+        "kv_cache_memory": cfg.kv_cache_memory,
+        "kv_block_size": cfg.kv_block_size,
         "tls": cfg.tls,
         "max_message_bytes": cfg.max_message_bytes,
     }
@@ -252,6 +269,8 @@ class RayLauncher:
                 f"{kind} replica {name} ({replica_fields(self.cfg, kind)['model_dir']}) failed to start: "
                 f"{startup_error(exc)}"
             ) from None
+        for line in fallback_warnings([(kind, name, await _wait(actor.info.remote()))]):
+            log.warning(line)
         return ReplicaSpec(kind, name, address, node)
 
     async def stop(self, spec: ReplicaSpec) -> None:
@@ -288,8 +307,21 @@ def _named_actors() -> set[str]:
     return {info["name"] for info in ray.util.list_named_actors(all_namespaces=True) if info["namespace"] == NAMESPACE}
 
 
-def deploy(cfg: DeploymentConfig) -> str:
+def fallback_warnings(infos: list[tuple[str, str, dict]]) -> list[str]:
+    """A warning per replica (kind, name, its info) that runs the Hugging Face
+    fallback engine: it serves correctly but slower than the lean forward."""
+    return [
+        f"warning: {kind} replica {name} runs the Hugging Face fallback engine (hf) for model type "
+        f"{info.get('model_type') or '?'} ({info.get('architecture') or '?'}): slower than the lean "
+        "engine; docs/models.md lists the models the lean engine supports"
+        for kind, name, info in infos
+        if info.get("engine") == "hf"
+    ]
+
+
+def deploy(cfg: DeploymentConfig, warn: Callable[[str], None] | None = None) -> str:
     """Start replicas and the orchestrator; return the public Generate address.
+    warn: told a line per replica on the Hugging Face fallback engine.
 
     Assumes ray.init() was called. Replicas ask for their pool's resource, so on
     a cluster without it they stay pending (the timeout says which). When
@@ -299,7 +331,7 @@ def deploy(cfg: DeploymentConfig) -> str:
     before = _named_actors()
     handles: list = []
     try:
-        return _deploy(cfg, handles)
+        return _deploy(cfg, handles, warn)
     except BaseException:
         # Its handles, and any replica its orchestrator had launched by name.
         for actor in handles:
@@ -322,20 +354,24 @@ def _ready(refs: list, timeout_s: float, what: str, not_ready: Exception) -> lis
         raise DeployError(f"{what} failed to start: {startup_error(exc)}") from None
 
 
-def _deploy(cfg: DeploymentConfig, handles: list) -> str:
+def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | None) -> str:
     actors = [("verifier", f"specd-verifier-{i}") for i in range(cfg.num_verifiers)]
     actors += [("drafter", f"specd-drafter-{i}") for i in range(cfg.num_drafters if cfg.drafter_dir else 0)]
     for kind, name in actors:
         handles.append(_replica(cfg, kind, name))
-    specs = []
+    specs, infos = [], []
     for (kind, name), actor in zip(actors, handles):
-        address, node = _ready(
-            [actor.address.remote(), actor.node.remote()],
+        address, node, info = _ready(
+            [actor.address.remote(), actor.node.remote(), actor.info.remote()],
             cfg.ready_timeout_s,
             f"{kind} replica {name} ({replica_fields(cfg, kind)['model_dir']})",
             _not_ready(cfg, kind),
         )
         specs.append(ReplicaSpec(kind, name, address, node))
+        infos.append((kind, name, info))
+    if warn is not None:
+        for line in fallback_warnings(infos):
+            warn(line)
     orch_config = OrchestratorConfig(
         target_dir=cfg.target_dir,
         drafter_dir=cfg.drafter_dir,

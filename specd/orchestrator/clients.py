@@ -145,6 +145,14 @@ class _Client:
             self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), "specdec.close", "CloseSession"
         )
 
+    async def info(self, timeout_s: float) -> dict:
+        """The replica's ReplicaInfo as a dict (engine, model, KV budget...)."""
+        try:
+            r = await self.stub.Info(pb.ReplicaInfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise ServiceError(exc.code(), exc.details() or str(exc.code())) from None
+        return {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
+
     async def aclose(self) -> None:
         await self.channel.close()
 

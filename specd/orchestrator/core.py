@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -15,7 +17,7 @@ from specd.runtime.eagle_head import is_head_dir
 from specd.runtime.models import context_length, load_tokenizer
 
 from .adaptive import CostModel
-from .clients import GrpcDrafter, GrpcVerifier
+from .clients import GrpcDrafter, GrpcVerifier, ServiceError
 from .config import OrchestratorConfig
 from .detok import OutputTracker
 from .failover import FailoverDrafter, FailoverVerifier
@@ -30,6 +32,21 @@ from .request import GenerationSpec, build_spec
 from .scaling import Launcher, Scaler
 from .spec_config import DRAFTER_METHODS
 from .tracing import request_trace
+
+log = logging.getLogger(__name__)
+# ReplicaInfo fields (the replica's own report) that Status passes on in ReplicaStatus.
+REPLICA_INFO_FIELDS = (
+    "engine",
+    "architecture",
+    "model_type",
+    "dtype",
+    "kv_capacity_tokens",
+    "kv_used_tokens",
+    "kv_capacity_bytes",
+    "kv_used_bytes",
+)
+# Status waits this long for a replica's Info: a stuck replica must not stall it.
+INFO_TIMEOUT_S = 2.0
 
 
 def eos_ids(config) -> set[int]:
@@ -212,7 +229,12 @@ class Orchestrator:
         for kind, n in counts.items():  # verifiers first: they hold what makes output
             await self.scaler.scale(kind, n)
 
-    def status(self) -> dict:
+    async def status(self) -> dict:
+        """Pools, replicas and what each replica reports of itself (its Info,
+        asked of all at once; one that does not answer within
+        INFO_TIMEOUT_S, or is lost, shows no engine and no KV figures)."""
+        replicas = [r for pool in self.pools.values() for r in pool.replicas.values()]
+        infos = await asyncio.gather(*(self._info(r) for r in replicas))
         return {
             "replicas": [
                 {
@@ -223,9 +245,9 @@ class Orchestrator:
                     "sessions": r.sessions,
                     "draining": r.draining,
                     "lost": r.lost,
+                    **{k: info[k] for k in REPLICA_INFO_FIELDS if k in info},
                 }
-                for pool in self.pools.values()
-                for r in pool.replicas.values()
+                for r, info in zip(replicas, infos)
             ],
             "active_requests": self.active_requests,
             "scalable": self.scaler is not None,
@@ -234,6 +256,16 @@ class Orchestrator:
                 for k, p in (self.scaler.policies.items() if self.scaler else ())
             },
         }
+
+    @staticmethod
+    async def _info(replica) -> dict:
+        if replica.lost or not hasattr(replica.client, "info"):
+            return {}
+        try:
+            return await replica.client.info(INFO_TIMEOUT_S)
+        except ServiceError as exc:
+            log.info("%s %s did not report its info: %s", replica.spec.kind, replica.spec.name, exc.message)
+            return {}
 
     async def aclose(self) -> None:
         if self.scaler:

@@ -13,6 +13,11 @@ lost replica's state can be rebuilt anywhere:
   after a normal open. None left -> the session goes on as plain target
   decoding (empty drafts, K = 0), and takes a drafter again once one serves
   (on Ray, the restarted replica).
+* drafter full (a Propose is RESOURCE_EXHAUSTED: its KV budget, or its queue)
+  -> the session closes its drafter session and goes on as plain target
+  decoding. A verifier that is full mid-stream ends the request with
+  RESOURCE_EXHAUSTED and its message (which names the KV budget): the target
+  is not optional.
 
 No token is lost or repeated: the loop adds tokens to the stream only after a
 Verify returned, so a cycle whose Verify failed committed nothing, and the
@@ -263,6 +268,9 @@ class FailoverDrafter:
             try:
                 draft = await self.lease.client.propose(session_id, accepted_path, committed, shape, **kw)
             except ServiceError as exc:
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._give_up(session_id, exc)
+                    return Draft()
                 if not is_lost(exc):
                     raise
                 self._lose(session_id, exc)
@@ -284,6 +292,22 @@ class FailoverDrafter:
     def _lose(self, session_id: str, exc: ServiceError) -> None:
         self.lease.lose(session_id, exc)
         self.opened = self.fresh = False
+
+    def _give_up(self, session_id: str, exc: ServiceError) -> None:
+        """The drafter is full (its KV budget or queue): the drafter is optional,
+        so the session goes on as plain target decoding rather than failing,
+        and frees what it held there (a rebuild elsewhere would likely meet
+        the same load; this session drafts no more)."""
+        log.warning(
+            "drafter %s refused session %s (%s): plain decoding from here",
+            self.lease.held.spec.name,
+            session_id,
+            exc.message,
+        )
+        client = self.lease.client
+        self.lease.release()
+        _close_quietly(client, session_id)
+        self.opened = self.fresh = self.rebuild = False
 
     async def _open_any(self, session_id: str, prompt_ids, sampling, rebuild: bool) -> bool:
         """Open the session on the least-loaded serving drafter, past lost ones.

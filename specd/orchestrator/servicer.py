@@ -70,8 +70,8 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
     def __init__(self, core: Orchestrator):
         self.core = core
 
-    def _status(self) -> pb.ClusterStatus:
-        s = self.core.status()
+    async def _status(self) -> pb.ClusterStatus:
+        s = await self.core.status()
         return pb.ClusterStatus(
             replicas=[pb.ReplicaStatus(**r) for r in s["replicas"]],
             active_requests=s["active_requests"],
@@ -80,7 +80,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         )
 
     async def Status(self, request, context):
-        return self._status()
+        return await self._status()
 
     async def Scale(self, request, context):
         counts = {
@@ -97,4 +97,4 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("Scale failed")
             await context.abort(code, msg)
-        return self._status()
+        return await self._status()

@@ -6,9 +6,9 @@ Why: a small model's step is almost all framework overhead (a 2.6 M model costs
 ~3.4 ms per HF forward on 2 CPU cores, nearly all Python; docs/architecture.md,
 "Why things are the way they are"), and the
 HF DynamicCache grows by torch.cat every step. Here the weights are plain
-tensors, the cache is one preallocated (layers, 2, kv_heads, max_len, head_dim)
-tensor with a length per session, rollback is `length = n` (free), and tree
-compaction copies only the kept rows. Configs this does not cover exactly
+tensors, the cache is one (layers, 2, kv_heads, capacity, head_dim) tensor per
+session (grown in blocks of the replica's KV budget: LeanSession) with a length,
+rollback is `length = n` (free), and tree compaction copies only the kept rows. Configs this does not cover exactly
 (`supports`; e.g. MoE, other architectures, unknown RoPE types) fall back to the
 Hugging Face forward (specd.runtime.models.SessionCache); tests/test_families.py
 checks every covered family's logits, trees, compaction, hidden states and
@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .arch import Arch, describe
+from .kv_budget import DEFAULT_BLOCK_ROWS, KVPool, kv_row_bytes
 from .rope import Rope
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -164,8 +165,13 @@ class LeanModel:
         # Gemma's RMSNorm multiplies by (1 + weight) in float32: precomputed once.
         return 1.0 + norm.weight.float() if self._gemma_norm else norm.weight
 
-    def new_session(self, max_len: int | None = None) -> LeanSession:
-        return LeanSession(self, max_len or self.max_positions)
+    def new_session(self, max_len: int | None = None, pool: KVPool | None = None) -> LeanSession:
+        return LeanSession(self, max_len or self.max_positions, pool)
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one cache row over all layers (the KV budget's unit, specd/runtime/kv_budget.py)."""
+        return kv_row_bytes(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype)
 
     @property
     def hf_config(self):
@@ -378,15 +384,34 @@ class LeanModel:
 
 
 class LeanSession:
-    """One session's KV rows; rollback is moving the length, compaction copies only kept rows."""
+    """One session's KV rows; rollback is moving the length, compaction copies only kept rows.
 
-    INITIAL_ROWS = 128
+    The cache is one contiguous tensor (attention reads it in place) whose
+    capacity is a whole number of blocks of the replica's KV pool
+    (specd/runtime/kv_budget.py); it grows geometrically in blocks, so copies
+    stay amortised, never past what the pool grants nor the model's context,
+    and gives its blocks back on `release` (the session closed or expired).
+    Without a pool (tests, tools) it grows the same way, unaccounted."""
 
-    def __init__(self, model: LeanModel, max_len: int):
+    GROWTH = 0.25  # a grow adds at least this fraction of the capacity (and at least one block)
+
+    def __init__(self, model: LeanModel, max_len: int, pool: KVPool | None = None):
         self.lean = model
         self.max_len = max_len
-        self.kv = self._alloc(min(self.INITIAL_ROWS, max_len))
+        self.pool = pool
+        self.block_rows = pool.block_rows if pool else DEFAULT_BLOCK_ROWS
+        self.kv = self._alloc(0)  # the first reserve (the prefill) sizes it
         self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        """Rows the cache holds without growing."""
+        return self.kv.shape[3]
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of the pool this session holds."""
+        return self.capacity // self.block_rows
 
     @torch.inference_mode()
     def _alloc(self, rows: int) -> torch.Tensor:
@@ -394,15 +419,34 @@ class LeanSession:
         return torch.zeros(len(m.layers), 2, m.n_kv, rows, m.head_dim, dtype=m.kv_dtype, device=m.device)
 
     @torch.inference_mode()
-    def reserve(self, rows: int) -> None:
-        """Grow capacity (doubling, so copies are amortised) to hold `rows` rows:
-        memory follows what a session really uses, not the model's context."""
+    def reserve(self, rows: int, what: str = "a session") -> None:
+        """Grow capacity to hold `rows` rows: by max(1 block, GROWTH of the
+        capacity), or just the blocks needed when the pool has no more.
+        CapacityExceeded when even those are not free; the session is unchanged
+        then (nothing taken, nothing copied)."""
         if rows > self.max_len:
             raise ValueError(f"{rows} rows exceed the model's context of {self.max_len}")
-        if rows > self.kv.shape[3]:
-            new = self._alloc(min(self.max_len, max(rows, 2 * self.kv.shape[3])))
-            new[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
-            self.kv = new
+        if rows <= self.capacity:
+            return
+        have, limit = self.blocks, -(-self.max_len // self.block_rows)
+        need = -(-rows // self.block_rows) - have
+        want = min(max(need, max(1, int(have * self.GROWTH))), limit - have)
+        got = self.pool.take(want, need, what) if self.pool else want
+        try:
+            new = self._alloc((have + got) * self.block_rows)
+        except BaseException:  # out of device memory: the blocks were not used
+            if self.pool:
+                self.pool.give(got)
+            raise
+        new[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
+        self.kv = new
+
+    def release(self) -> None:
+        """Free the cache and give its blocks back (the session is over)."""
+        blocks = self.blocks
+        self.kv, self.length = self._alloc(0), 0
+        if self.pool:
+            self.pool.give(blocks)
 
     def forward(self, token_ids: list[int], last_only: bool = False, positions=None, mask=None) -> torch.Tensor:
         return self.lean.forward(self, token_ids, positions, mask, last_only)

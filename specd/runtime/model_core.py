@@ -14,7 +14,8 @@ from specd.errors import CapacityExceeded, InvalidRequest, SessionExpired, Unkno
 from specd.rules.sampling import SamplingParams
 from specd.rules.validation import check_token_ids
 
-from .models import ModelRunner, Runner, context_length, load_model, vocab_size
+from .kv_budget import DEFAULT_BLOCK_ROWS, KVPool, budget_bytes
+from .models import ModelRunner, Runner, architecture, context_length, load_model, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class ModelCore:
         self.runner: ModelRunner = Runner(self.model, config.engine)
         self.vocab_size = vocab_size(self.model)
         self.context_length = context_length(self.model.config)
+        self.kv_pool = self.install_kv_pool()
         self._sessions: dict = {}
         self._touched: dict[str, float] = {}  # session id -> time.monotonic() of its last call
         self._expired: collections.OrderedDict[str, float] = collections.OrderedDict()  # id -> idle seconds
@@ -53,6 +55,38 @@ class ModelCore:
         # Concurrent sessions share a forward through the batcher instead
         # (specd/runtime/batcher.py).
         self._lock = threading.Lock()
+
+    def install_kv_pool(self) -> KVPool:
+        """The replica's KV budget (specd/runtime/kv_budget.py), sized now that
+        the weights are loaded, for the runner's sessions to take blocks from."""
+        cfg = self.config
+        block = getattr(cfg, "kv_block_size", DEFAULT_BLOCK_ROWS)
+        nbytes = budget_bytes(getattr(cfg, "kv_cache_memory", "auto"), self.model.device)
+        pool = KVPool.of_bytes(nbytes, block, self.runner.kv_row_bytes, self.role)
+        self.runner.kv_pool = self.kv_pool = pool
+        log.info(
+            "%s KV budget: %d blocks of %d tokens (%d tokens, %.1f MiB at %d bytes per token)",
+            self.role,
+            pool.total_blocks,
+            block,
+            pool.capacity_tokens,
+            pool.capacity_bytes / 2**20,
+            pool.row_bytes,
+        )
+        return pool
+
+    def info(self) -> dict:
+        """What the replica reports of itself (ReplicaInfo): its engine, model,
+        dtype and KV budget and use."""
+        return {
+            "engine": self.runner.engine,
+            "architecture": architecture(self.model.config),
+            "model_type": str(getattr(self.model.config, "model_type", "")),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "kv_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
+            "sessions": self.num_sessions,
+            **self.kv_pool.describe(),
+        }
 
     @property
     def num_sessions(self) -> int:
@@ -101,7 +135,10 @@ class ModelCore:
     def close_session(self, session_id: str) -> None:
         with self._lock:
             self._touched.pop(session_id, None)
-            if self._sessions.pop(session_id, None) is None:
+            session = self._sessions.pop(session_id, None)
+            if session is not None:
+                session.cache.release()  # its KV blocks go back to the pool
+            else:
                 if session_id not in self._expired:
                     self._closed_unopened[session_id] = None
                     while len(self._closed_unopened) > EXPIRED_IDS_KEPT:
@@ -119,7 +156,7 @@ class ModelCore:
         with self._lock:
             stale = [sid for sid in self._sessions if now - self._touched.get(sid, now) > timeout]
             for sid in stale:
-                del self._sessions[sid]
+                self._sessions.pop(sid).cache.release()
                 self._expired[sid] = now - self._touched.pop(sid)
             for sid in [sid for sid in list(self._touched) if sid not in self._sessions]:
                 self._touched.pop(sid, None)  # left by a call racing its session's close

@@ -15,11 +15,19 @@ class VerifierConfig:
     host: str = "127.0.0.1"
     port: int = 50061  # 0 = pick a free port
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "float32"  # float32 | float16 | bfloat16
+    # float32 | float16 | bfloat16 | auto (the checkpoint's own). float32 by
+    # default: a CPU has no fast half-precision path (docs/configuration.md).
+    dtype: str = "float32"
     max_draft_tokens: int = 16  # draft depth limit per verify call (K for a chain)
     max_tree_nodes: int = 64  # draft tree size limit per verify call
     max_sessions: int = 256  # open sessions at once; past it: RESOURCE_EXHAUSTED
-    max_kv_tokens: int = 1_000_000  # sum of cached tokens over sessions
+    # The KV cache budget, a pool of blocks (specd/runtime/kv_budget.py): bytes
+    # ("512MiB", "4GiB") or a fraction in (0, 1] of the memory free once the
+    # weights are loaded; "auto" = 0.85 on CUDA, 0.5 on a CPU (why: kv_budget's
+    # DEFAULT_FRACTION). Past it OpenSession, and a call that would grow a
+    # session's cache, are RESOURCE_EXHAUSTED.
+    kv_cache_memory: str = "auto"
+    kv_block_size: int = 64  # tokens (cache rows) per block of that budget
     # A session without a call for this long is closed and its KV cache freed
     # (its client is gone without closing it); later calls get NOT_FOUND saying
     # it expired. 0 = never.

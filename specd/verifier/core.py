@@ -98,6 +98,7 @@ class Verifier(ModelCore):
 
     @property
     def kv_tokens(self) -> int:
+        """Tokens cached over all sessions (the KV pool counts the blocks they hold)."""
         # list(): a metrics scrape reads this from another thread while sessions open.
         return sum(s.cache.length for s in list(self._sessions.values()))
 
@@ -135,14 +136,26 @@ class Verifier(ModelCore):
             raise InvalidRequest("return_hidden_states needs the verifier's lean engine")
         return OpenJob(session_id, list(prompt_ids), params, resume, hidden)
 
-    def _admit(self, j: OpenJob, kv_tokens: int, pending: int) -> _Session:
-        """Under the lock: room for the session and its prompt (beside `pending`
-        sessions admitted to the same batch); the new session."""
+    def _admit(self, j: OpenJob, pending: int) -> _Session:
+        """Under the lock: room for the session (beside `pending` sessions
+        admitted to the same batch) and its prompt's KV blocks, taken now (the
+        KV budget: CapacityExceeded when they are not free); the new session."""
         self._check_room(j.session_id, pending)
-        if kv_tokens + len(j.prompt_ids) > self.config.max_kv_tokens:
-            raise CapacityExceeded(f"verifier KV budget full: {kv_tokens} of {self.config.max_kv_tokens} tokens in use")
         gen = torch.Generator().manual_seed(j.params.seed)
-        return _Session(self.runner.new_session(), j.params, gen, list(j.prompt_ids), j.hidden)
+        s = _Session(self.runner.new_session(), j.params, gen, list(j.prompt_ids), j.hidden)
+        rows = len(j.prompt_ids) - 1 if j.resume else len(j.prompt_ids)
+        s.cache.reserve(rows, f"session {j.session_id!r} (a prompt of {len(j.prompt_ids)} tokens)")
+        return s
+
+    def _reserve_verify(self, j: VerifyJob) -> None:
+        """Under the lock, before the forward: the KV blocks of the verify's rows
+        (the pending token and every node), so that a session past the budget
+        fails alone (CapacityExceeded), unchanged, and not the batch's forward."""
+        nodes, committed = len(j.tree.tokens), len(j.session.tokens)
+        j.session.cache.reserve(
+            j.session.cache.length + 1 + nodes,
+            f"session {j.session_id!r} (a draft of {nodes} tokens after {committed} committed)",
+        )
 
     def _first_token(self, j: OpenJob, s: _Session, logits: torch.Tensor, states) -> object:
         """An open job's result from its prefill's last row (see open_session)."""
@@ -215,12 +228,11 @@ class Verifier(ModelCore):
             live, refused = self._still_valid(
                 self._live([j for j in jobs if not isinstance(j, OpenJob)]), self._check_room_left
             )
+            live = self._reserved(live, refused)
             admitted: list[tuple[OpenJob, _Session]] = []
-            kv = self.kv_tokens
             for j in opens:
                 try:
-                    admitted.append((j, self._admit(j, kv, len(admitted))))
-                    kv += len(j.prompt_ids)
+                    admitted.append((j, self._admit(j, len(admitted))))
                 except (InvalidRequest, CapacityExceeded) as exc:
                     refused[id(j)] = exc
             items, last_only = [], []
@@ -237,7 +249,12 @@ class Verifier(ModelCore):
                 items.append((s.cache, j.prompt_ids[:-1] if j.resume else j.prompt_ids, None, None))
                 last_only.append(True)
             want = any(j.session.hidden for j in live) or any(j.hidden for j in opens)
-            out = self.runner.forward_batch(items, last_only=last_only, hidden=want)
+            try:
+                out = self.runner.forward_batch(items, last_only=last_only, hidden=want)
+            except BaseException:
+                for _, new in admitted:  # never added: their blocks would be lost
+                    new.cache.release()
+                raise
             logits, states = out if want else (out, [None] * len(items))
             phases.mark("forward")
             done = {}
@@ -262,6 +279,19 @@ class Verifier(ModelCore):
                 r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases.spans, len(items), rows
             done |= {id(j): r for j, r in zip(live, accepted)}
             return self._in_order(jobs, done | refused, "verify")
+
+    def _reserved(self, live: list, refused: dict) -> list:
+        """The verifies whose rows fit in the KV budget (reserved now); the
+        others go to `refused` with their CapacityExceeded. Verifies first:
+        running sessions come before new ones."""
+        ok = []
+        for j in live:
+            try:
+                self._reserve_verify(j)
+                ok.append(j)
+            except CapacityExceeded as exc:
+                refused[id(j)] = exc
+        return ok
 
     @staticmethod
     def _argmaxes(logits: list[torch.Tensor]) -> list[list[int]]:

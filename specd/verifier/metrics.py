@@ -31,8 +31,9 @@ class VerifierMetrics:
         metric(
             Gauge,
             "specdec:kv_cache_usage",
-            "KV cache tokens in use / the budget (max_kv_tokens); 1 = full (vLLM's kv_cache_usage_perc).",
-        ).set_function(lambda: core.kv_tokens / core.config.max_kv_tokens)
+            "KV budget blocks held by sessions / all blocks (--kv-cache-memory); 1 = full "
+            "(vLLM's kv_cache_usage_perc).",
+        ).set_function(lambda: core.kv_pool.used_blocks / max(1, core.kv_pool.total_blocks))
 
     def observe_verify(self, draft_tokens: int, result) -> None:
         self.spec.observe(draft_tokens, result.num_accepted)

@@ -104,3 +104,8 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
         with tracing.server_span("verifier.close", grpc_context=context):
             self.core.close_session(request.session_id)
         return pb.CloseSessionResponse()
+
+    @grpc_errors
+    def Info(self, request, context):
+        """Its engine, model, dtype and KV budget (AdminService Status shows them)."""
+        return pb.ReplicaInfo(**self.core.info())

@@ -54,6 +54,11 @@ class DrafterServiceStub:
                 request_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/specdec.v1.DrafterService/Info',
+                request_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.SerializeToString,
+                response_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.FromString,
+                _registered_method=True)
 
 
 class DrafterServiceServicer:
@@ -86,6 +91,12 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +119,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionRequest.FromString,
                     response_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.FromString,
+                    response_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +244,33 @@ class DrafterService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DrafterService/Info',
+            specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.SerializeToString,
+            specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class VerifierServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -258,6 +301,11 @@ class VerifierServiceStub:
                 request_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/specdec.v1.VerifierService/Info',
+                request_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.SerializeToString,
+                response_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -287,6 +335,12 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -309,6 +363,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionRequest.FromString,
                     response_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.FromString,
+                    response_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -419,6 +478,33 @@ class VerifierService:
             '/specdec.v1.VerifierService/CloseSession',
             specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionRequest.SerializeToString,
             specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.VerifierService/Info',
+            specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.SerializeToString,
+            specd_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.FromString,
             options,
             channel_credentials,
             insecure,
