@@ -1,7 +1,7 @@
 """What batching buys per model family: tokens/s of 8 concurrent streams over
 one stream, through the real services, for a pair of each family's structure.
 
-    python -m benchmarks.batching                         # every family, K = 4 (~2 min per family)
+    python -m benchmarks.batching                         # every structure in BENCH_FAMILIES, K = 4 (~1 min each)
     python -m benchmarks.batching --families llama3 gemma2 --streams 1 8 --rounds 6
 
 Each family's pair is random-initialised with its real config fields (RoPE
@@ -52,10 +52,10 @@ def engine_of(model_dir: Path) -> str:
 
 
 def main(argv=None) -> int:
-    from tests.tiny_models import FAMILIES
+    from tests.tiny_models import BENCH_FAMILIES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", nargs="+", default=list(FAMILIES))
+    ap.add_argument("--families", nargs="+", default=list(BENCH_FAMILIES))
     ap.add_argument("--streams", type=int, nargs=2, default=[1, 8], metavar=("FEW", "MANY"))
     ap.add_argument("--k", type=int, default=4, help="draft tokens per cycle (0: speculation off)")
     ap.add_argument("--rounds", type=int, default=4)

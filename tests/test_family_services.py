@@ -9,8 +9,10 @@ tests/test_sampling_lossless.py)."""
 import pytest
 
 from specd.rules.sampling import SamplingParams
+from specd.api.v1 import specdec_pb2 as pb
+from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.ops.local_stack import Stack
 from specd.runtime.models import load_model, load_tokenizer
-from tests.inproc import InProcessStack
 from tests.test_greedy_exact import assert_same_or_near_tie, reference
 from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold, tv
 from tests.tiny_models import FAMILIES, build_model, build_perturbed_drafter, build_tokenizer, corpus_lines
@@ -33,7 +35,7 @@ def family_pairs(tmp_path_factory):
     return out
 
 
-def _prompts(tok, n=4):
+def _prompts(tok, n=3):
     lines = [line for line in corpus_lines() if len(line.strip()) > 30]
     # Long enough that prompt + output pass the tiny models' sliding windows.
     return [tok("\n".join(lines[40 * i: 40 * i + 3]))["input_ids"][:40] for i in range(n)]
@@ -43,9 +45,10 @@ def _prompts(tok, n=4):
 def test_greedy_through_the_services_equals_target_only(family, family_pairs):
     target, drafter = family_pairs[family]
     model, tok = load_model(target, "cpu"), load_tokenizer(target)
-    stack = InProcessStack(target, drafter)
+    stack = Stack(target, drafter)
     try:
-        assert (stack.verifier.runner.engine, stack.drafter.runner.engine) == ("lean", "lean")
+        status = pb_grpc.AdminServiceStub(stack.channel).Status(pb.StatusRequest(), timeout=30)
+        assert sorted((r.kind, r.engine) for r in status.replicas) == [("drafter", "lean"), ("verifier", "lean")]
         accepted = 0
         for n, p in enumerate(_prompts(tok)):
             want, gaps = reference(model, p)
@@ -68,7 +71,7 @@ def test_sampling_is_lossless_on_gemma2(family_pairs):
     threshold = null_threshold(joint, N)
     drafter_joint = exact_joint(drafter, prompt, params)
     assert tv(joint, {k: v * N for k, v in drafter_joint.items()}, N) > 2 * threshold  # the test has power
-    stack = InProcessStack(target, drafter)
+    stack = Stack(target, drafter)
     try:
         check_stream_law(stack, prompt, joint, threshold,
                          {"temperature": 1.0, "top_p": 1.0, "top_k": 6, "num_speculative_tokens": 2})

@@ -29,7 +29,7 @@ from tests.tiny_models import VOCAB, build_padded_pair
 pytestmark = pytest.mark.services
 
 SMALL, BIG = 400, 448  # embedding rows; the tokenizer has VOCAB = 384 tokens
-PROMPTS = 8
+PROMPTS = 4
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_greedy_chains_equal_target_only(direction, padded, padded_stacks):
         assert any(t >= SMALL for t in emitted)
     accepted = 0
     for n, (p, want, gaps) in enumerate(cases):
-        for k in (1, 3, 5):
+        for k in (2, 4):
             got, last = padded_stacks[direction].generate(
                 prompt_token_ids={"ids": p}, max_new_tokens=len(want), num_speculative_tokens=k
             )
@@ -126,16 +126,17 @@ def test_bigger_drafter_sends_q_over_the_targets_ids_only(padded):
 
 SAMPLING = [
     # (direction, prompt, temperature, top_p, top_k, draft): prompts whose exact
-    # joint puts 21%, 85% and 22% of its mass on sequences with a padding id.
+    # joint puts 21% and 85% of its mass on sequences with a padding id.
     ("smaller", [40, 41, 42, 43, 44], 1.0, 1.0, 6, dict(num_speculative_tokens=2)),
     ("smaller", [100, 7, 9], 0.7, 0.8, 0, dict(tree={"branching": [2, 2]})),
-    ("bigger", [100, 7, 9], 1.0, 1.0, 6, dict(num_speculative_tokens=2)),
 ]
+# The bigger drafter's direction is checked in greedy and by its q (above): the
+# sampling rule it meets is the same, q is only cut to the target's ids.
 
 
 @pytest.mark.statistical
 @pytest.mark.parametrize("direction,prompt,temperature,top_p,top_k,draft", SAMPLING,
-                         ids=["smaller-chain-T1", "smaller-static22-T0.7p0.8", "bigger-chain-T1"])
+                         ids=["smaller-chain-T1", "smaller-static22-T0.7p0.8"])
 def test_sampling_matches_target(direction, prompt, temperature, top_p, top_k, draft, padded, padded_stacks):
     """The exact-joint test of tests/test_sampling_lossless.py on a padded pair:
     the support includes padding ids (the target's extra ids come from the

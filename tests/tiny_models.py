@@ -210,6 +210,32 @@ def _config(family: str, size: str, vocab: int, eos_id: int, context: int = 256)
     raise ValueError(family)
 
 
+# The families benchmarks/batching.py runs at a larger size (scaled_config):
+# one per distinct structure; the RoPE variants of Llama and Phi-3.5's longrope
+# cost what their base family costs.
+BENCH_FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
+
+def scaled_config(family: str, vocab: int, eos_id: int, hidden: int, layers: int, heads: int, kv_heads: int):
+    """A config of `family` with its quirks (as _config) at another size, for
+    benchmarks: windows as long as the context (the published ones are longer
+    than a benchmark's sequences) and head_dim = hidden / heads."""
+    config, _ = _config(family, "target", vocab, eos_id, context=4096)
+    head_dim = hidden // heads
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = hidden, 3 * hidden, layers
+    config.num_attention_heads = heads
+    config.num_key_value_heads = heads if family == "phi3" else kv_heads  # Phi-3-mini is MHA
+    if hasattr(config, "head_dim"):
+        config.head_dim = head_dim
+    if getattr(config, "query_pre_attn_scalar", None):
+        config.query_pre_attn_scalar = head_dim
+    if getattr(config, "sliding_window", None):
+        config.sliding_window = 4096
+    if getattr(config, "layer_types", None):
+        config.layer_types = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
+    return config
+
+
 def _randomise_norms(model, gemma: bool) -> None:
     """Norm weights around 1 instead of HF's exact ones, so a mistake in applying
     them shows (Gemma stores weight - 1: its norms scale by 1 + weight)."""
