@@ -1,6 +1,6 @@
-"""Every model family through the real services (tests/tiny_models.py
-FAMILIES: tiny random-initialised checkpoints with each family's real config
-fields, saved and loaded like a user's): greedy output equals target-only
+"""The model families through the real services (tiny random-initialised
+checkpoints with each family's real config fields, tests/tiny_models.py,
+saved and loaded like a user's): greedy output equals target-only
 greedy for chains and a tree, with both replicas on the lean engine; and on
 Gemma-2 - soft-capping, sandwich norms, sliding windows, outside Llama/Qwen2 -
 speculative sampling follows the target's exact law (the exact-law test of
@@ -15,11 +15,17 @@ from specd.ops.local_stack import Stack
 from specd.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie, reference
 from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold, tv
-from tests.tiny_models import FAMILIES, build_model, build_perturbed_drafter, build_tokenizer, corpus_lines
+from tests.tiny_models import build_model, build_perturbed_drafter, build_tokenizer, corpus_lines
 
 pytestmark = pytest.mark.services
 
 MAX_NEW = 24
+# Through the services, one model per structure the engine distinguishes:
+# Llama and Qwen2 run through tests/test_greedy_exact.py already, and the
+# other RoPE variants of Llama (linear, dynamic, yarn) and Phi-3 (Phi-3.5's
+# structure with default RoPE) differ from these only inside the forward,
+# which tests/test_families.py checks for every family against Hugging Face.
+SERVED = ("llama3", "mistral", "qwen3", "phi3.5", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +35,7 @@ def family_pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     tok = build_tokenizer(root / "tokenizer")
     out = {}
-    for family in FAMILIES:
+    for family in SERVED:
         target = build_model(root / f"{family}-target", family, "target", 1, tok, 15.0)
         out[family] = (target, build_perturbed_drafter(target, root / f"{family}-drafter", noise=0.3))
     return out
@@ -41,7 +47,7 @@ def _prompts(tok, n=3):
     return [tok("\n".join(lines[40 * i: 40 * i + 3]))["input_ids"][:40] for i in range(n)]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SERVED)
 def test_greedy_through_the_services_equals_target_only(family, family_pairs):
     target, drafter = family_pairs[family]
     model, tok = load_model(target, "cpu"), load_tokenizer(target)

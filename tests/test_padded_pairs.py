@@ -126,17 +126,17 @@ def test_bigger_drafter_sends_q_over_the_targets_ids_only(padded):
 
 SAMPLING = [
     # (direction, prompt, temperature, top_p, top_k, draft): prompts whose exact
-    # joint puts 21% and 85% of its mass on sequences with a padding id.
+    # joint puts 21% of its mass on sequences with a padding id. A chain of the
+    # Qwen2.5-style direction (the drafter's table is the smaller one); trees and
+    # the other direction meet the same rules with the same q and are checked in
+    # greedy above, and the bigger drafter's q by its own test.
     ("smaller", [40, 41, 42, 43, 44], 1.0, 1.0, 6, dict(num_speculative_tokens=2)),
-    ("smaller", [100, 7, 9], 0.7, 0.8, 0, dict(tree={"branching": [2, 2]})),
 ]
-# The bigger drafter's direction is checked in greedy and by its q (above): the
-# sampling rule it meets is the same, q is only cut to the target's ids.
 
 
 @pytest.mark.statistical
 @pytest.mark.parametrize("direction,prompt,temperature,top_p,top_k,draft", SAMPLING,
-                         ids=["smaller-chain-T1", "smaller-static22-T0.7p0.8"])
+                         ids=["smaller-chain-T1"])
 def test_sampling_matches_target(direction, prompt, temperature, top_p, top_k, draft, padded, padded_stacks):
     """The exact-joint test of tests/test_sampling_lossless.py on a padded pair:
     the support includes padding ids (the target's extra ids come from the

@@ -3,6 +3,7 @@ on every id both know and on the special tokens both set
 (specd/rules/vocab.py) - not when their embedding tables have the same rows.
 Pure cases on plain dicts, then real tokenizers saved to directories
 (specd/orchestrator/pair.py) and the orchestrator refusing a wrong pair."""
+import asyncio
 
 import json
 import shutil
@@ -106,7 +107,8 @@ def test_orchestrator_takes_a_padded_pair_and_refuses_other_tokens(tmp_path):
     """Different embedding rows over one tokenizer: accepted (this refusal used
     to be on vocab_size). A drafter whose tokenizer differs: refused, naming it."""
     target, drafter = build_padded_pair(tmp_path / "padded", "llama", 448, 400)
-    orch = Orchestrator(OrchestratorConfig(target, drafter, verifier_addresses=["127.0.0.1:9"], drafter_addresses=["127.0.0.1:9"]))
+    orch = _orchestrator(OrchestratorConfig(target, drafter, verifier_addresses=["127.0.0.1:9"],
+                                            drafter_addresses=["127.0.0.1:9"]))
     assert orch.vocab_size == 448  # prompts are checked against the target's rows
     other = tmp_path / "other"
     shutil.copytree(drafter, other)
@@ -116,7 +118,17 @@ def test_orchestrator_takes_a_padded_pair_and_refuses_other_tokens(tmp_path):
     tool = tmp_path / "tool"
     build_model(tool, "llama", "drafter", 3, _with_added(tmp_path / "tool-tok", "<tool>"), rows=448)
     with pytest.raises(IncompatiblePair, match=f"id {VOCAB}: '<tool>' vs '<other>'"):
-        Orchestrator(OrchestratorConfig(str(tool), str(other), verifier_addresses=["127.0.0.1:9"]))
+        _orchestrator(OrchestratorConfig(str(tool), str(other), verifier_addresses=["127.0.0.1:9"]))
+
+
+def _orchestrator(config) -> Orchestrator:
+    """An Orchestrator built as its server builds it: on a running event loop
+    (its replica clients are grpc.aio channels)."""
+
+    async def build():
+        return Orchestrator(config)
+
+    return asyncio.run(build())
 
 
 def _with_added(path, token):
