@@ -146,16 +146,21 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
     level = 0
     while active:
         forward = []
+        ranked = _ranked_greedy(chains, active, tops)
         for i, logits in active:
             cache, params, gen, depth, _ = chains[i]
-            (token,), dist = _choose(logits, 1, params, top_n, gen)
             tree = grown[i]
+            if i in ranked:
+                token, dist = ranked[i][0], None
+            else:
+                (token,), dist = _choose(logits, 1, params, top_n, gen)
             if dist:
                 tree.row_dists.append(dist)
             tree.tokens.append(token)
             tree.parents.append(level - 1)
             if tops:
-                tree.tops.append(torch.topk(logits, min(tops, logits.shape[-1])).indices.tolist())
+                top = ranked[i] if i in ranked else torch.topk(logits, min(tops, logits.shape[-1])).indices.tolist()
+                tree.tops.append(top[:tops])
             if level + 1 < depth:
                 tree.forwarded.append(level)
                 forward.append(i)
@@ -168,6 +173,23 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
         if tree.row_dists:  # the leaf's own row has no children
             tree.row_dists.append(([], []))
     return grown
+
+
+def _ranked_greedy(chains: list, active: list, tops: int) -> dict[int, list[int]]:
+    """The greedy chains' ranked choices at this level, {chain: ids best first
+    (max(1, tops) of them)}, from ONE top-k over all their rows and one
+    transfer to the host - not a host sync per session, which on a GPU would
+    cost more than the level's forward at a large batch."""
+    by_width: dict[int, list] = {}  # rows of one width stack (a padded pair's are cut to the target's ids)
+    for i, lg in active:
+        if chains[i][1].greedy:
+            by_width.setdefault(lg.shape[-1], []).append((i, lg))
+    out: dict[int, list[int]] = {}
+    for width, greedy in by_width.items():
+        rows = torch.stack([lg for _, lg in greedy]) if len(greedy) > 1 else greedy[0][1][None]
+        ids = torch.topk(rows, max(1, min(tops, width))).indices.tolist()
+        out |= {i: r for (i, _), r in zip(greedy, ids)}
+    return out
 
 
 def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:
