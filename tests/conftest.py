@@ -4,6 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from specd.ops import ray_cluster as local_ray
 from specd.ops.local_stack import Stack
 from tests.tiny_models import build_pair, build_perturbed_drafter
 
@@ -79,3 +80,13 @@ def metered(pairs):
     stack = Stack(target, drafter, metrics=True)
     yield stack
     stack.stop()
+
+
+@pytest.fixture
+def ray_cluster(tmp_path):
+    """A local Ray head (`ray start`) for one test; its address, as RAY_ADDRESS takes it."""
+    address, pid = local_ray.start_local_ray(log_dir=str(tmp_path))
+    try:
+        yield address
+    finally:
+        local_ray.stop_local_ray(pid)

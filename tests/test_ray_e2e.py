@@ -17,7 +17,6 @@ from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd.net.auth import bearer_metadata
 from specd.net.grpc_util import open_channel
 from specd.net.security import TlsConfig
-from specd.ops import ray_cluster as local_ray
 from specd.runtime.models import load_model
 from tests.certs import make_pki
 from tests.test_greedy_exact import reference
@@ -25,15 +24,6 @@ from tests.test_greedy_exact import reference
 pytestmark = pytest.mark.cluster
 
 SPECD = [sys.executable, "-m", "specd"]
-
-
-@pytest.fixture
-def ray_cluster(tmp_path):
-    address, pid = local_ray.start_local_ray(log_dir=str(tmp_path))
-    try:
-        yield address
-    finally:
-        local_ray.stop_local_ray(pid)
 
 
 def run(args, env, timeout=300):

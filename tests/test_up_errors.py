@@ -20,7 +20,6 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-from specd.ops import ray_cluster as local_ray
 
 pytestmark = pytest.mark.cluster
 
@@ -82,21 +81,12 @@ def test_a_replica_failing_at_start_reaches_the_terminal(pairs, tmp_path):
     assert not processes_mentioning(f":{port}")  # its GCS, raylet and workers are gone
 
 
-@pytest.fixture
-def attached(tmp_path):
-    address, pid = local_ray.start_local_ray(log_dir=str(tmp_path))
-    try:
-        yield address
-    finally:
-        local_ray.stop_local_ray(pid)
-
-
-def test_an_orchestrator_failing_at_start_leaves_no_actor(pairs, tmp_path, attached):
+def test_an_orchestrator_failing_at_start_leaves_no_actor(pairs, tmp_path, ray_cluster):
     target, drafter = pairs["llama"]
-    r, _ = up(["--target", target, "--drafter", drafter, "--method", "eagle"], tmp_path / "home", attached)
+    r, _ = up(["--target", target, "--drafter", drafter, "--method", "eagle"], tmp_path / "home", ray_cluster)
     assert_short_error(r, "the orchestrator failed to start: ValueError: speculative_config.method is eagle")
     assert not (tmp_path / "home" / "state.json").exists()
-    ray.init(address=attached, namespace="specd", logging_level="WARNING")
+    ray.init(address=ray_cluster, namespace="specd", logging_level="WARNING")
     try:
         left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     finally:
