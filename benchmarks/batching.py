@@ -47,6 +47,11 @@ def family_pair(family: str, vocab: int, eos_id: int):
     return target, drafter
 
 
+def _write(out: Path, meta: dict, rows: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
 def engine_of(model_dir: Path) -> str:
     return Runner(load_model(str(model_dir), "cpu")).engine
 
@@ -73,7 +78,11 @@ def main(argv=None) -> int:
     prompts = [[rng.choice(pool) for _ in range(64)] for _ in range(16)]
     fields = {"num_speculative_tokens": args.k}
     few, many = args.streams
-    rows = []
+    rows: list[dict] = []
+    meta = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}",
+            "dtype": args.dtype, "k": args.k, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+            "seconds": args.seconds, "acceptance": "forced: both models predict the token they read",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for family in args.families:
         target_cfg, drafter_cfg = family_pair(family, len(tok), tok.eos_token_id)
         base = CACHE / f"batching-{family}"
@@ -96,14 +105,9 @@ def main(argv=None) -> int:
                "ratio_interval": ratio_interval(a, b), "draft_depth": a["draft_depth"],
                "rounds": {few: b["rounds_tokens_per_s"], many: a["rounds_tokens_per_s"]}}
         rows.append(row)
+        _write(args.out, meta, rows)  # after every family: a failure later keeps what was measured
         print(f"{family:>14}: {few} stream(s) {b['tokens_per_s']} tok/s, {many} streams {a['tokens_per_s']} tok/s, "
               f"x{row['ratio']} {row['ratio_interval']}  engines {engines}", flush=True)
-    meta = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}",
-            "dtype": args.dtype, "k": args.k, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-            "seconds": args.seconds, "acceptance": "forced: both models predict the token they read",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\n| family | engines (target, drafter) | {few} stream tok/s | {many} streams tok/s | ratio (interval) |")
     print("|---|---|---|---|---|")
     for r in rows:

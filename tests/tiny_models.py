@@ -231,8 +231,10 @@ def scaled_config(family: str, vocab: int, eos_id: int, hidden: int, layers: int
         config.query_pre_attn_scalar = head_dim
     if getattr(config, "sliding_window", None):
         config.sliding_window = 4096
-    if getattr(config, "layer_types", None):
+    if family.startswith("gemma"):  # alternating sliding and full layers, as published
         config.layer_types = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
+    elif getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1] * layers
     return config
 
 
