@@ -272,7 +272,8 @@ class Drafter(ModelCore):
         with self._lock:
             start, phases = time.perf_counter(), Phases()
             live, refused = self._still_valid(self._live(jobs), self._check_state)
-            live = self._reserved(live, refused)
+            live, full = self._still_valid(live, self._reserve_propose, (CapacityExceeded,))
+            refused |= full
             for j in live:
                 self._catch_up(j)
             roots = self._root_logits(live)
@@ -296,28 +297,20 @@ class Drafter(ModelCore):
             done = self._proposals(live, trees, branched, guesses, ms, phases)
             return self._in_order(jobs, done | refused, "Propose")
 
-    def _reserved(self, live: list[ProposeJob], refused: dict) -> list[ProposeJob]:
-        """The jobs whose rows fit in the KV budget, reserved before anything
-        changes (an upper bound of what the call forwards); the others go to
-        `refused` with their CapacityExceeded, their session unchanged, so that
-        one session past the budget fails alone and not the batch."""
-        ok = []
-        for j in live:
-            _, known = self._outcome_of(j.session, j.rewind, j.branch)
-            k = len(j.committed)
-            # The committed tokens, an ahead call's guess, then the tree's rows
-            # or the branches' (1 + n(k+1) branches, depth rows each: branches.py).
-            rows = known + k + j.ahead + max(j.shape.depth - 1, j.shape.forward_rows)
-            if j.ahead and j.alternatives:
-                rows += (1 + j.alternatives * (k + 1)) * j.shape.depth
-            try:
-                j.session.cache.reserve(
-                    min(rows, self.context_length), f"session {j.session_id!r} (a draft after {known + k} tokens)"
-                )
-                ok.append(j)
-            except CapacityExceeded as exc:
-                refused[id(j)] = exc
-        return ok
+    def _reserve_propose(self, j: ProposeJob) -> None:
+        """The KV blocks of the rows the call may forward (an upper bound),
+        reserved before anything changes, so that one session past the budget
+        fails alone (CapacityExceeded), its session unchanged, and not the batch."""
+        _, known = self._outcome_of(j.session, j.rewind, j.branch)
+        k = len(j.committed)
+        # The committed tokens, an ahead call's guess, then the tree's rows
+        # or the branches' (1 + n(k+1) branches, depth rows each: branches.py).
+        rows = known + k + j.ahead + max(j.shape.depth - 1, j.shape.forward_rows)
+        if j.ahead and j.alternatives:
+            rows += (1 + j.alternatives * (k + 1)) * j.shape.depth
+        j.session.cache.reserve(
+            min(rows, self.context_length), f"session {j.session_id!r} (a draft after {known + k} tokens)"
+        )
 
     def _grow_trees(self, rest: list, batched: bool) -> dict[int, DraftTree]:
         """The drafts of (job, root logits) pairs, by id(job): chains grow

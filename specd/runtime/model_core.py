@@ -182,15 +182,16 @@ class ModelCore:
         return [j for j in jobs if self._sessions.get(j.session_id) is j.session]
 
     @staticmethod
-    def _still_valid(jobs: list, check) -> tuple[list, dict]:
+    def _still_valid(jobs: list, check, errors: tuple[type[Exception], ...] = (InvalidRequest,)) -> tuple[list, dict]:
         """Under the lock: (the jobs that pass check(job) now, {id(job): the
-        InvalidRequest of each that does not})."""
+        error of each that does not}); `errors` are the failures that refuse
+        one job alone (a bad call; a session past the KV budget), not the batch."""
         ok, refused = [], {}
         for j in jobs:
             try:
                 check(j)
                 ok.append(j)
-            except InvalidRequest as exc:
+            except errors as exc:
                 refused[id(j)] = exc
         return ok, refused
 

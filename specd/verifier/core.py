@@ -228,7 +228,9 @@ class Verifier(ModelCore):
             live, refused = self._still_valid(
                 self._live([j for j in jobs if not isinstance(j, OpenJob)]), self._check_room_left
             )
-            live = self._reserved(live, refused)
+            # Verifies first: running sessions take KV blocks before new ones.
+            live, full = self._still_valid(live, self._reserve_verify, (CapacityExceeded,))
+            refused |= full
             admitted: list[tuple[OpenJob, _Session]] = []
             for j in opens:
                 try:
@@ -279,19 +281,6 @@ class Verifier(ModelCore):
                 r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases.spans, len(items), rows
             done |= {id(j): r for j, r in zip(live, accepted)}
             return self._in_order(jobs, done | refused, "verify")
-
-    def _reserved(self, live: list, refused: dict) -> list:
-        """The verifies whose rows fit in the KV budget (reserved now); the
-        others go to `refused` with their CapacityExceeded. Verifies first:
-        running sessions come before new ones."""
-        ok = []
-        for j in live:
-            try:
-                self._reserve_verify(j)
-                ok.append(j)
-            except CapacityExceeded as exc:
-                refused[id(j)] = exc
-        return ok
 
     @staticmethod
     def _argmaxes(logits: list[torch.Tensor]) -> list[list[int]]:
