@@ -141,10 +141,15 @@ def merge_rounds(parts: list[dict]) -> dict:
 
 def ratio_interval(a: dict, b: dict, z: float = 2.0) -> list[float] | None:
     """A rough 95 % interval for a's tokens/s over b's, from the per-round
-    ratios (round i of a against round i of b, which ran next to it): the
-    geometric mean of the ratios times / over exp(z * their log standard
-    error). None with fewer than 3 rounds."""
-    ratios = [x / y for x, y in zip(a["rounds_tokens_per_s"], b["rounds_tokens_per_s"]) if x > 0 and y > 0]
+    ratios (round i of a against round i of b, which ran next to it)."""
+    return log_ratio_interval(a["rounds_tokens_per_s"], b["rounds_tokens_per_s"], z)
+
+
+def log_ratio_interval(a: list[float], b: list[float], z: float = 2.0) -> list[float] | None:
+    """A rough 95 % interval for a over b from paired rounds (a[i] ran next to
+    b[i]): the geometric mean of the ratios times / over exp(z * their log
+    standard error). None with fewer than 3 rounds."""
+    ratios = [x / y for x, y in zip(a, b) if x > 0 and y > 0]
     if len(ratios) < 3:
         return None
     logs = [math.log(r) for r in ratios]

@@ -38,7 +38,10 @@ if [ "$lint" -eq 1 ]; then
   mypy || failed+=("mypy")
 fi
 
-python -m pytest -q -ra --durations=10 ${args[@]+"${args[@]}"}
+# Two workers (pytest-xdist): most tests wait on processes and sockets, so one
+# worker leaves a core idle. loadgroup keeps the cluster tier on one worker
+# (tests/conftest.py). SPECD_TEST_WORKERS=0 runs everything in this process.
+python -m pytest -q -ra --durations=10 -n "${SPECD_TEST_WORKERS:-2}" --dist loadgroup ${args[@]+"${args[@]}"}
 rc=$?
 if [ "$rc" -eq 5 ]; then
   # pytest's "no tests were collected" (also: a -m selection that matched

@@ -37,6 +37,12 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(
             f"each test needs exactly one tier marker of {', '.join(TIERS)} "
             "(a module-level `pytestmark` or a per-test mark):\n" + "\n".join(bad))
+    # Under pytest-xdist (scripts/test.sh runs two workers), the cluster tier
+    # runs on one worker, one test at a time: two Ray heads on one machine would
+    # contend for Ray's fixed default ports (client server, dashboard agent).
+    for item in items:
+        if item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
