@@ -2,6 +2,8 @@
 the fixed pools and the sessions on them; Scale is refused with
 FAILED_PRECONDITION (there is no launcher), and the service goes on serving."""
 
+import json
+
 import grpc
 import pytest
 
@@ -18,6 +20,8 @@ def test_status_and_scale_without_ray(stacks):
     assert {(r.kind, r.name, r.address) for r in status.replicas} == {
         ("verifier", "verifier-0", stack.verifier.address), ("drafter", "drafter-0", stack.drafter_proc.address)}
     assert not status.scalable and all(r.sessions == 0 and not r.draining for r in status.replicas)
+    # Started by hand: no metrics endpoint is known to the orchestrator.
+    assert status.metrics_address == "" and not any(r.metrics_address for r in status.replicas)
 
     # A running stream is counted on both replicas while it runs (polled as it streams).
     seen = set()
@@ -66,5 +70,8 @@ def test_status_reports_each_replicas_engine_model_and_kv(pairs, capsys):
         out = capsys.readouterr().out
         assert "ENGINE" in out and "KV TOKENS" in out and f"0/{v.kv_capacity_tokens} (0%)" in out
         assert "note: verifier-0 runs the Hugging Face fallback engine for llama" in out and "docs/models.md" in out
+        assert "METRICS" in out and "orchestrator metrics" not in out   # none known (started by hand)
+        assert main(["metrics-targets", "--address", stack.orchestrator.address]) == 0
+        assert json.loads(capsys.readouterr().out) == []
     finally:
         stack.stop()

@@ -1,7 +1,10 @@
 """deploy/docker-compose.yaml cannot be run here (no Docker): check that it
 parses, that what it references exists, and that its commands parse with the
-services' own flags."""
+services' own flags. Likewise deploy/prometheus.yml and the Grafana dashboard
+deploy/grafana/specd.json (no Prometheus or Grafana here): their shape and that
+every query parses as PromQL."""
 import argparse
+import json
 import re
 import shlex
 from pathlib import Path
@@ -64,3 +67,90 @@ def test_compose_commands_parse_with_the_services_flags(monkeypatch):
         with pytest.raises(_Parsed) as parsed:
             mains[argv[2]](argv[3:])
         assert parsed.value.args[0].metrics_port > 0
+
+
+# -- Prometheus and Grafana (deploy/prometheus.yml, deploy/grafana/specd.json) --
+# Which metrics the dashboard's queries use is checked against what the running
+# services export in tests/test_metrics.py; here the files' own shape.
+
+DASHBOARD = DEPLOY / "grafana" / "specd.json"
+# Panels the dashboard must have (docs/metrics.md describes them).
+PANELS = {"Tokens/s", "Acceptance rate per position", "Mean accepted length", "Drafts per cycle",
+          "Draft tokens per draft", "Verify batch size", "KV cache usage", "Sessions per replica",
+          "Cycle latency p50 / p90 / p99", "Failovers", "Time to first token", "Inter-token latency"}
+# Grafana's interval variables, as a query sends them to Prometheus.
+GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
+
+
+def dashboard_panels(dashboard=None) -> list[dict]:
+    """Every panel, those inside collapsed rows included."""
+    dashboard = dashboard or json.loads(DASHBOARD.read_text())
+    out = []
+    for p in dashboard["panels"]:
+        out.append(p)
+        out += p.get("panels", [])
+    return out
+
+
+def dashboard_exprs(dashboard=None) -> list[tuple[str, str]]:
+    """(panel title, PromQL expr) of every query, Grafana's variables substituted."""
+    out = []
+    for p in dashboard_panels(dashboard):
+        for t in p.get("targets", []):
+            expr = t["expr"]
+            for var, value in GRAFANA_VARS.items():
+                expr = expr.replace(var, value)
+            out.append((p["title"], expr))
+    return out
+
+
+def selector_names(expr: str) -> set[str]:
+    """The metric (series) names an expression selects, from its parsed AST
+    (promql-parser: Prometheus's own grammar; a syntax error raises)."""
+    import promql_parser
+
+    names = set()
+
+    def visit(node):
+        if isinstance(node, promql_parser.VectorSelector):
+            names.add(node.name)
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return names
+
+
+def test_dashboard_is_a_grafana_dashboard_on_a_prometheus_variable():
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"] and isinstance(dash["schemaVersion"], int)
+    [var] = [v for v in dash["templating"]["list"] if v["type"] == "datasource"]
+    assert var["query"] == "prometheus"
+    ds = {"type": "prometheus", "uid": "${" + var["name"] + "}"}
+    panels = dashboard_panels(dash)
+    assert len({p["id"] for p in panels}) == len(panels)                    # ids unique
+    graphs = [p for p in panels if p["type"] != "row"]
+    assert PANELS <= {p["title"] for p in graphs}
+    for p in graphs:
+        assert p["datasource"] == ds and p["targets"], p["title"]
+        g = p["gridPos"]
+        assert g["w"] > 0 and g["h"] > 0 and 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(set(refs)) == len(refs) and all(t["datasource"] == ds for t in p["targets"]), p["title"]
+    # No two panels overlap on the 24-column grid.
+    cells = [(p["title"], x, y) for p in panels for x in range(p["gridPos"]["x"], p["gridPos"]["x"] + p["gridPos"]["w"])
+             for y in range(p["gridPos"]["y"], p["gridPos"]["y"] + p["gridPos"]["h"])]
+    assert len({c[1:] for c in cells}) == len(cells)
+    exprs = dashboard_exprs(dash)
+    for title, expr in exprs:
+        assert "$" not in expr, (title, expr)                              # every variable substituted
+        assert selector_names(expr), (title, expr)                         # parses, selects something
+    with pytest.raises(ValueError):
+        selector_names("rate(specdec:generation_tokens_total[1m]")        # the parser does catch errors
+
+
+def test_prometheus_config_discovers_the_targets_file():
+    from specd.ops.cli import TARGETS_FILE_NAME
+
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "specd"]
+    files = [f for sd in job["file_sd_configs"] for f in sd["files"]]
+    assert files and all(f.endswith(TARGETS_FILE_NAME) for f in files)
+    assert "static_configs" not in job                                     # only what the orchestrator lists

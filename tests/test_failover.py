@@ -9,10 +9,12 @@ is killed and reaped; then it is thawed. The orchestrator marks a replica lost
 only when a call to it fails, so `lost` in the admin status proves that the
 stream went on past the kill and failed over. The tests run in file order on
 one stack: drafter loss (one drafter left), verifier loss, then drafter loss
-with no drafter left.
+with no drafter left. The orchestrator's `specdec:failovers` counter counts
+each move.
 """
 import os
 import signal
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -33,7 +35,7 @@ ARRIVED = 8            # tokens read before the kill
 @pytest.fixture(scope="module")
 def stack(pairs):
     target, drafter = pairs["llama"]
-    s = Stack(target, drafter, verifiers=2, drafters=2)
+    s = Stack(target, drafter, verifiers=2, drafters=2, metrics=True)
     yield s
     s.stop()
 
@@ -105,6 +107,18 @@ def finish(it, got):
     return got, last
 
 
+def failovers_reach(stack, kind, n, timeout_s=10.0) -> bool:
+    """Whether the orchestrator's failover counter for `kind` reaches n (counted
+    as the request ends, just after its last message went out) and stays there."""
+    from tests.test_metrics import scrape, value
+    deadline = time.monotonic() + timeout_s
+    while (got := value(scrape(stack.orchestrator.metrics_address), "specdec:failovers_total", kind=kind)) < n:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return got == n
+
+
 def test_drafter_killed_mid_stream(stack, cases):
     prompt, want = cases[0]
     alive = [p for p in stack.drafters if p.proc.poll() is None]
@@ -121,6 +135,7 @@ def test_drafter_killed_mid_stream(stack, cases):
     assert last.finish_reason == "length" and last.stats.completion_tokens == MAX_NEW
     assert status(stack)[name].lost        # the stream called the dead drafter and moved on
     assert last.stats.accepted_tokens > 0  # drafts were kept: a real speculative stream
+    assert failovers_reach(stack, "drafter", 1) and failovers_reach(stack, "verifier", 0)
 
 
 def test_verifier_killed_mid_stream(stack, cases):
@@ -137,6 +152,7 @@ def test_verifier_killed_mid_stream(stack, cases):
     assert last.finish_reason == "length" and last.stats.completion_tokens == MAX_NEW
     st = status(stack)
     assert st[name].lost and sum(not r.lost for r in st.values() if r.kind == "verifier") == 1
+    assert failovers_reach(stack, "verifier", 1) and failovers_reach(stack, "drafter", 1)
 
 
 def test_drafter_killed_with_no_spare_continues_as_plain_decoding(stack, cases):
@@ -159,3 +175,5 @@ def test_drafter_killed_with_no_spare_continues_as_plain_decoding(stack, cases):
     # A new request still runs (plain decoding, no drafter left) and is exact.
     again, _ = finish(*start(stack, prompt))
     assert again == want
+    # One more move (the stream's drafter); none for the request that found no drafter.
+    assert failovers_reach(stack, "drafter", 2) and failovers_reach(stack, "verifier", 1)

@@ -138,3 +138,51 @@ def test_gauges_see_open_sessions(metered):
         v.CloseSession(pb.CloseSessionRequest(session_id="m1"), timeout=30)
     after = scrape(metered.verifier.metrics_address)
     assert value(after, "specdec:active_sessions") == 0 and value(after, "specdec:kv_cache_tokens") == 0
+
+
+def exported_series(text: str) -> set[str]:
+    """The series names a /metrics text can hold, from its `# TYPE` lines: a
+    counter X is X_total, a histogram X_bucket / X_sum / X_count, a gauge X.
+    (A labelled metric with no sample yet still has its TYPE line.)"""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count", ""),
+                "gauge": ("",), "untyped": ("",), "info": ("_info",)}
+    out = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            if kind == "counter":             # the classic text format names a counter's family with _total
+                name = name.removesuffix("_total")
+            out |= {name + s for s in suffixes[kind]}
+    return out
+
+
+def unexported(exprs, exported: set[str]) -> list[tuple[str, str]]:
+    """(panel, series) of every series a query selects that no service exports."""
+    from tests.test_deploy_files import selector_names
+    return sorted({(title, n) for title, expr in exprs for n in selector_names(expr) if n not in exported})
+
+
+def test_dashboard_queries_only_exported_metrics(metered):
+    """Every series deploy/grafana/specd.json queries is one the orchestrator,
+    drafter or verifier really exports (after a Generate), with the suffix its
+    type gives it in the exposition (a counter queried without `_total`, a
+    histogram without `_bucket` or a misspelt name is caught)."""
+    from tests.test_deploy_files import dashboard_exprs
+
+    ids, last = metered.generate(prompt_token_ids=PROMPT, max_new_tokens=8, num_speculative_tokens=3)
+    assert len(ids) == 8 and last.stats.drafts > 0
+    wait_idle(metered)
+    exported = set()
+    for p in (metered.orchestrator, metered.drafter_proc, metered.verifier):
+        exported |= exported_series(urllib.request.urlopen(f"http://{p.metrics_address}/metrics", timeout=10)
+                                    .read().decode())
+    # The metrics the dashboard was built on exist (a sanity check of the scrape itself).
+    assert {"specdec:cycle_latency_seconds_bucket", "specdec:failovers_total", "specdec:kv_cache_usage",
+            "specdec:active_sessions", "specdec:verify_batch_size_count"} <= exported
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 12
+    assert unexported(exprs, exported) == []
+    # What the check catches: a misspelt name, a counter without its suffix.
+    bad = [("t", "rate(specdec:spec_decode_num_draft_token_total[1m])"),
+           ("t", "rate(specdec:spec_decode_num_drafts[1m])")]
+    assert len(unexported(bad, exported)) == 2

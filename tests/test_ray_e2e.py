@@ -1,13 +1,17 @@
 """End to end through real processes - a Ray cluster, drafter and
 verifier gRPC servers as Ray actors on real ports, a client calling Generate over
-the network - and `specd up` / `specd generate` / `specd down` from a shell.
+the network - and `specd up` / `specd generate` / `specd status` / `specd scale` / `specd down` from a shell.
 The `specd up` deployment runs mutual TLS on every link and bearer tokens, so the
-certificate paths are shown to reach the replica actors. (`specd demo`, which
-starts and stops a Ray cluster of its own, is tests/test_demo_pair.py's.)"""
+certificate paths are shown to reach the replica actors. Every actor serves
+Prometheus /metrics, listed in the orchestrator's file_sd targets file, which
+follows the pools (a restarted replica's new port, a scale-up). (`specd demo`,
+which starts and stops a Ray cluster of its own, is tests/test_demo_pair.py's.)"""
+import json
 import os
 import re
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import ray
@@ -30,6 +34,23 @@ def run(args, env, timeout=300):
     return subprocess.run(SPECD + args, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def scrape(address: str) -> str:
+    return urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+
+
+def sample(text: str, name: str) -> float:
+    """An unlabelled sample's value in a /metrics text (0 when absent)."""
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def listed(targets_file) -> dict:
+    """specd_replica -> (specd_kind, target) of the file_sd JSON file."""
+    groups = json.loads(targets_file.read_text())
+    assert all(g["labels"]["job"] == "specd" and len(g["targets"]) == 1 for g in groups), groups
+    return {g["labels"]["specd_replica"]: (g["labels"]["specd_kind"], g["targets"][0]) for g in groups}
+
+
 def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
     target, drafter = pairs["llama"]
     pki = make_pki(tmp_path / "pki")
@@ -38,7 +59,8 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
     # Replicas and the orchestrator are dialled by Ray node IP, which the test
     # certificate does not list: the name `localhost` is checked instead.
     tls = ["--tls-ca", pki.ca, "--tls-server-name", "localhost"]
-    up = run(["up", "--target", target, "--drafter", drafter, "--port", "0", "--tls-cert", pki.server_cert,
+    up = run(["up", "--target", target, "--drafter", drafter, "--drafters", "2", "--port", "0",
+              "--tls-cert", pki.server_cert,
               "--tls-key", pki.server_key, "--tls-client-auth", "--auth-tokens-file", str(tmp_path / "tokens"),
               *tls], env)
     assert up.returncode == 0, up.stderr
@@ -48,8 +70,13 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
         # The replicas are Ray actors in the cluster, each serving gRPC itself.
         ray.init(address=ray_cluster, namespace="specd", logging_level="WARNING")
         names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-        assert {"specd-orchestrator", "specd-verifier-0", "specd-drafter-0"} <= names
+        assert {"specd-orchestrator", "specd-verifier-0", "specd-drafter-0", "specd-drafter-1"} <= names
         ray.shutdown()
+        # The Prometheus targets file, in $SPECD_HOME by default: every actor.
+        targets_file = tmp_path / "home" / "prometheus_targets.json"
+        assert {name: kind for name, (kind, _) in listed(targets_file).items()} == {
+            "specd-orchestrator": "orchestrator", "specd-verifier-0": "verifier",
+            "specd-drafter-0": "drafter", "specd-drafter-1": "drafter"}
 
         # A client over the network: the stream equals target-only greedy decoding.
         prompt = [40, 41, 42, 43, 44, 45]
@@ -62,10 +89,17 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
         assert len(chunks) > 1  # streamed, not one blob
         assert [t for c in chunks for t in c.token_ids] == want
         assert chunks[-1].finish_reason in ("length", "stop") and chunks[-1].stats.cycles > 0
+        # Every target of the file serves its metrics; they counted that stream.
+        scraped = {name: scrape(target) for name, (_, target) in listed(targets_file).items()}
+        assert all("# TYPE specdec:active_sessions gauge" in text for text in scraped.values())
+        assert sample(scraped["specd-verifier-0"], "specdec:spec_decode_num_drafts_total") == chunks[-1].stats.drafts
+        assert 'specdec:generation_tokens_total{method="draft_model"}' in scraped["specd-orchestrator"]
 
-        check_drafter_restart(ray_cluster, address, prompt, want, client_tls, bearer_metadata("ray-token"))
+        check_drafter_restart(ray_cluster, address, prompt, want, client_tls, bearer_metadata("ray-token"),
+                              targets_file)
 
         tls += ["--tls-cert", pki.client_cert, "--tls-key", pki.client_key]
+        check_status_and_scale_metrics(env, tls, targets_file)
         gen = run(["generate", "def add(a, b):", "--max-new-tokens", "12", *tls], env, timeout=120)
         assert gen.returncode == 0, gen.stderr
         assert "finish=length" in gen.stderr and "completion_tokens=12" in gen.stderr
@@ -82,6 +116,7 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
     finally:
         down = run(["down"], env)
     assert down.returncode == 0, down.stderr
+    assert json.loads(targets_file.read_text()) == []      # nothing left for Prometheus to scrape
     ray.init(address=ray_cluster, namespace="specd", logging_level="WARNING")
     try:
         left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
@@ -90,11 +125,12 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
         ray.shutdown()
 
 
-def check_drafter_restart(ray_cluster, address, prompt, want, client_tls, metadata):
+def check_drafter_restart(ray_cluster, address, prompt, want, client_tls, metadata, targets_file):
     """Replica loss on Ray: the drafter's process is killed; the next stream finds it
-    lost and runs as plain decoding (still exact); Ray restarts the actor
-    (max_restarts), its server on a new port, which the orchestrator re-discovers;
-    then streams speculate on it again."""
+    lost and moves to the other drafter (still exact); Ray restarts the actor
+    (max_restarts), its servers on new ports, which the orchestrator re-discovers
+    (and lists in the targets file); then streams speculate on it again (its own
+    counters, from zero in the new process, say so)."""
     import signal
     import time
     ray.init(address=ray_cluster, namespace="specd", logging_level="WARNING")
@@ -109,6 +145,8 @@ def check_drafter_restart(ray_cluster, address, prompt, want, client_tls, metada
         def status():
             return {r.name: r for r in admin.Status(pb.StatusRequest(), timeout=30, metadata=metadata).replicas}
         before = {name: r.address for name, r in status().items()}
+        old_metrics = status()["specd-drafter-0"].metrics_address
+        assert listed(targets_file)["specd-drafter-0"] == ("drafter", old_metrics)
 
         def generate():
             chunks = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokenIds(ids=prompt),
@@ -126,5 +164,32 @@ def check_drafter_restart(ray_cluster, address, prompt, want, client_tls, metada
             assert time.monotonic() < deadline, f"drafter not re-discovered: {drafter}"
             time.sleep(0.5)
             drafter = status()["specd-drafter-0"]
-        assert generate().accepted_tokens > 0      # speculating on the restarted drafter
+        # Listed at its new metrics port (written when it was re-discovered).
+        assert drafter.metrics_address and drafter.metrics_address != old_metrics
+        assert listed(targets_file)["specd-drafter-0"] == ("drafter", drafter.metrics_address)
+        stats = generate()
+        assert stats.accepted_tokens > 0           # speculating on the restarted drafter
+        # The least-loaded tie goes to the first drafter: the restarted process proposed them.
+        assert sample(scrape(drafter.metrics_address), "specdec:spec_decode_num_drafts_total") == stats.drafts
+
+
+def check_status_and_scale_metrics(env, tls, targets_file):
+    """`specd status` lists the metrics endpoints; `specd scale --drafters 3`
+    adds a drafter the targets file lists (and that serves its metrics);
+    `specd metrics-targets` prints the file's list from the orchestrator's Status."""
+    status = run(["status", *tls], env, timeout=120)
+    assert status.returncode == 0, status.stderr
+    assert "METRICS" in status.stdout
+    for name, (_, target) in listed(targets_file).items():
+        line = "orchestrator metrics: " if name == "specd-orchestrator" else name
+        assert any(line in row and target in row for row in status.stdout.splitlines()), (name, status.stdout)
+    scale = run(["scale", "--drafters", "3", *tls], env)
+    assert scale.returncode == 0, scale.stderr
+    now = listed(targets_file)
+    assert sorted(n for n, (kind, _) in now.items() if kind == "drafter") == [
+        "specd-drafter-0", "specd-drafter-1", "specd-drafter-2"]
+    assert "# TYPE specdec:active_sessions gauge" in scrape(now["specd-drafter-2"][1])
+    printed = run(["metrics-targets", *tls], env, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    assert json.loads(printed.stdout) == json.loads(targets_file.read_text())
 

@@ -1,4 +1,4 @@
-"""`specd` command line: up, generate, status, scale, down, demo."""
+"""`specd` command line: up, generate, status, scale, metrics-targets, down, demo."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from specd.orchestrator.spec_config import (
 )
 
 from . import ray_cluster
+
+TARGETS_FILE_NAME = "prometheus_targets.json"  # in $SPECD_HOME unless --metrics-targets-file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_TARGET = REPO_ROOT / "models/demo/target"
@@ -63,7 +65,14 @@ def cmd_up(args, print_address: bool = True) -> int:
         # Ray not starting or not reachable. What was started is gone by now.
         print(f"specd up: {exc}", file=sys.stderr)
         return 1
-    ray_cluster.write_state({"address": address, "ray_address": ray_address, "ray_pid": ray_pid})
+    ray_cluster.write_state(
+        {
+            "address": address,
+            "ray_address": ray_address,
+            "ray_pid": ray_pid,
+            "metrics_targets_file": _targets_file(args),
+        }
+    )
     if print_address:  # stdout carries only the address, for scripts
         print(address)
     print(f"specd is up: Generate at {address} (ray {ray_address})", file=sys.stderr)
@@ -89,7 +98,27 @@ def _check_up_flags(args) -> _UpFlags:
         tls.check(server=True)
     tokens_file = str(Path(args.auth_tokens_file).resolve()) if args.auth_tokens_file else None
     tokens_from_env_and_file(tokens_file)
+    _check_targets_file(_targets_file(args))
     return _UpFlags(sc, autoscale, tls, tokens_file)
+
+
+def _targets_file(args) -> str:
+    """--metrics-targets-file, else $SPECD_HOME/prometheus_targets.json; absolute
+    (the orchestrator actor runs in another directory, on this node)."""
+    path = args.metrics_targets_file or ray_cluster.state_path().with_name(TARGETS_FILE_NAME)
+    return str(Path(path).expanduser().resolve())
+
+
+def _check_targets_file(path: str) -> None:
+    """The targets file's directory must be writable: checked (and made) before
+    Ray starts, naming the path, rather than failing the orchestrator's start."""
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"--metrics-targets-file {path}: cannot create its directory ({exc.strerror})") from None
+    if Path(path).is_dir() or not os.access(parent, os.W_OK):
+        raise OSError(f"--metrics-targets-file {path}: not a writable file path")
 
 
 def _choose_drafter(args, sc: SpeculativeConfig) -> str | None:
@@ -166,6 +195,8 @@ def _deploy_on_ray(args, flags: _UpFlags, ray_address: str, ray_pid: int | None)
                 kv_cache_memory=args.kv_cache_memory,
                 kv_block_size=args.kv_block_size,
                 engine=args.engine,
+                metrics_port=args.metrics_port,
+                metrics_targets_file=_targets_file(args),
             ),
             warn=lambda line: print(line, file=sys.stderr),
         )
@@ -192,6 +223,13 @@ def cmd_down(args) -> int:
 
         ray.init(address=state["ray_address"], namespace="specd", logging_level=logging.WARNING, log_to_driver=False)
         teardown()
+    if state.get("metrics_targets_file"):
+        # No targets left: Prometheus stops scraping what is gone (a missing
+        # file would leave it logging errors instead).
+        from specd.telemetry.discovery import dumps, write_atomic
+
+        with contextlib.suppress(OSError):
+            write_atomic(state["metrics_targets_file"], dumps([]))
     ray_cluster.clear_state()
     print("specd is down", file=sys.stderr)
     return 0
@@ -301,7 +339,9 @@ def _kv_use(r) -> str:
 
 
 def print_status(status) -> None:
-    rows = [("POOL", "REPLICA", "ADDRESS", "NODE", "SESSIONS", "STATE", "ENGINE", "MODEL", "DTYPE", "KV TOKENS")]
+    rows = [
+        ("POOL", "REPLICA", "ADDRESS", "NODE", "SESSIONS", "STATE", "ENGINE", "MODEL", "DTYPE", "KV TOKENS", "METRICS")
+    ]
     for r in sorted(status.replicas, key=lambda r: (r.kind != "verifier", r.name)):
         rows.append(
             (
@@ -315,6 +355,7 @@ def print_status(status) -> None:
                 r.architecture or "-",
                 r.dtype or "-",
                 _kv_use(r),
+                r.metrics_address or "-",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -325,6 +366,8 @@ def print_status(status) -> None:
         policy = status.autoscale.get(kind)
         print(f"{kind}s: {serving} serving" + (f", autoscaling min:max:target_sessions {policy}" if policy else ""))
     print(f"active requests: {status.active_requests}" + ("" if status.scalable else "  (fixed pools: not on Ray)"))
+    if status.metrics_address:
+        print(f"orchestrator metrics: {status.metrics_address}  (all targets: specd metrics-targets)")
     for r in status.replicas:
         if r.engine == "hf":
             print(
@@ -370,6 +413,26 @@ def cmd_scale(args) -> int:
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_metrics_targets(args) -> int:
+    """Every /metrics endpoint as Prometheus file_sd JSON, from the
+    orchestrator's Status: what it writes to its targets file."""
+    import grpc
+
+    from specd.api.v1 import specdec_pb2 as pb
+    from specd.telemetry.discovery import dumps, file_sd_targets
+
+    try:
+        status = _admin_call(args, "Status", pb.StatusRequest())
+    except SecurityConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    sys.stdout.write(dumps(file_sd_targets(status.replicas, status.metrics_address)))
     return 0
 
 
@@ -439,6 +502,19 @@ def _add_deploy_flags(p) -> None:
         help="largest gRPC message on every link (over it: RESOURCE_EXHAUSTED)",
     )
     p.add_argument("--replica-host", help="interface the replicas listen on (default: each one's Ray node IP)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="every actor's Prometheus /metrics port on its node (default 0: any free port; "
+        "a fixed port fits only one specd actor per node)",
+    )
+    p.add_argument(
+        "--metrics-targets-file",
+        metavar="PATH",
+        help="Prometheus file_sd JSON of every /metrics endpoint, kept up to date by the orchestrator "
+        f"(default: $SPECD_HOME/{TARGETS_FILE_NAME}, SPECD_HOME defaulting to ~/.specd)",
+    )
     add_tls_flags(p, server=True)
 
 
@@ -494,6 +570,13 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for new replicas")
     _add_client_flags(scale)
     scale.set_defaults(func=cmd_scale)
+    targets = sub.add_parser(
+        "metrics-targets", help="every Prometheus /metrics endpoint as file_sd JSON (from the orchestrator's status)"
+    )
+    targets.add_argument("--address", help="orchestrator address (default: the one `specd up` printed)")
+    targets.add_argument("--timeout", type=float, default=10.0)
+    _add_client_flags(targets)
+    targets.set_defaults(func=cmd_metrics_targets)
     down = sub.add_parser("down", help="stop what `specd up` started")
     down.set_defaults(func=cmd_down)
     demo = sub.add_parser("demo", help="up, one generation with the demo pair, down")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from specd.orchestrator.config import OrchestratorConfig
 from specd.orchestrator.pool import ReplicaSpec
 from specd.orchestrator.scaling import AutoscalePolicy, ReplicaGone
 from specd.orchestrator.spec_config import SpeculativeConfig
-from specd.telemetry import tracing
+from specd.telemetry import metrics, tracing
 from specd.verifier.config import VerifierConfig
 
 log = logging.getLogger(__name__)
@@ -112,15 +113,23 @@ class DeploymentConfig:
     # orchestrator (possibly on another node) dials; not 0.0.0.0, so a replica
     # is not reachable on interfaces the cluster does not use.
     replica_host: str | None = None
+    # Every actor's Prometheus /metrics port, on its node's address: 0 = any
+    # free port (a fixed one fits only one specd actor per node).
+    metrics_port: int = 0
+    # The Prometheus file_sd JSON the orchestrator keeps up to date (on the node
+    # that ran `specd up`); None = none.
+    metrics_targets_file: str | None = None
 
 
 @ray.remote(num_cpus=0)
 class ModelServiceActor:
     """One drafter or verifier replica: loads its model, serves gRPC on this node."""
 
-    def __init__(self, kind: str, config_fields: dict):
+    def __init__(self, kind: str, config_fields: dict, metrics_port: int = 0):
         with _starting():
             self._start(kind, config_fields)
+            # The service registered its metrics (its servicer); serve them here.
+            self._metrics_port = metrics.serve(metrics_port, self.bound_host)
 
     def _start(self, kind: str, config_fields: dict) -> None:
         logging.basicConfig(level=logging.INFO)
@@ -147,10 +156,15 @@ class ModelServiceActor:
             self._info = drafter.info
         # The address the orchestrator dials: the bound host, or this node's IP
         # when bound to every interface.
+        self.bound_host = config.host
         self.host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def metrics_address(self) -> str:
+        """Its Prometheus /metrics endpoint (host:port)."""
+        return f"{self.host}:{self._metrics_port}"
 
     def node(self) -> str:
         """The Ray node id: several nodes may share one IP (tests, big hosts)."""
@@ -173,11 +187,18 @@ class OrchestratorActor:
         with _starting():
             logging.basicConfig(level=logging.INFO)
             tracing.setup("orchestrator")
-            self.server = BackgroundServer(config, RayLauncher(deployment))
             self.host = ray.util.get_node_ip_address()
+            # Served before the core starts: it reports the address (Status, the targets file).
+            self._metrics = f"{self.host}:{metrics.serve(deployment.metrics_port, self.host)}"
+            config = dataclasses.replace(config, metrics_address=self._metrics)
+            self.server = BackgroundServer(config, RayLauncher(deployment))
 
     def address(self) -> str:
         return f"{self.host}:{self.server.port}"
+
+    def metrics_address(self) -> str:
+        """Its Prometheus /metrics endpoint (host:port)."""
+        return self._metrics
 
 
 def _actor_env(extra_env: tuple[str, ...] = ()) -> dict:
@@ -220,7 +241,7 @@ def _replica(cfg: DeploymentConfig, kind: str, name: str):
         resources={resource: 1},
         num_gpus=cfg.replica_gpus,
         **_actor_env(),
-    ).remote(kind, replica_fields(cfg, kind))
+    ).remote(kind, replica_fields(cfg, kind), cfg.metrics_port)
 
 
 def _not_ready(cfg: DeploymentConfig, kind: str) -> TimeoutError:
@@ -256,9 +277,7 @@ class RayLauncher:
         name = self._new_name(kind)
         actor = _replica(self.cfg, kind, name)
         try:
-            address, node = await asyncio.wait_for(
-                asyncio.gather(_wait(actor.address.remote()), _wait(actor.node.remote())), self.cfg.ready_timeout_s
-            )
+            address, node, metrics_address = await asyncio.wait_for(_where(actor), self.cfg.ready_timeout_s)
         except asyncio.TimeoutError:
             ray.kill(actor, no_restart=True)  # do not leave a pending actor behind
             raise _not_ready(self.cfg, kind) from None
@@ -271,7 +290,7 @@ class RayLauncher:
             ) from None
         for line in fallback_warnings([(kind, name, await _wait(actor.info.remote()))]):
             log.warning(line)
-        return ReplicaSpec(kind, name, address, node)
+        return ReplicaSpec(kind, name, address, node, metrics_address)
 
     async def stop(self, spec: ReplicaSpec) -> None:
         with contextlib.suppress(ValueError):  # already gone
@@ -287,20 +306,25 @@ class RayLauncher:
         except ValueError:
             raise ReplicaGone(f"no actor named {spec.name}") from None
         try:
-            address, node = await asyncio.wait_for(
-                asyncio.gather(_wait(actor.address.remote()), _wait(actor.node.remote())), self.cfg.locate_timeout_s
-            )
+            address, node, metrics_address = await asyncio.wait_for(_where(actor), self.cfg.locate_timeout_s)
         except asyncio.TimeoutError:
             return None
         except ray.exceptions.ActorDiedError as exc:  # out of restarts (or killed for good)
             raise ReplicaGone(str(exc)) from None
         except ray.exceptions.RayActorError:  # restarting, unreachable for now
             return None
-        return ReplicaSpec(spec.kind, spec.name, address, node)
+        return ReplicaSpec(spec.kind, spec.name, address, node, metrics_address)
 
 
 def _wait(ref):
     return asyncio.wrap_future(ref.future())
+
+
+def _where(actor):
+    """(gRPC address, node, metrics address) of a replica actor, once it serves."""
+    return asyncio.gather(
+        _wait(actor.address.remote()), _wait(actor.node.remote()), _wait(actor.metrics_address.remote())
+    )
 
 
 def _named_actors() -> set[str]:
@@ -361,13 +385,13 @@ def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | 
         handles.append(_replica(cfg, kind, name))
     specs, infos = [], []
     for (kind, name), actor in zip(actors, handles):
-        address, node, info = _ready(
-            [actor.address.remote(), actor.node.remote(), actor.info.remote()],
+        address, node, info, metrics_address = _ready(
+            [actor.address.remote(), actor.node.remote(), actor.info.remote(), actor.metrics_address.remote()],
             cfg.ready_timeout_s,
             f"{kind} replica {name} ({replica_fields(cfg, kind)['model_dir']})",
             _not_ready(cfg, kind),
         )
-        specs.append(ReplicaSpec(kind, name, address, node))
+        specs.append(ReplicaSpec(kind, name, address, node, metrics_address))
         infos.append((kind, name, info))
     if warn is not None:
         for line in fallback_warnings(infos):
@@ -382,6 +406,7 @@ def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | 
         tls=cfg.tls,
         auth_tokens_file=cfg.auth_tokens_file,
         max_message_bytes=cfg.max_message_bytes,
+        metrics_targets_file=cfg.metrics_targets_file,
     )
     # Pinned to the node that runs `specd up` (the head, in deploy/cluster.yaml):
     # an actor asking for no resources could land anywhere, and clients are told

@@ -40,3 +40,9 @@ class OrchestratorConfig:
     # Generate streams at once; past it a new one is RESOURCE_EXHAUSTED at once
     # (admission control: each stream holds sessions and a slot in every forward).
     max_active_requests: int = 1024
+    # Where this orchestrator's own Prometheus /metrics is served (host:port),
+    # reported by Status; "" when unknown (`specd up` sets it).
+    metrics_address: str = ""
+    # Prometheus file_sd JSON listing every /metrics endpoint of the deployment,
+    # rewritten on every pool change (specd/telemetry/discovery.py); None = none.
+    metrics_targets_file: str | None = None

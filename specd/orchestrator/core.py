@@ -22,7 +22,7 @@ from .config import OrchestratorConfig
 from .detok import OutputTracker
 from .failover import FailoverDrafter, FailoverVerifier
 from .loop import run_generation
-from .metrics import OrchestratorMetrics
+from .metrics import OrchestratorMetrics, TargetsFile
 from .ngram_drafter import NgramDrafter
 from .pair import check_pair
 from .pool import Pool, ReplicaSpec
@@ -105,9 +105,24 @@ class Orchestrator:
                 f"speculative_config.method is {sc.method} but the drafter {config.drafter_dir} "
                 f"is for {self.drafter_method}"
             )
+        # Every /metrics endpoint for Prometheus, rewritten on each pool change.
+        self.targets = (
+            TargetsFile(config.metrics_targets_file, self.pools, config.metrics_address)
+            if config.metrics_targets_file
+            else None
+        )
         # Scaling needs a launcher (on Ray); without one the pools are fixed.
         self.scaler = (
-            Scaler(self.pools, launcher, self.client_for, config.max_replicas, config.autoscale) if launcher else None
+            Scaler(
+                self.pools,
+                launcher,
+                self.client_for,
+                config.max_replicas,
+                config.autoscale,
+                on_change=self.targets.update if self.targets else None,
+            )
+            if launcher
+            else None
         )
         self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
         self.metrics = OrchestratorMetrics()
@@ -154,7 +169,7 @@ class Orchestrator:
         else:
             trace.finish(chunk)
         finally:
-            metrics.done()
+            metrics.done((c.lease.pool.kind, c.lease.losses) for c in used)
             self.active_requests -= 1
             for client in used:
                 client.release()
@@ -245,11 +260,13 @@ class Orchestrator:
                     "sessions": r.sessions,
                     "draining": r.draining,
                     "lost": r.lost,
+                    "metrics_address": r.spec.metrics_address,
                     **{k: info[k] for k in REPLICA_INFO_FIELDS if k in info},
                 }
                 for r, info in zip(replicas, infos)
             ],
             "active_requests": self.active_requests,
+            "metrics_address": self.config.metrics_address,
             "scalable": self.scaler is not None,
             "autoscale": {
                 k: f"{p.min_replicas}:{p.max_replicas}:{p.target_sessions}"

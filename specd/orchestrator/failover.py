@@ -96,7 +96,8 @@ class _Lease:
         self.pool = pool
         self.replica: Replica | None = None
         self.client: Any = None  # the replica's client when acquired (revive may swap the replica's since)
-        self.failovers = 0
+        self.failovers = 0  # replacements, bounded by max_failovers (refused rebuilds count too)
+        self.losses = 0  # replicas of this pool lost under the session (each one a failover; metrics)
 
     @property
     def held(self) -> Replica:
@@ -127,6 +128,7 @@ class _Lease:
             )
         self.release()
         self.failovers += 1
+        self.losses += 1
         _close_quietly(client, session_id)
 
 

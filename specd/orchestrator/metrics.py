@@ -1,14 +1,22 @@
 """Prometheus metrics of the orchestrator, reported from the loop's data (the
-Chunks it yields: a CycleRecord per cycle, Stats at the end); labelled by the
-speculative method that ran. Created with the Orchestrator (one per process)."""
+Chunks it yields: a CycleRecord per cycle, Stats at the end; the sessions'
+replica leases at the end), labelled by the speculative method that ran.
+Created with the Orchestrator (one per process). Also the Prometheus targets
+file, which follows the pools."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterable
+from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from specd.telemetry.discovery import dumps, file_sd_targets, write_atomic
 from specd.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, SpecDecodeCounters, metric
+
+log = logging.getLogger(__name__)
 
 
 class OrchestratorMetrics:
@@ -40,6 +48,21 @@ class OrchestratorMetrics:
             "Requests that finished, by finish reason.",
             ("method", "finished_reason"),
         )
+        # Its _count is the number of cycles (verify passes after the prefill,
+        # plain decode steps included): drafts per cycle = num_drafts / this count.
+        self.cycle = metric(
+            Histogram,
+            "specdec:cycle_latency_seconds",
+            "Wall time of one speculation cycle (draft, verify, commit) as the orchestrator saw it.",
+            ("method",),
+            buckets=ITL_BUCKETS,
+        )
+        self.failovers = metric(
+            Counter,
+            "specdec:failovers",
+            "Sessions moved off a lost replica (kind: the lost replica's pool), counted when the request ends.",
+            ("kind",),
+        )
 
     def request(self) -> RequestMetrics:
         return RequestMetrics(self)
@@ -66,11 +89,46 @@ class RequestMetrics:
             self.last = now
         if chunk.cycle is not None:
             m.spec.observe(len(chunk.cycle.draft.tokens), chunk.cycle.accepted, (method,))
+            m.cycle.labels(method).observe(chunk.cycle.wall_ms / 1000)
         if n:
             m.generation_tokens.labels(method).inc(n)
         if chunk.emit.finish_reason:
             m.success.labels(method, chunk.emit.finish_reason).inc()
             m.prompt_tokens.labels(method).inc(chunk.stats.prompt_tokens)
 
-    def done(self) -> None:
+    def done(self, losses: Iterable[tuple[str, int]] = ()) -> None:
+        """losses: (pool, replicas of it lost under the session) per leased pool."""
         self.m.active.dec()
+        for kind, n in losses:
+            if n:
+                self.m.failovers.labels(kind).inc(n)
+
+
+class TargetsFile:
+    """The deployment's Prometheus file_sd JSON (specd/telemetry/discovery.py),
+    kept in step with the pools: rewritten (atomically) when a replica comes,
+    goes or moves; unchanged lists are not rewritten."""
+
+    def __init__(self, path: str, pools: dict, own_address: str):
+        """Writes the file now: a path that cannot be written fails the start."""
+        self.path, self.pools, self.own = Path(path), pools, own_address
+        self._written = ""
+        self._write(self._text())
+
+    def _text(self) -> str:
+        replicas = [r.spec for pool in self.pools.values() for r in pool.replicas.values()]
+        return dumps(file_sd_targets(replicas, self.own))
+
+    def _write(self, text: str) -> None:
+        write_atomic(self.path, text)
+        self._written = text
+
+    def update(self) -> None:
+        """After a pool change (the scaler's on_change)."""
+        text = self._text()
+        if text == self._written:
+            return
+        try:
+            self._write(text)
+        except OSError as exc:  # the service goes on; Prometheus keeps the last list
+            log.warning("could not write the Prometheus targets file %s: %s", self.path, exc)

@@ -27,6 +27,9 @@ class ReplicaSpec:
     name: str  # unique in the deployment (the Ray actor name on Ray)
     address: str  # host:port of its gRPC server
     node: str = ""  # where it runs (Ray node), for status
+    # host:port of its Prometheus /metrics ("" if unknown); on Ray a restarted
+    # replica serves it at a new port, like its gRPC server.
+    metrics_address: str = ""
 
 
 @dataclass

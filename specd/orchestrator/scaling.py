@@ -71,11 +71,15 @@ class Scaler:
         max_replicas: int = 64,
         policies: dict[str, AutoscalePolicy] | None = None,
         interval_s: float = 1.0,
+        on_change: Callable[[], None] | None = None,
     ):
         self.pools, self.launcher, self.make_client = pools, launcher, make_client
         self.max_replicas = max_replicas
         self.policies = policies or {}
         self.interval_s = interval_s
+        # Told (synchronously, right after the pools change) whenever a replica
+        # comes, goes or moves: the Prometheus targets file follows the pools.
+        self.on_change = on_change or (lambda: None)
         self._lock = asyncio.Lock()  # one scale at a time: counts stay consistent
         self._task: asyncio.Task | None = None
         self._retired: list = []  # clients of lost replicas, closed when unused
@@ -106,6 +110,7 @@ class Scaler:
                     if not isinstance(spec, BaseException):
                         pool.add(spec, self.make_client(spec))
                         log.info("%s %s serving at %s on %s", kind, spec.name, spec.address, spec.node)
+                self.on_change()
                 if errors:
                     raise errors[0]
 
@@ -113,6 +118,7 @@ class Scaler:
         for pool in self.pools.values():
             for r in pool.reap():
                 log.info("%s drained: handing it back", r.spec.name)
+                self.on_change()
                 await r.client.aclose()
                 await self.launcher.stop(r.spec)
 
@@ -126,10 +132,12 @@ class Scaler:
                 except ReplicaGone:
                     log.warning("%s %s is gone for good", pool.kind, r.spec.name)
                     pool.remove(r.spec.name)
+                    self.on_change()
                     self._retired.append(r.client)
                     continue
                 if spec is not None:
                     self._retired.append(pool.revive(r.spec.name, spec, self.make_client(spec)))
+                    self.on_change()
                     log.info("%s %s serving again at %s", pool.kind, spec.name, spec.address)
         # Sessions that held an old client release on it; close it once they have.
         for client in [c for c in self._retired if c.active <= 0]:

@@ -77,6 +77,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
             active_requests=s["active_requests"],
             scalable=s["scalable"],
             autoscale=s["autoscale"],
+            metrics_address=s["metrics_address"],
         )
 
     async def Status(self, request, context):

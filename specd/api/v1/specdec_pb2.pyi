@@ -367,7 +367,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("kind", "name", "address", "node", "sessions", "draining", "lost", "engine", "architecture", "dtype", "kv_capacity_tokens", "kv_used_tokens", "kv_capacity_bytes", "kv_used_bytes", "model_type")
+    __slots__ = ("kind", "name", "address", "node", "sessions", "draining", "lost", "engine", "architecture", "dtype", "kv_capacity_tokens", "kv_used_tokens", "kv_capacity_bytes", "kv_used_bytes", "model_type", "metrics_address")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +383,7 @@ class ReplicaStatus(_message.Message):
     KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     address: str
@@ -398,10 +399,11 @@ class ReplicaStatus(_message.Message):
     kv_capacity_bytes: int
     kv_used_bytes: int
     model_type: str
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., lost: _Optional[bool] = ..., engine: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model_type: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., lost: _Optional[bool] = ..., engine: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model_type: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("replicas", "active_requests", "scalable", "autoscale")
+    __slots__ = ("replicas", "active_requests", "scalable", "autoscale", "metrics_address")
     class AutoscaleEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -413,8 +415,10 @@ class ClusterStatus(_message.Message):
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SCALABLE_FIELD_NUMBER: _ClassVar[int]
     AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     active_requests: int
     scalable: bool
     autoscale: _containers.ScalarMap[str, str]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., scalable: _Optional[bool] = ..., autoscale: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., scalable: _Optional[bool] = ..., autoscale: _Optional[_Mapping[str, str]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
