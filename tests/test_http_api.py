@@ -235,23 +235,29 @@ def test_still_serves_after_bad_requests(client, model, stack):
 # -- clients that leave -----------------------------------------------------------
 
 STREAMS = 200
+NOT_STREAMED = 20  # non-streaming requests dropped before their answer, among the streams
 CONCURRENCY = 16
 
 
-async def one_stream(client, model, rng: random.Random, outcomes: collections.Counter) -> None:
-    kind = rng.choices(["before_response", "after_headers", "mid_stream", "complete"], [3, 2, 4, 1])[0]
+async def one_stream(client, model, rng: random.Random, outcomes: collections.Counter, streamed: bool) -> None:
+    kind = rng.choices(["before_response", "after_headers", "mid_stream", "complete"], [3, 2, 4, 1])[0] \
+        if streamed else "not_streamed"
     chat = rng.random() < 0.5
+    # Method off marks the requests not streamed in the metrics (the streams speculate).
+    speculation = rng.choice([{}, K3, {"speculative_method": "ngram"}, {"draft_tree": {"branching": [2, 1]}}])
     body = dict(max_tokens=rng.randint(2, 24), temperature=rng.choice([0, 0.8]), seed=rng.randrange(100),
-                stream=True, extra_body=rng.choice([{}, K3, {"speculative_method": "ngram"},
-                                                    {"draft_tree": {"branching": [2, 1]}}]))
+                stream=streamed, extra_body=speculation if streamed else {"speculative_method": "off"})
     prompt = PROMPT[: rng.randint(4, len(PROMPT))]
     create = (client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], **body)
               if chat else client.completions.create(model=model, prompt=prompt, **body))
-    if kind == "before_response":  # gone during the prefill, before the response started
+    if kind in ("before_response", "not_streamed"):  # gone before the response started
         try:
             stream = await asyncio.wait_for(create, timeout=rng.uniform(0.001, 0.05))
         except (asyncio.TimeoutError, openai.APITimeoutError):
             outcomes[kind] += 1
+            return
+        if kind == "not_streamed":
+            outcomes["not_streamed (too late: answered)"] += 1
             return
         await stream.close()
         outcomes["before_response (too late: after headers)"] += 1
@@ -271,22 +277,24 @@ async def one_stream(client, model, rng: random.Random, outcomes: collections.Co
 async def run_streams(base_url: str, model: str) -> collections.Counter:
     rng = random.Random(11)
     outcomes: collections.Counter = collections.Counter()
-    rngs = [random.Random(rng.random()) for _ in range(STREAMS)]
+    requests = [(random.Random(rng.random()), i < STREAMS) for i in range(STREAMS + NOT_STREAMED)]
+    rng.shuffle(requests)
     gate = asyncio.Semaphore(CONCURRENCY)
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as client:
-        async def gated(r):
+        async def gated(r, streamed):
             async with gate:
-                await one_stream(client, model, r, outcomes)
-        await asyncio.gather(*(gated(r) for r in rngs))
+                await one_stream(client, model, r, outcomes, streamed)
+        await asyncio.gather(*(gated(r, streamed) for r, streamed in requests))
     return outcomes
 
 
 def test_dropped_streams_leave_no_session(stack, model, client):
-    start = time.monotonic()
+    start, before = time.monotonic(), scrape(stack.http_address)
     outcomes = asyncio.run(run_streams(stack.openai_base_url, model))
-    print(f"{STREAMS} HTTP streams in {time.monotonic() - start:.1f} s: {dict(outcomes)}")
-    assert sum(outcomes.values()) == STREAMS
-    for kind, least in (("before_response", 20), ("after_headers", 20), ("mid_stream", 40), ("complete", 5)):
+    print(f"{STREAMS} HTTP streams + {NOT_STREAMED} requests in {time.monotonic() - start:.1f} s: {dict(outcomes)}")
+    assert sum(outcomes.values()) == STREAMS + NOT_STREAMED
+    for kind, least in (("before_response", 20), ("after_headers", 20), ("mid_stream", 40), ("complete", 5),
+                        ("not_streamed", 10)):
         assert outcomes[kind] >= least, outcomes
     # Closing runs after the client has left: wait (bounded) for it to settle.
     deadline = time.monotonic() + 60
@@ -294,7 +302,20 @@ def test_dropped_streams_leave_no_session(stack, model, client):
         time.sleep(0.2)
     state = live_state(stack)
     assert not any(state.values()), state
-    assert value(scrape(stack.http_address), "specdec:active_sessions") == 0
+    after = scrape(stack.http_address)
+    assert value(after, "specdec:active_sessions") == 0
+    # Dropped requests stopped generating (the core's generator was closed), in
+    # every way of leaving: the requests read to their end finished, and few others
+    # (a drop can race its request's last tokens; a quarter of them is far more
+    # than seen), where without cancellation all would have.
+    finished = collections.Counter()
+    for (name, labels), v in after.items():
+        if name == "specdec:request_success_total":
+            finished["streamed" if dict(labels)["method"] != "off" else "not"] += v - before.get((name, labels), 0.0)
+    ran_out = outcomes["complete"] + outcomes["completed early"]
+    assert ran_out <= finished["streamed"] <= ran_out + (STREAMS - ran_out) / 4, (finished, dict(outcomes))
+    answered = outcomes["not_streamed (too late: answered)"]
+    assert answered <= finished["not"] <= answered + (NOT_STREAMED - answered) / 4, (finished, dict(outcomes))
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0)
     assert r.usage.completion_tokens == 5
 

@@ -46,7 +46,14 @@ class HttpServer:
         # Bound here, not by uvicorn: the port is known at once (port -1: any
         # free one) and a port in use fails the start with its OSError.
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-        self.sock = socket.create_server((config.host, max(config.http_port, 0)), family=family)
+        try:
+            self.sock = socket.create_server((config.host, max(config.http_port, 0)), family=family)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"cannot serve the HTTP API on {config.host}:{config.http_port}: {exc.strerror} "
+                "(--http-port: another port, or 0 for no HTTP API)",
+            ) from None
         self.port = self.sock.getsockname()[1]
         self.scheme = "https" if config.tls else "http"
         self.server = _Uvicorn(
