@@ -147,7 +147,8 @@ def test_pools_on_their_nodes_and_live_scaling(multinode, long_pair, tmp_path):
     address_ray, pools = multinode
     target, drafter = long_pair
     env = dict(os.environ, RAY_ADDRESS=address_ray, SPECD_HOME=str(tmp_path / "home"))
-    up = specd(["up", "--target", target, "--drafter", drafter, "--port", "0", "--num-speculative-tokens", "3"], env)
+    up = specd(["up", "--target", target, "--drafter", drafter, "--port", "0", "--http-port", "0",
+                "--num-speculative-tokens", "3"], env)
     assert up.returncode == 0, up.stderr
     addr = up.stdout.strip().splitlines()[-1]
     tok = load_tokenizer(target)

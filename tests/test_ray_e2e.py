@@ -9,10 +9,13 @@ which starts and stops a Ray cluster of its own, is tests/test_demo_pair.py's.)"
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import urllib.request
 
+import httpx2
+import openai
 import pytest
 import ray
 
@@ -59,7 +62,7 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
     # Replicas and the orchestrator are dialled by Ray node IP, which the test
     # certificate does not list: the name `localhost` is checked instead.
     tls = ["--tls-ca", pki.ca, "--tls-server-name", "localhost"]
-    up = run(["up", "--target", target, "--drafter", drafter, "--drafters", "2", "--port", "0",
+    up = run(["up", "--target", target, "--drafter", drafter, "--drafters", "2", "--port", "0", "--http-port", "-1",
               "--tls-cert", pki.server_cert,
               "--tls-key", pki.server_key, "--tls-client-auth", "--auth-tokens-file", str(tmp_path / "tokens"),
               *tls], env)
@@ -94,6 +97,19 @@ def test_specd_up_generate_down_on_ray(ray_cluster, pairs, tmp_path):
         assert all("# TYPE specdec:active_sessions gauge" in text for text in scraped.values())
         assert sample(scraped["specd-verifier-0"], "specdec:spec_decode_num_drafts_total") == chunks[-1].stats.drafts
         assert 'specdec:generation_tokens_total{method="draft_model"}' in scraped["specd-orchestrator"]
+
+        # The OpenAI-compatible API of the orchestrator actor, as `specd up` reported it (stderr):
+        # mTLS and the token too. Dialled on loopback, a name the certificate lists.
+        http = re.search(r"OpenAI-compatible HTTP API at https://[\d.]+:(\d+)/v1", up.stderr)
+        assert http, up.stderr
+        ctx = ssl.create_default_context(cafile=pki.ca)
+        ctx.load_cert_chain(pki.client_cert, pki.client_key)
+        client = openai.OpenAI(base_url=f"https://127.0.0.1:{http.group(1)}/v1", api_key="ray-token",
+                               http_client=httpx2.Client(verify=ctx, timeout=120), max_retries=0)
+        r = client.completions.create(model=os.path.basename(target), prompt=prompt, max_tokens=len(want),
+                                      temperature=0, extra_body={"num_speculative_tokens": 3})
+        assert r.usage.completion_tokens == len(want) and r.choices[0].model_extra["speculative_decoding_stats"]
+        client.close()
 
         check_drafter_restart(ray_cluster, address, prompt, want, client_tls, bearer_metadata("ray-token"),
                               targets_file)

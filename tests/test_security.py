@@ -10,10 +10,14 @@ reference output and the process the drain test stops.
 """
 import os
 import signal
+import ssl
 import threading
 import time
+from pathlib import Path
 
 import grpc
+import httpx2
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -48,7 +52,7 @@ def secure(pairs, pki, client_tls, tmp_path_factory):
     tls_flags = ("--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-ca", pki.ca,
                  "--tls-client-auth")
     target, drafter = pairs["llama"]
-    stack = Stack(target, drafter, service_args=tls_flags, client_tls=client_tls,
+    stack = Stack(target, drafter, service_args=tls_flags, client_tls=client_tls, http=True,
                   orchestrator_args=(*tls_flags, "--auth-tokens-file", str(tokens),
                                      "--max-message-bytes", str(MAX_MESSAGE)))
     yield stack
@@ -139,6 +143,40 @@ def test_tokens(secure):
 
 
 @pytest.mark.services
+def test_http_api_over_mtls_with_tokens(secure, pki):
+    """The OpenAI-compatible API takes the gRPC side's certificates (client
+    certificates required too) and its tokens."""
+    ctx = ssl.create_default_context(cafile=pki.ca)
+    ctx.load_cert_chain(pki.client_cert, pki.client_key)
+    url, model = secure.openai_base_url, Path(secure.target).name
+    assert url.startswith("https://")
+    want = "".join(c.text for c in stream(secure.channel, num_speculative_tokens=3)[1])
+    with httpx2.Client(verify=ctx, timeout=60) as http:
+        # Not closed by a `with`: an OpenAI client closes the http client it was given.
+        client = openai.OpenAI(base_url=url, api_key=TOKEN, http_client=http, max_retries=0)
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                      extra_body={"num_speculative_tokens": 3})
+        assert r.choices[0].text == want and r.usage.completion_tokens == 24
+        for token, why in (("wrong-token", "invalid bearer token"), (TOKEN[:-1], "invalid bearer token")):
+            client = openai.OpenAI(base_url=url, api_key=token, http_client=http, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as info:
+                client.completions.create(model=model, prompt=PROMPT, max_tokens=4)
+            assert info.value.body["code"] == "invalid_api_key" and why in info.value.body["message"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "logprobs": 3}  # bad too: 401 comes first
+        for headers, why in (({}, "missing bearer token"), ({"authorization": f"Basic {TOKEN}"}, "Bearer")):
+            r = http.post(url + "/completions", json=body, headers=headers)
+            assert r.status_code == 401 and why in r.json()["error"]["message"], r.text
+        assert http.get(url + "/models").status_code == 401
+        assert http.get(secure.http_url + "/health").status_code == 200          # probes carry no token
+        assert http.get(url + "/models", headers={"authorization": "Bearer other-token"}).status_code == 200
+    no_client_cert = ssl.create_default_context(cafile=pki.ca)
+    with httpx2.Client(verify=no_client_cert, timeout=30) as http, pytest.raises(httpx2.TransportError):
+        http.get(secure.http_url + "/health")
+    with httpx2.Client(verify=False, timeout=30) as http, pytest.raises(httpx2.TransportError):
+        http.get(secure.http_url.replace("https", "http") + "/health")
+
+
+@pytest.mark.services
 def test_health_over_tls_needs_no_token(secure):
     for service in ("", "specdec.v1.OrchestratorService", "specdec.v1.AdminService"):
         assert health(secure.channel, service) == health_pb2.HealthCheckResponse.SERVING
@@ -202,9 +240,11 @@ def test_sigterm_drains(plain, pairs):
     lands, whatever the machine's speed."""
     target, _ = pairs["llama"]
     orch = ServiceProcess("specd.orchestrator", "--target", target, "--verifier-address", plain.verifier.address,
-                          "--method", "off", "--shutdown-grace", "120")
+                          "--method", "off", "--shutdown-grace", "120", "--http-port", "-1")
     channel = grpc.insecure_channel(orch.address)
     result = {}
+    completions = orch.http_url + "/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
 
     def run():
         try:
@@ -212,14 +252,19 @@ def test_sigterm_drains(plain, pairs):
         except grpc.RpcError as exc:   # reported by the assertion below
             result["error"] = exc
 
+    def run_http():  # an SSE stream over the HTTP API, running when SIGTERM lands too
+        with httpx2.stream("POST", completions, json={**body, "stream": True}, timeout=120) as r:
+            result["http"] = [line for line in r.iter_lines() if line]
+
     os.kill(plain.verifier.proc.pid, signal.SIGSTOP)
     try:
-        runner = threading.Thread(target=run)
-        runner.start()
+        runners = [threading.Thread(target=run), threading.Thread(target=run_http)]
+        for runner in runners:
+            runner.start()
         admin = pb_grpc.AdminServiceStub(channel)
         deadline = time.monotonic() + 60
-        while admin.Status(pb.StatusRequest(), timeout=30).active_requests < 1:
-            assert time.monotonic() < deadline, "the request never reached the orchestrator"
+        while admin.Status(pb.StatusRequest(), timeout=30).active_requests < 2:
+            assert time.monotonic() < deadline, "the requests never reached the orchestrator"
             time.sleep(0.05)
         orch.proc.send_signal(signal.SIGTERM)
         while health(channel) != health_pb2.HealthCheckResponse.NOT_SERVING:
@@ -227,13 +272,18 @@ def test_sigterm_drains(plain, pairs):
             time.sleep(0.05)
         err = refused(lambda: stream(channel, token=None))
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details(), err
-        assert orch.proc.poll() is None                 # still serving the running stream
+        assert httpx2.get(orch.http_url + "/health", timeout=30).status_code == 503
+        r = httpx2.post(completions, json=body, timeout=30)
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+        assert orch.proc.poll() is None                 # still serving the running streams
     finally:
         os.kill(plain.verifier.proc.pid, signal.SIGCONT)
     try:
-        runner.join(60)
+        for runner in runners:
+            runner.join(60)
         assert "error" not in result, result.get("error")
         assert len(result["tokens"]) == 24 and result["chunks"][-1].finish_reason == "length"
+        assert result["http"][-1] == "data: [DONE]" and '"finish_reason": "length"' in result["http"][-2]
         assert orch.proc.wait(60) == 0
     finally:
         channel.close()

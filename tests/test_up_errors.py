@@ -32,7 +32,7 @@ def up(args, home, ray_address=None, timeout=240):
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
     start = time.monotonic()
-    r = subprocess.run(SPECD + ["up", "--port", "0", *args], env=env, capture_output=True, text=True,
+    r = subprocess.run(SPECD + ["up", "--port", "0", "--http-port", "0", *args], env=env, capture_output=True, text=True,
                        timeout=timeout)
     return r, time.monotonic() - start
 

@@ -1,6 +1,6 @@
 """Bearer-token authentication of the orchestrator's public API.
 
-Clients send gRPC metadata `authorization: Bearer <token>`; the server accepts
+Clients send gRPC metadata (or, to the HTTP API, a header) `authorization: Bearer <token>`; the server accepts
 the tokens listed in a file (one per line; blank lines and `#` comments
 skipped) and/or in `SPECD_AUTH_TOKENS` (comma-separated). Comparison is
 constant-time (`hmac.compare_digest`) against every token, so the time taken
@@ -57,11 +57,18 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 def check_metadata(metadata, tokens: tuple[str, ...]) -> str | None:
     """None when the call carries an accepted token, else why not."""
     values = [v for k, v in (metadata or ()) if k == "authorization"]
-    if not values:
-        return "missing bearer token: send metadata 'authorization: Bearer <token>'"
-    scheme, _, presented = (values[0] if isinstance(values[0], str) else values[0].decode()).partition(" ")
+    value = values[0] if values else None
+    return check_authorization(value.decode() if isinstance(value, bytes) else value, tokens)
+
+
+def check_authorization(value: str | None, tokens: tuple[str, ...], carrier: str = "metadata") -> str | None:
+    """None when an `authorization` value (gRPC metadata, an HTTP header)
+    holds an accepted bearer token, else why not."""
+    if not value:
+        return f"missing bearer token: send {carrier} 'authorization: Bearer <token>'"
+    scheme, _, presented = value.partition(" ")
     if scheme.lower() != "bearer" or not presented.strip():
-        return "malformed authorization metadata: expected 'Bearer <token>'"
+        return f"malformed authorization {carrier}: expected 'Bearer <token>'"
     presented_b = presented.strip().encode()
     ok = False
     for token in tokens:  # no early exit: every token is compared

@@ -13,6 +13,7 @@ from pathlib import Path
 from specd.net.auth import CLIENT_TOKEN_ENV, bearer_metadata, tokens_from_env_and_file
 from specd.net.grpc_util import MAX_MESSAGE_BYTES, open_channel
 from specd.net.security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
+from specd.orchestrator.config import add_http_flags
 from specd.orchestrator.spec_config import (
     DRAFTER_METHODS,
     METHODS,
@@ -60,6 +61,7 @@ def cmd_up(args, print_address: bool = True) -> int:
     try:
         ray_address, ray_pid = _ray_cluster(args)
         address = _deploy_on_ray(args, flags, ray_address, ray_pid).replace("0.0.0.0", "127.0.0.1")
+        http = _http_address() if args.http_port else ""
     except (RuntimeError, TimeoutError, ConnectionError) as exc:
         # An actor that failed to start (DeployError: its own error, one line),
         # Ray not starting or not reachable. What was started is gone by now.
@@ -71,11 +73,14 @@ def cmd_up(args, print_address: bool = True) -> int:
             "ray_address": ray_address,
             "ray_pid": ray_pid,
             "metrics_targets_file": _targets_file(args),
+            "http": http,
         }
     )
     if print_address:  # stdout carries only the address, for scripts
         print(address)
     print(f"specd is up: Generate at {address} (ray {ray_address})", file=sys.stderr)
+    if http:
+        print(f"OpenAI-compatible HTTP API at {http}/v1", file=sys.stderr)
     return 0
 
 
@@ -180,6 +185,8 @@ def _deploy_on_ray(args, flags: _UpFlags, ray_address: str, ray_pid: int | None)
                 target_dir=str(Path(args.target).resolve()),
                 drafter_dir=str(Path(args.drafter).resolve()) if args.drafter else None,
                 port=args.port,
+                http_port=args.http_port,
+                served_model_name=getattr(args, "served_model_name", None),  # `specd demo` has no such flag
                 num_verifiers=args.verifiers,
                 num_drafters=args.drafters,
                 device=args.device,
@@ -206,6 +213,18 @@ def _deploy_on_ray(args, flags: _UpFlags, ray_address: str, ray_pid: int | None)
         if ray_pid:
             ray_cluster.stop_local_ray(ray_pid)
         raise
+
+
+def _http_address() -> str:
+    """The deployed orchestrator's HTTP API base URL (Ray still attached); a
+    failure to ask is a warning: the deployment is up and serves gRPC."""
+    from .ray_deploy import orchestrator_http_address
+
+    try:
+        return orchestrator_http_address()
+    except Exception as exc:  # noqa: BLE001 - Ray's errors are not one class
+        print(f"specd up: could not ask the orchestrator for its HTTP address: {exc}", file=sys.stderr)
+        return ""
 
 
 def cmd_down(args) -> int:
@@ -438,6 +457,7 @@ def cmd_metrics_targets(args) -> int:
 
 def cmd_demo(args) -> int:
     args.port = 0
+    args.http_port = 0  # one generation over gRPC: no HTTP API, no fixed port to find taken
     if cmd_up(args, print_address=False) != 0:
         return 1
     try:
@@ -541,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start (or attach to) Ray and deploy; prints the Generate address")
     _add_deploy_flags(up)
     up.add_argument("--port", type=int, default=50051, help="public Generate port (0 = any free)")
+    add_http_flags(up)
     add_speculative_flags(up)
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="stream a completion")

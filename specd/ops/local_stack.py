@@ -27,10 +27,15 @@ class ServiceProcess:
     """`python -m MODULE ARGS --port 0`, waiting for its 'listening on H:P' line.
 
     env: extra environment variables (e.g. OTEL_*). A 'metrics on H:P' line
-    (printed before it with --metrics-port) sets `metrics_address`."""
+    (printed before it with --metrics-port) sets `metrics_address`; an
+    orchestrator's 'http on URL' line sets `http_url`. An orchestrator serves
+    no HTTP API unless --http-port is given: several run at once here, and
+    its default port would be taken by the first."""
 
     def __init__(self, module: str, *args: str, timeout_s: float = 120.0, env: dict | None = None):
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        if module == "specd.orchestrator" and "--http-port" not in args:
+            args = (*args, "--http-port", "0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--port", "0"],
             cwd=ROOT,
@@ -41,6 +46,7 @@ class ServiceProcess:
         )
         self.lines: list[str] = []
         self.metrics_address: str | None = None
+        self.http_url: str | None = None  # scheme://127.0.0.1:port of an orchestrator's HTTP API
         out = self.proc.stdout
         assert out is not None  # stdout=PIPE
         deadline = time.monotonic() + timeout_s
@@ -52,6 +58,9 @@ class ServiceProcess:
             m = re.search(r"metrics on (\S*):(\d+)", line)
             if m:
                 self.metrics_address = f"127.0.0.1:{m.group(2)}"
+            m = re.search(r"http on (https?)://\S*:(\d+)", line)
+            if m:
+                self.http_url = f"{m.group(1)}://127.0.0.1:{m.group(2)}"
             m = re.search(r"listening on (\S+):(\d+)", line)
             if m:
                 self.address = f"127.0.0.1:{m.group(2)}"
@@ -84,7 +93,9 @@ class Stack:
     verifiers / drafters: replicas of each, one process each (`verifiers`,
     `drafters`; `verifier` and `drafter_proc` are the first), started in parallel;
     orchestrator_args: flags for the orchestrator only (e.g. --auth-tokens-file F);
-    client_tls: how `channel` reaches the orchestrator (None: plaintext)."""
+    client_tls: how `channel` reaches the orchestrator (None: plaintext);
+    http: serve the OpenAI-compatible HTTP API on a free port (`http_url`,
+    `openai_base_url`); off by default."""
 
     def __init__(
         self,
@@ -98,6 +109,7 @@ class Stack:
         drafters: int = 1,
         orchestrator_args: tuple[str, ...] = (),
         client_tls: TlsConfig | None = None,
+        http: bool = False,
     ):
         self.target, self.drafter = target, drafter
         # A pair that cannot draft together is refused before any process starts.
@@ -118,7 +130,7 @@ class Stack:
         self.verifiers, self.drafters = procs[:verifiers], procs[verifiers:]
         self.verifier = self.verifiers[0]
         self.drafter_proc = self.drafters[0] if self.drafters else None
-        args = ["--target", target, *extra, *orchestrator_args]
+        args = ["--target", target, *extra, *orchestrator_args, "--http-port", "-1" if http else "0"]
         for v in self.verifiers:
             args += ["--verifier-address", v.address]
         if drafter:
@@ -126,8 +138,16 @@ class Stack:
             for d in self.drafters:
                 args += ["--drafter-address", d.address]
         self.orchestrator = ServiceProcess("specd.orchestrator", *args, env=env)
+        self.http_url = self.orchestrator.http_url  # None unless http
+        self.http_address = self.http_url.split("://")[1] if self.http_url else None  # 127.0.0.1:port
         self.channel = open_channel(self.orchestrator.address, client_tls)
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
+
+    @property
+    def openai_base_url(self) -> str:
+        """The base URL an OpenAI client takes (http=True)."""
+        assert self.http_url, "this Stack serves no HTTP API (Stack(..., http=True))"
+        return self.http_url + "/v1"
 
     def generate(self, metadata=None, **fields) -> tuple[list[int], pb.GenerateResponse | None]:
         """Run one Generate; return (all token ids, the final response; None if none came)."""

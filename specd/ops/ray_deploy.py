@@ -89,6 +89,8 @@ class DeploymentConfig:
     target_dir: str
     drafter_dir: str | None
     port: int = 50051  # public Generate port
+    http_port: int = 8000  # the OpenAI-compatible HTTP API (0 = off; -1 = any free port)
+    served_model_name: str | None = None  # its model name (None: the target directory's name)
     num_verifiers: int = 1
     num_drafters: int = 1
     device: str = "auto"
@@ -199,6 +201,11 @@ class OrchestratorActor:
     def metrics_address(self) -> str:
         """Its Prometheus /metrics endpoint (host:port)."""
         return self._metrics
+
+    def http_address(self) -> str:
+        """The HTTP API's base URL, scheme://host:port ('' = off)."""
+        http = self.server.serving.http
+        return f"{http.scheme}://{self.host}:{http.port}" if http else ""
 
 
 def _actor_env(extra_env: tuple[str, ...] = ()) -> dict:
@@ -400,6 +407,8 @@ def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | 
         target_dir=cfg.target_dir,
         drafter_dir=cfg.drafter_dir,
         port=cfg.port,
+        http_port=cfg.http_port,
+        served_model_name=cfg.served_model_name,
         replicas=specs,
         speculative=cfg.speculative,
         autoscale=cfg.autoscale,
@@ -422,6 +431,12 @@ def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | 
     handles.append(orch)
     not_ready = TimeoutError(f"the orchestrator did not start within {cfg.ready_timeout_s}s")
     return _ready([orch.address.remote()], cfg.ready_timeout_s, "the orchestrator", not_ready)[0]
+
+
+def orchestrator_http_address(timeout_s: float = 30.0) -> str:
+    """The deployed orchestrator's HTTP API base URL ('' = off)."""
+    actor = ray.get_actor(ORCHESTRATOR_NAME, namespace=NAMESPACE)
+    return str(ray.get(actor.http_address.remote(), timeout=timeout_s))
 
 
 def teardown() -> list[str]:

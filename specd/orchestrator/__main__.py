@@ -1,5 +1,5 @@
 """`python -m specd.orchestrator --target DIR [--drafter DIR] --verifier-address ADDR [--drafter-address ADDR] --port N
-[--metrics-port M]`
+[--metrics-port M] [--http-port H]`
 
 Runs the orchestrator against already running services, without Ray (useful for
 debugging one machine); `specd up` is the normal way, with replicas on Ray.
@@ -15,7 +15,7 @@ from specd.net.grpc_util import MAX_MESSAGE_BYTES
 from specd.net.security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
 from specd.telemetry import metrics, tracing
 
-from .config import OrchestratorConfig
+from .config import OrchestratorConfig, add_http_flags
 from .server import start_async
 from .spec_config import add_speculative_flags, speculative_config_from_args
 
@@ -29,6 +29,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = any free port; default: off)")
+    add_http_flags(p)
     p.add_argument(
         "--auth-tokens-file",
         help="bearer tokens the public API accepts, one per line "
@@ -60,6 +61,8 @@ def config_from_args(args: argparse.Namespace, tls: TlsConfig | None) -> Orchest
         drafter_dir=args.drafter,
         host=args.host,
         port=args.port,
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
         verifier_addresses=args.verifier_address,
         drafter_addresses=args.drafter_address,
         speculative=speculative_config_from_args(args),
@@ -77,6 +80,8 @@ async def serve(config: OrchestratorConfig, metrics_port: int | None) -> None:
         # Before the "listening on" line, which tests and scripts wait for.
         print(f"orchestrator metrics on {config.host}:{metrics.serve(metrics_port, config.host)}", flush=True)
     serving = await start_async(config)
+    if serving.http:  # before the "listening on" line, which tests and scripts wait for
+        print(f"orchestrator http on {serving.http_url}", flush=True)
     print(f"orchestrator listening on {config.host}:{serving.port}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -16,6 +16,10 @@ class OrchestratorConfig:
     drafter_dir: str | None = None  # None: no drafter, speculation off
     host: str = "0.0.0.0"
     port: int = 50051  # public Generate port; 0 = any free port
+    # The OpenAI-compatible HTTP API (docs/http.md) on the same host: 0 = off,
+    # -1 = any free port (tests, where several orchestrators run at once).
+    http_port: int = 8000
+    served_model_name: str | None = None  # the HTTP API's model name; None = the target directory's name
     verifier_addresses: list[str] = field(default_factory=list)  # named verifier-0, verifier-1, ...
     drafter_addresses: list[str] = field(default_factory=list)  # named drafter-0, ...
     replicas: list[ReplicaSpec] = field(default_factory=list)  # named replicas (Ray deployments)
@@ -46,3 +50,14 @@ class OrchestratorConfig:
     # Prometheus file_sd JSON listing every /metrics endpoint of the deployment,
     # rewritten on every pool change (specd/telemetry/discovery.py); None = none.
     metrics_targets_file: str | None = None
+
+
+def add_http_flags(p) -> None:
+    """The HTTP API's flags (docs/http.md), of `python -m specd.orchestrator` and `specd up`."""
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=OrchestratorConfig.http_port,
+        help="serve the OpenAI-compatible HTTP API on this port (0 = off; -1 = any free port)",
+    )
+    p.add_argument("--served-model-name", help="the HTTP API's model name (default: the target directory's name)")

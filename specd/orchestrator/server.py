@@ -1,14 +1,21 @@
-"""Serving OrchestratorService: in the foreground (`python -m specd.orchestrator`) or on a
+"""Serving OrchestratorService over gRPC and the OpenAI-compatible HTTP API on
+one event loop: in the foreground (`python -m specd.orchestrator`) or on a
 background event-loop thread (inside a Ray actor)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
+import socket
+import ssl
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+import uvicorn
 from grpc_health.v1.health import HealthServicer
 
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
@@ -18,9 +25,71 @@ from specd.telemetry import tracing
 
 from .config import OrchestratorConfig
 from .core import Orchestrator
+from .openai_api import create_app
 from .servicer import ADMIN_SERVICE_NAME, SERVICE_NAME, AdminServicer, OrchestratorServicer
 
 log = logging.getLogger(__name__)
+
+
+class _Uvicorn(uvicorn.Server):
+    def capture_signals(self):
+        # The process's owner handles SIGTERM (`python -m specd.orchestrator`,
+        # a Ray actor): it drains gRPC and HTTP together (Serving.drain_and_stop).
+        return contextlib.nullcontext()
+
+
+class HttpServer:
+    """uvicorn serving the OpenAI-compatible API as a task on the running loop,
+    the gRPC server's: one process, one loop, one generation core."""
+
+    def __init__(self, app, config: OrchestratorConfig):
+        # Bound here, not by uvicorn: the port is known at once (port -1: any
+        # free one) and a port in use fails the start with its OSError.
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        try:
+            self.sock = socket.create_server((config.host, max(config.http_port, 0)), family=family)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"cannot serve the HTTP API on {config.host}:{config.http_port}: {exc.strerror} "
+                "(--http-port: another port, or 0 for no HTTP API)",
+            ) from None
+        self.port = self.sock.getsockname()[1]
+        self.scheme = "https" if config.tls else "http"
+        self.server = _Uvicorn(
+            uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", **tls_kwargs(config.tls))
+        )
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            if self.task.done():  # failed to start (e.g. a certificate uvicorn cannot load)
+                self.task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self, grace_s: float) -> None:
+        """Close the listener; running responses get grace_s, then are cancelled
+        (a cancelled stream closes its generator: sessions freed)."""
+        if self.task is None:
+            return
+        self.server.config.timeout_graceful_shutdown = math.ceil(grace_s)
+        self.server.should_exit = True
+        await self.task
+
+
+def tls_kwargs(tls) -> dict:
+    """uvicorn's TLS settings from the gRPC side's: the same certificate, key
+    and CA, and client certificates required exactly when gRPC requires them."""
+    if tls is None:
+        return {}
+    return {
+        "ssl_certfile": tls.cert,
+        "ssl_keyfile": tls.key,
+        "ssl_ca_certs": tls.ca,
+        "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE,
+    }
 
 
 @dataclass
@@ -31,6 +100,14 @@ class Serving:
     port: int
     core: Orchestrator
     health: HealthServicer
+    http: HttpServer | None = None  # the OpenAI-compatible API; None = off
+
+    @property
+    def http_url(self) -> str:
+        """scheme://host:port of the HTTP API as bound ('' = off)."""
+        if self.http is None:
+            return ""
+        return f"{self.http.scheme}://{self.core.config.host}:{self.http.port}"
 
     async def drain_and_stop(self, grace_s: float) -> None:
         """Graceful shutdown: health NOT_SERVING (balancers stop sending), new
@@ -47,7 +124,8 @@ class Serving:
             log.warning(
                 "shutdown grace (%.1fs) over: cancelling %d running stream(s)", grace_s, self.core.active_requests
             )
-        await self.server.stop(max(0.5, deadline - loop.time()))
+        left = max(0.5, deadline - loop.time())
+        await asyncio.gather(self.server.stop(left), *([self.http.stop(left)] if self.http else []))
 
 
 async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
@@ -69,10 +147,16 @@ async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
     pb_grpc.add_AdminServiceServicer_to_server(AdminServicer(core), server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME, ADMIN_SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
+    http = None
+    if config.http_port:
+        name = config.served_model_name or Path(config.target_dir).name
+        http = HttpServer(create_app(core, name, tokens), config)
     await server.start()
+    if http:
+        await http.start()
     if core.scaler:
         core.scaler.start()
-    return Serving(server, port, core, health_servicer)
+    return Serving(server, port, core, health_servicer, http)
 
 
 class BackgroundServer:
