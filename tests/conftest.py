@@ -37,12 +37,14 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(
             f"each test needs exactly one tier marker of {', '.join(TIERS)} "
             "(a module-level `pytestmark` or a per-test mark):\n" + "\n".join(bad))
-    # Under pytest-xdist (scripts/test.sh runs two workers), the cluster tier
-    # runs on one worker, one test at a time: two Ray heads on one machine would
-    # contend for Ray's fixed default ports (client server, dashboard agent).
+    # Under pytest-xdist (scripts/test.sh runs two workers with --dist
+    # loadgroup), a module's tests stay on one worker, so its module fixtures
+    # start once and its tests run in their order; the cluster tier runs on one
+    # worker, one test at a time: two Ray heads on one machine would contend
+    # for Ray's fixed default ports (client server, dashboard agent).
     for item in items:
-        if item.get_closest_marker("cluster"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        group = "ray" if item.get_closest_marker("cluster") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

@@ -130,9 +130,9 @@ def test_specd_up_targets_file_default_and_check(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECD_HOME", str(tmp_path / "home"))
     args = cli.build_parser().parse_args(["up"])
     assert cli._targets_file(args) == str(tmp_path / "home" / "prometheus_targets.json")
-    cli._check_up_flags(args)                            # passes, and makes the directory
-    assert (tmp_path / "home").is_dir()
+    cli._check_up_flags(args)                            # passes, and creates nothing
+    assert not (tmp_path / "home").exists()
     (tmp_path / "taken.json").mkdir()
     args = cli.build_parser().parse_args(["up", "--metrics-targets-file", str(tmp_path / "taken.json")])
-    with pytest.raises(OSError, match="--metrics-targets-file .*taken.json: not a writable file path"):
+    with pytest.raises(OSError, match="--metrics-targets-file .*taken.json: is a directory"):
         cli._check_up_flags(args)

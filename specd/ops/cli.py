@@ -115,15 +115,18 @@ def _targets_file(args) -> str:
 
 
 def _check_targets_file(path: str) -> None:
-    """The targets file's directory must be writable: checked (and made) before
-    Ray starts, naming the path, rather than failing the orchestrator's start."""
-    parent = Path(path).parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OSError(f"--metrics-targets-file {path}: cannot create its directory ({exc.strerror})") from None
-    if Path(path).is_dir() or not os.access(parent, os.W_OK):
-        raise OSError(f"--metrics-targets-file {path}: not a writable file path")
+    """The targets file must be writable: checked before Ray starts, naming the
+    path, rather than failing the orchestrator's start. Nothing is created here
+    (a refused `specd up` leaves no trace); the orchestrator makes the missing
+    directories when it writes the file, so the nearest existing one must be
+    writable."""
+    if Path(path).is_dir():
+        raise OSError(f"--metrics-targets-file {path}: is a directory")
+    existing = Path(path).parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise OSError(f"--metrics-targets-file {path}: {existing} is not a writable directory")
 
 
 def _choose_drafter(args, sc: SpeculativeConfig) -> str | None:
