@@ -398,25 +398,30 @@ def print_status(status) -> None:
             )
 
 
-def cmd_status(args) -> int:
+def _admin(args, method: str, request, show) -> int:
+    """One Admin call, its reply handed to `show`; exit 2 on bad TLS settings,
+    1 on an RPC error (its code and details on stderr)."""
     import grpc
 
-    from specd.api.v1 import specdec_pb2 as pb
-
     try:
-        print_status(_admin_call(args, "Status", pb.StatusRequest()))
+        reply = _admin_call(args, method, request)
     except SecurityConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    show(reply)
     return 0
 
 
-def cmd_scale(args) -> int:
-    import grpc
+def cmd_status(args) -> int:
+    from specd.api.v1 import specdec_pb2 as pb
 
+    return _admin(args, "Status", pb.StatusRequest(), print_status)
+
+
+def cmd_scale(args) -> int:
     from specd.api.v1 import specdec_pb2 as pb
 
     if args.drafters is None and args.verifiers is None:
@@ -427,35 +432,21 @@ def cmd_scale(args) -> int:
         req.drafters = args.drafters
     if args.verifiers is not None:
         req.verifiers = args.verifiers
-    try:
-        print_status(_admin_call(args, "Scale", req))
-    except SecurityConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    return 0
+    return _admin(args, "Scale", req, print_status)
 
 
 def cmd_metrics_targets(args) -> int:
     """Every /metrics endpoint as Prometheus file_sd JSON, from the
     orchestrator's Status: what it writes to its targets file."""
-    import grpc
-
     from specd.api.v1 import specdec_pb2 as pb
     from specd.telemetry.discovery import dumps, file_sd_targets
 
-    try:
-        status = _admin_call(args, "Status", pb.StatusRequest())
-    except SecurityConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    sys.stdout.write(dumps(file_sd_targets(status.replicas, status.metrics_address)))
-    return 0
+    return _admin(
+        args,
+        "Status",
+        pb.StatusRequest(),
+        lambda status: sys.stdout.write(dumps(file_sd_targets(status.replicas, status.metrics_address))),
+    )
 
 
 def cmd_demo(args) -> int:
