@@ -417,6 +417,7 @@ def run_bench(cfg: BenchConfig, call: Callable, progress: bool) -> dict:
     total = sum(requests_per_round(cfg, n) for n in cfg.concurrency) * cfg.rounds * len(cfg.settings)
     per_request: dict[tuple[str, int], list[dict]] = {}
     measured: dict[tuple[str, int], list] = {}
+    schedule: list[dict] = []  # the order the runs went in (rounds alternate it)
     # A warm-up stream per setting: first-call costs (allocation, compilation
     # of a path) are not what is measured.
     for s in cfg.settings:
@@ -427,6 +428,7 @@ def run_bench(cfg: BenchConfig, call: Callable, progress: bool) -> dict:
                 order = cfg.settings if r % 2 == 0 else cfg.settings[::-1]
                 for s in order:
                     bar.set_description(f"x{n} round {r + 1}/{cfg.rounds} {s.label}")
+                    schedule.append({"concurrency": n, "round": r, "setting": s.label})
                     t0 = time.perf_counter()
                     recs = run_streams(
                         call, reqs[s.label], n, count=requests_per_round(cfg, n), on_done=lambda _rec: bar.update(1)
@@ -454,6 +456,7 @@ def run_bench(cfg: BenchConfig, call: Callable, progress: bool) -> dict:
         "rounds": cfg.rounds,
         "max_new_tokens": cfg.max_new_tokens,
         "prompts": len(cfg.prompts),
+        "schedule": schedule,
         "rows": rows,
     }
 
