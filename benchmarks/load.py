@@ -21,11 +21,10 @@ streams it measured 2.78x with 64 new tokens and 3.07x with 128 (same run).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import math
 import platform
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 
 from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd.ops import bench
 from specd.ops.local_stack import Stack
 from specd.runtime.models import load_tokenizer
 
@@ -57,73 +57,32 @@ def run_level(address: str, prompts, fields: dict, n: int, max_new: int, seconds
     (n prefills at once) and the end (streams finishing one by one, the level
     draining to fewer streams) are not what is measured. Time to first token:
     the streams that started in the window; inter-token latency: the gaps in
-    it (a message of k tokens counts as k gaps of its wait / k)."""
-    ttft, itl, errors = [], [], []
-    drafted = [0, 0]                                 # draft tokens, cycles of the streams that finished
-    arrivals: list[tuple[float, int]] = []          # (time, tokens) of every message
-    lock = threading.Lock()
-    calls: set = set()
-    stop = threading.Event()
-    counter = iter(range(10**9))
+    it (a message of k tokens counts as k gaps of its wait / k). The loop and
+    the latency figures are `specd bench`'s (specd/ops/bench.py)."""
+    requests = [pb.GenerateRequest(prompt_token_ids=pb.PromptTokenIds(ids=p), max_new_tokens=max_new, **fields)
+                for p in prompts]
+    channels = [grpc.insecure_channel(address) for _ in range(n)]   # one connection per worker, as clients have
+    stubs = [pb_grpc.OrchestratorServiceStub(c) for c in channels]
+    which = itertools.count()
     t0 = time.perf_counter()
     window = (t0 + warmup_s, t0 + warmup_s + seconds)
-
-    def one(channel, i):
-        start = last = time.perf_counter()
-        call = pb_grpc.OrchestratorServiceStub(channel).Generate(pb.GenerateRequest(
-            prompt_token_ids=pb.PromptTokenIds(ids=prompts[i % len(prompts)]),
-            max_new_tokens=max_new, **fields), timeout=1800)
-        with lock:
-            calls.add(call)
-        if stop.is_set():
-            call.cancel()
-        got = 0
-        try:
-            for r in call:
-                now = time.perf_counter()
-                with lock:
-                    arrivals.append((now, len(r.token_ids)))
-                    if got == 0 and window[0] <= start < window[1]:
-                        ttft.append(now - start)
-                    elif got and r.token_ids and window[0] <= now < window[1]:
-                        itl.extend([(now - last) / len(r.token_ids)] * len(r.token_ids))
-                got += len(r.token_ids)
-                last = now
-                if r.HasField("stats") and r.stats.cycles:
-                    with lock:
-                        drafted[0] += r.stats.drafted_tokens
-                        drafted[1] += r.stats.cycles
-        except grpc.RpcError as e:
-            if not (stop.is_set() and e.code() == grpc.StatusCode.CANCELLED):
-                errors.append(f"{e.code().name}: {e.details()}")
-        finally:
-            with lock:
-                calls.discard(call)
-
-    def worker():
-        with grpc.insecure_channel(address) as channel:
-            while not stop.is_set():
-                one(channel, next(counter))
-
-    threads = [threading.Thread(target=worker) for _ in range(n)]
-    for t in threads:
-        t.start()
-    time.sleep(max(0.0, window[1] - time.perf_counter()))
-    stop.set()
-    with lock:
-        for call in list(calls):
-            call.cancel()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"{len(errors)} streams failed, e.g. {errors[0]}")
-    tokens = sum(k for when, k in arrivals if window[0] <= when < window[1])
-    return dict(streams=n, requests=next(counter), tokens=tokens, seconds=seconds, tokens_per_s=round(tokens / seconds, 2),
+    try:
+        records = bench.run_streams(lambda req: stubs[next(which) % n].Generate(req, timeout=1800), requests, n,
+                                    until=window[1])
+    finally:
+        for c in channels:
+            c.close()
+    ttft, itl = bench.latencies(records, window)
+    tokens = bench.round_summary(records, window)["tokens"]
+    done = [r.stats for r in records if r.stats and int(r.stats.get("cycles", 0))]
+    drafted, cycles = (sum(int(s.get(k, 0)) for s in done) for k in ("drafted_tokens", "cycles"))
+    return dict(streams=n, requests=len(records), tokens=tokens, seconds=seconds,
+                tokens_per_s=round(tokens / seconds, 2),
                 # None: no stream started in the window (streams longer than it)
                 ttft_ms_p50=round(1e3 * pct(ttft, 0.5), 1) if ttft else None, itl_ms_p50=round(1e3 * pct(itl, 0.5), 2),
                 itl_ms_p99=round(1e3 * pct(itl, 0.99), 2),
                 # What adaptive chose (fixed K: K, cut near max_new_tokens)
-                draft_depth=round(drafted[0] / drafted[1], 2) if drafted[1] else None)
+                draft_depth=round(drafted / cycles, 2) if cycles else None)
 
 
 def merge_rounds(parts: list[dict]) -> dict:
@@ -145,16 +104,8 @@ def ratio_interval(a: dict, b: dict, z: float = 2.0) -> list[float] | None:
     return log_ratio_interval(a["rounds_tokens_per_s"], b["rounds_tokens_per_s"], z)
 
 
-def log_ratio_interval(a: list[float], b: list[float], z: float = 2.0) -> list[float] | None:
-    """A rough 95 % interval for a over b from paired rounds (a[i] ran next to
-    b[i]): the geometric mean of the ratios times / over exp(z * their log
-    standard error). None with fewer than 3 rounds."""
-    ratios = [x / y for x, y in zip(a, b) if x > 0 and y > 0]
-    if len(ratios) < 3:
-        return None
-    logs = [math.log(r) for r in ratios]
-    mean, se = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
-    return [round(math.exp(mean - z * se), 3), round(math.exp(mean + z * se), 3)]
+# The interval of paired rounds (also `specd bench`'s speedup interval).
+log_ratio_interval = bench.log_ratio_interval
 
 
 def plot(rows: list[dict], path: Path) -> None:

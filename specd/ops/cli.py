@@ -1,9 +1,10 @@
-"""`specd` command line: up, generate, status, scale, metrics-targets, down, demo."""
+"""`specd` command line: up, generate, status, scale, metrics-targets, down, demo, bench."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -461,6 +462,88 @@ def cmd_demo(args) -> int:
         cmd_down(args)
 
 
+def cmd_bench(args) -> int:
+    """Speculation off and on over the user's prompts at each concurrency level
+    (specd/ops/bench.py): against --address, else a local stack it starts."""
+    import importlib.util
+
+    from . import bench
+
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print(
+            "specd bench: --plot needs matplotlib, which is not installed: pip install 'specd[bench]' "
+            "(or give --plot '' for no plot)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        cfg = _bench_config(args)
+        channel_args = None if args.address is None else _client_channel(args, args.address)
+    except (bench.BenchError, SecurityConfigError) as exc:
+        print(f"specd bench: {exc}", file=sys.stderr)
+        return 2
+    stack = None
+    try:
+        if channel_args is None:
+            from .local_stack import Stack
+
+            print(f"starting a local stack: target {args.target}, drafter {args.drafter}", file=sys.stderr)
+            stack = Stack(args.target, args.drafter or None, ("--dtype", args.dtype, "--device", args.device))
+            channel = stack.channel
+        else:
+            channel = channel_args
+        from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.OrchestratorServiceStub(channel)
+        metadata = _auth(args)
+        report = bench.run_bench(
+            cfg,
+            lambda req: stub.Generate(req, timeout=args.request_timeout, metadata=metadata),
+            progress=sys.stderr.isatty(),
+        )
+    except (bench.BenchError, RuntimeError, TimeoutError) as exc:
+        print(f"specd bench: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if stack is not None:
+            stack.stop()
+        elif channel_args is not None:
+            channel_args.close()
+    report["address"] = args.address or "local stack"
+    report["target"], report["drafter"] = (None, None) if args.address else (args.target, args.drafter)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        bench.plot(report, Path(args.plot))
+    print(bench.table(report))
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""), file=sys.stderr)
+    return 0
+
+
+def _bench_config(args):
+    from . import bench
+
+    if args.settings:
+        settings = bench.settings_from_file(Path(args.settings))
+    else:
+        settings = bench.settings_from_flags(args.methods, args.k, args.tree)
+    if args.prompts:
+        prompts = bench.load_prompts(Path(args.prompts))
+    elif args.address:
+        raise bench.BenchError("with --address, give --prompts FILE (the default prompts are the demo pair's)")
+    else:
+        prompts = bench.demo_prompts(args.target)
+    if args.rounds < 1 or args.max_new_tokens < 1 or any(n < 1 for n in args.concurrency):
+        raise bench.BenchError("--rounds, --max-new-tokens and --concurrency must be positive")
+    return bench.BenchConfig(
+        settings=settings,
+        prompts=prompts,
+        concurrency=list(args.concurrency),
+        rounds=args.rounds,
+        max_new_tokens=args.max_new_tokens,
+        requests=args.requests,
+    )
+
+
 def _add_deploy_flags(p) -> None:
     p.add_argument("--target", default=str(DEMO_TARGET), help="target model dir (default: the demo pair)")
     p.add_argument(
@@ -549,6 +632,42 @@ def _add_generate_flags(p) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 
+def _add_bench_parser(sub) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="what speculation buys on your pair and prompts: off vs on, per concurrency level",
+        description="Runs the prompts at each concurrency level with speculation off and on, in alternating "
+        "rounds; writes a JSON report and a PNG plot (docs/bench.md).",
+    )
+    b.add_argument("--address", help="benchmark this running orchestrator (default: start a local stack)")
+    b.add_argument("--target", default=str(DEMO_TARGET), help="local stack: target model dir (default: demo)")
+    b.add_argument("--drafter", default=str(DEMO_DRAFTER), help="local stack: drafter model dir (default: demo)")
+    b.add_argument("--device", default="auto", help="local stack: auto | cpu | cuda")
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    b.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help='JSONL, one {"prompt": "..."} or {"messages": [...]} a line (default: the demo\'s held-out prompts)',
+    )
+    b.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8], help="streams in flight")
+    b.add_argument("--methods", nargs="+", default=["draft_model"], choices=METHODS, help="speculative methods")
+    b.add_argument("--k", type=int, nargs="+", default=[4], help="draft lengths (a chain setting per method and K)")
+    b.add_argument("--tree", type=int, nargs="+", metavar="N", help="also a tree setting: branching per depth")
+    b.add_argument(
+        "--settings", metavar="FILE", help="JSON/YAML list of GenerateRequest field dicts (instead of the flags)"
+    )
+    b.add_argument("--rounds", type=int, default=3, help="rounds per level, the settings' order reversed every other")
+    b.add_argument(
+        "--requests", type=int, help="requests per setting, level and round (default: max(prompts, 2 x level))"
+    )
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--request-timeout", type=float, default=600.0, help="seconds per Generate")
+    b.add_argument("--out", default="bench.json", help="JSON report")
+    b.add_argument("--plot", default="bench.png", help="PNG plot ('' = none; needs matplotlib: the bench extra)")
+    _add_client_flags(b)
+    b.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description="distributed speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -600,6 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     add_speculative_flags(demo)
     demo.set_defaults(func=cmd_demo, max_new_tokens=64)
+    _add_bench_parser(sub)
     return parser
 
 
