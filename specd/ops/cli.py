@@ -22,6 +22,7 @@ from specd.orchestrator.spec_config import (
     SpeculativeConfig,
     add_draft_shape_flags,
     add_speculative_flags,
+    parse_branching,
     speculative_config_from_args,
 )
 
@@ -652,7 +653,9 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8], help="streams in flight")
     b.add_argument("--methods", nargs="+", default=["draft_model"], choices=METHODS, help="speculative methods")
     b.add_argument("--k", type=int, nargs="+", default=[4], help="draft lengths (a chain setting per method and K)")
-    b.add_argument("--tree", type=int, nargs="+", metavar="N", help="also a tree setting: branching per depth")
+    b.add_argument(
+        "--tree", type=parse_branching, metavar="B1,B2,...", help="also a tree setting: children per depth, e.g. 2,2,1"
+    )
     b.add_argument(
         "--settings", metavar="FILE", help="JSON/YAML list of GenerateRequest field dicts (instead of the flags)"
     )

@@ -159,7 +159,7 @@ def add_speculative_flags(parser) -> None:
 
 def add_draft_shape_flags(g) -> None:
     """Tree and adaptive-depth flags: the service's (`specd up`) and a request's (`specd generate`)."""
-    g.add_argument("--tree", type=_branching, help="static draft tree: children per depth, e.g. 3,2,2,1")
+    g.add_argument("--tree", type=parse_branching, help="static draft tree: children per depth, e.g. 3,2,2,1")
     g.add_argument(
         "--tree-paths",
         type=tree_paths_arg,
@@ -188,7 +188,7 @@ def add_draft_shape_flags(g) -> None:
     )
 
 
-def _branching(text: str) -> list[int]:  # argparse type, also used by the CLI
+def parse_branching(text: str) -> list[int]:  # argparse type, also used by the CLI
     import argparse
 
     try:
