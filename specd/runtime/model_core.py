@@ -120,6 +120,9 @@ class ModelCore:
             for sid in ids:
                 if sid in self._sessions:
                     self.close_session(sid)
+            # The warm-up's calls came back to back: their interval would make
+            # real sessions look idle to the batcher's gather window for a while.
+            self._call_interval_s = 0.0
         log.info(
             "%s warmed up in %.0f ms: %s",
             self.role,
