@@ -78,9 +78,11 @@ class RunningMean:
     first request of a fresh system chose its depths from the start value.
 
     Observations over `clip` times the current mean count as `clip` times it
-    (winsorised), once `settle` of them are in: a one-off stall (a first call,
-    a page fault, a neighbour's burst) cannot poison the window, while a real
-    rise in cost still moves the mean by up to that factor per observation."""
+    (winsorised), once `settle` of them are in: a one-off stall (a page fault,
+    a neighbour's burst) cannot poison the window, while a real rise in cost
+    still moves the mean by up to that factor per observation. Before that, an
+    observation under 1/clip of the mean drops what came before: the first
+    calls were the outliers (cold), not this one."""
 
     decay: float
     clip: float = 4.0
@@ -92,6 +94,8 @@ class RunningMean:
     def observe(self, x: float) -> None:
         if self._w >= self.settle:
             x = min(x, self.clip * self.value)
+        elif x * self.clip < self.value:
+            self._w = self._s = 0.0
         self._w = self.decay * self._w + 1.0
         self._s = self.decay * self._s + x
         self.value = self._s / self._w
@@ -179,9 +183,14 @@ class CostModel:
         return rates
 
     def observe_verify(self, rows: int, sessions: int, ms: float) -> None:
-        if self._w >= self.prior_weight:  # winsorised against the line's prediction
+        if self._w > 0.0:  # as RunningMean, against the line's prediction
             a, b, c = self.line()
-            ms = min(ms, self.verify_clip * max(a + b * rows + c * sessions, 1e-3))
+            predicted = max(a + b * rows + c * sessions, 1e-3)
+            if self._forwards >= self.explore_cycles:
+                ms = min(ms, self.verify_clip * predicted)
+            elif ms * self.verify_clip < predicted:  # the forwards before were cold: drop them
+                self._m, self._v = [[0.0] * 3 for _ in range(3)], [0.0] * 3
+                self._w = self._y = 0.0
         x, g = (1.0, float(rows), float(sessions)), self.decay
         for i in range(3):
             self._v[i] = g * self._v[i] + x[i] * ms
