@@ -134,3 +134,11 @@ def test_fresh_model_drafts_k_first_and_one_miss_does_not_sink_deep_levels():
     assert rates[1] > 0.6 and rates[4] == rates[3]
     costs.observe_draft(4, 4.0)
     assert s.choose(costs, 0, 0) == 4      # cheap drafting, good acceptance: deep
+
+
+def test_depth_holds_near_a_tie_and_moves_for_a_clear_gain():
+    rates, kw = [0.75] * 8, dict(a=10.0, b=0.4, c=0.7, d=3.0, o=3.0)  # k = 3 wins by 2%
+    free = best_depth(rates, 4, **kw)
+    assert free < 4                                           # alone, k = 4 narrowly loses ...
+    assert best_depth(rates, 4, **kw, hold=4, margin=0.05) == 4   # ... and is kept near the tie
+    assert best_depth([0.2] * 8, 4, **kw, hold=4, margin=0.05) < 2  # a clear loss still moves

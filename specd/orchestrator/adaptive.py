@@ -60,12 +60,27 @@ def round_ms(k: int, a: float, b: float, c: float, d: float, load: Load, o: floa
 
 
 def best_depth(
-    rates: list[float], k_max: int, a: float, b: float, c: float, d: float, load: Load = Load(), o: float = 0.0
+    rates: list[float],
+    k_max: int,
+    a: float,
+    b: float,
+    c: float,
+    d: float,
+    load: Load = Load(),
+    o: float = 0.0,
+    hold: int | None = None,
+    margin: float = 0.0,
 ) -> int:
+    """hold: the depth running now, kept unless another's goodput beats it by
+    more than `margin` (a fraction)."""
+
     def goodput(k: int) -> float:
         return (expected_tokens(rates, k) + load.tokens) / round_ms(k, a, b, c, d, load, o)
 
-    return max(range(k_max + 1), key=lambda k: (goodput(k), -k))
+    best = max(range(k_max + 1), key=lambda k: (goodput(k), -k))
+    if hold is not None and hold <= k_max and goodput(best) <= (1.0 + margin) * goodput(hold):
+        return hold
+    return best
 
 
 @dataclass
@@ -264,7 +279,13 @@ class SessionDepth:
     k_max: int
     first: float | None = None  # level 1 kept; None: take all sessions' rate
     probe_every: int = 8
+    # Hysteresis: the depth changes only for a goodput over (1 + hold_margin) x
+    # the current one's. Near a tie the estimates' noise (a few cycles' draws of
+    # acceptance, timings on a busy host) would flip the choice back and forth,
+    # and a flip to a shallower depth also stops the deeper levels' learning.
+    hold_margin: float = 0.05
     _zeros: int = 0
+    _last: int | None = None  # the depth chosen last (not a probe)
 
     def observe(self, drafted_depth: int, accepted: int, costs: CostModel) -> None:
         costs.observe_levels(drafted_depth, accepted)
@@ -280,7 +301,11 @@ class SessionDepth:
         if self.first is not None:
             rates[0] = self.first
         load = Load(rest_rows, rest_sessions, rest_sessions * costs.tokens_per_cycle, rest_rows - rest_sessions)
-        k = best_depth(rates, self.k_max, a, b, c, costs.draft_ms_per_level, load, costs.overhead_ms)
+        hold = self.k_max if self._last is None else self._last  # a fresh session starts from K
+        k = best_depth(
+            rates, self.k_max, a, b, c, costs.draft_ms_per_level, load, costs.overhead_ms, hold, self.hold_margin
+        )
+        self._last = k
         if k == 0:
             self._zeros += 1
             if self._zeros >= self.probe_every:
