@@ -1,7 +1,7 @@
 """specd/orchestrator/adaptive.py: the depth rule, the cost fit, a session's acceptance."""
 import pytest
 
-from specd.orchestrator.adaptive import CostModel, Load, SessionDepth, best_depth, expected_tokens
+from specd.orchestrator.adaptive import CostModel, Load, RunningMean, SessionDepth, best_depth, expected_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -57,7 +57,9 @@ def test_session_acceptance_and_probing():
     s = SessionDepth(k_max=4)
     for _ in range(300):
         s.observe(4, 4, costs)            # every draft token kept
-    assert s.first > 0.95 and min(costs.level_rates[:4]) > 0.95 and costs.level_rates[4] == 0.7
+    # Level 5, never drafted, leans on level 4's rate (not on the 0.7 prior it would keep for good).
+    rates = costs.level_rates
+    assert s.first > 0.95 and min(rates[:4]) > 0.95 and rates[4] == rates[3]
     for _ in range(300):
         s.observe(4, 1, costs)            # level 1 kept, level 2 not; 3 and 4 never tried
     assert s.first > 0.95 and costs.level_rates[1] < 0.05 and costs.level_rates[2] > 0.95
@@ -85,3 +87,58 @@ def test_fixed_cycle_overhead_makes_depth_pay():
     assert abs(costs.overhead_ms - 12.0) < 0.1
     costs.observe_cycle(cycle_ms=10.0, verify_ms=30.0, draft_ms=8.0)     # never negative
     assert costs.overhead_ms > 11.0
+
+
+def test_running_mean_starts_from_data_and_clips_one_off_stalls():
+    m = RunningMean(0.95)
+    assert m.value == 0.0 and not m.seen
+    m.observe(2.0)
+    assert m.value == 2.0                  # the first observation at face value, not 0.1 of it
+    for _ in range(10):
+        m.observe(2.0)
+    m.observe(200.0)                       # a one-off stall counts as 4x the mean
+    assert m.value < 3.0
+    for _ in range(20):                    # a real, lasting rise still gets through
+        m.observe(50.0)
+    assert m.value > 30.0                  # (the window lags as any ~20-draw average does)
+    cold = RunningMean(0.9)
+    cold.observe(100.0)                    # a cold first call...
+    cold.observe(1.5)                      # ...is dropped by the first warm one under 1/4 of it
+    assert cold.value == 1.5
+
+
+def test_fresh_cost_model_is_not_poisoned_by_first_calls():
+    costs = CostModel()
+    costs.observe_draft(4, 400.0)          # a cold first draft: 100 ms per level
+    costs.observe_verify(5, 1, 300.0)
+    for _ in range(15):
+        costs.observe_draft(4, 6.0)
+        costs.observe_verify(5, 1, 5.0)
+        costs.observe_verify(3, 1, 4.6)
+    assert costs.draft_ms_per_level == pytest.approx(1.5)  # a plain 0.9 average kept ~20 ms
+    a, b, c = costs.line()
+    assert a + 5 * b + c < 10.0
+
+
+def test_fresh_model_drafts_k_first_and_one_miss_does_not_sink_deep_levels():
+    costs, s = CostModel(), SessionDepth(k_max=4)
+    for _ in range(3):
+        costs.observe_verify(5, 1, 5.0)
+        assert s.choose(costs, 0, 0) == 4  # exploring: K until explore_cycles forwards
+    costs.observe_verify(5, 1, 5.0)
+    assert costs.ready
+    s.observe(4, 1, costs)                 # level 2 missed once, deeper levels untried
+    s.observe(4, 4, costs)
+    s.observe(4, 4, costs)
+    rates = costs.level_rates
+    assert rates[1] > 0.6 and rates[4] == rates[3]
+    costs.observe_draft(4, 4.0)
+    assert s.choose(costs, 0, 0) == 4      # cheap drafting, good acceptance: deep
+
+
+def test_depth_holds_near_a_tie_and_moves_for_a_clear_gain():
+    rates, kw = [0.75] * 8, dict(a=10.0, b=0.4, c=0.7, d=3.0, o=3.0)  # k = 3 wins by 2%
+    free = best_depth(rates, 4, **kw)
+    assert free < 4                                           # alone, k = 4 narrowly loses ...
+    assert best_depth(rates, 4, **kw, hold=4, margin=0.05) == 4   # ... and is kept near the tie
+    assert best_depth([0.2] * 8, 4, **kw, hold=4, margin=0.05) < 2  # a clear loss still moves

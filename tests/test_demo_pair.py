@@ -4,12 +4,15 @@ down) printing a continuation and the speculation stats. The demo run is also
 the suite's test that `specd demo` starts a Ray cluster of its own (no
 RAY_ADDRESS) and stops it, leaving no deployment state behind."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from specd.ops.cli import DEMO_PROMPT
+from specd.ops.local_stack import Stack
 from specd.runtime.models import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,3 +54,17 @@ def test_specd_demo_offline(tmp_path):
     # Its own Ray: started, and stopped with the deployment.
     assert "started a local Ray cluster" in r.stderr and "specd is down" in r.stderr
     assert not (tmp_path / "home/state.json").exists()
+    # The demo's request is a fresh system's first, at the default adaptive depth: no
+    # cold-start penalty (tests/test_adaptive_cold_start.py) - it keeps >= 0.9 x the
+    # accepted length of the same request at a fixed K = 4 (greedy: deterministic per
+    # depth). The reference runs on local processes, not another Ray start; the
+    # warm-up is skipped there, since a fixed depth does not depend on timings.
+    demo = float(re.search(r"mean_accepted_length=([0-9.]+)", r.stderr).group(1))
+    ref = Stack(str(DEMO / "target"), str(DEMO / "drafter"), service_args=("--no-warmup",))
+    try:
+        _, fixed = ref.generate(prompt=DEMO_PROMPT, max_new_tokens=40, temperature=0.0,
+                                num_speculative_tokens=4, adaptive_speculation=False)
+    finally:
+        ref.stop()
+    assert fixed.stats.completion_tokens == 40 and fixed.stats.mean_accepted_length > 3.0
+    assert demo >= 0.9 * fixed.stats.mean_accepted_length, (demo, fixed.stats.mean_accepted_length)

@@ -121,6 +121,17 @@ class Drafter(ModelCore):
             s.base = s.cache.length
             self._add(session_id, s)
 
+    def _warm_up(self, ids: list[str], prompt: list[int], depths: list[int], timings: dict[str, float]) -> None:
+        """Prefills, a chain of each depth, and chains of two sessions in one batch.
+        Each call takes the draft as rejected and one token committed."""
+        params = SamplingParams()
+        for i in ids:
+            self._timed(timings, "prefill", self.open_session, i, prompt, params)
+        for n, k in enumerate(depths):
+            self._timed(timings, f"draft {k} levels", self.propose, ids[0], [], [prompt[n]], DraftShape.chain(k))
+        batch = [self.prepare(i, [], [prompt[0]], DraftShape.chain(depths[-1])) for i in ids]
+        self._timed(timings, f"draft {len(ids)} sessions", self.propose_batch, batch)
+
     def _target_vocab(self, target_vocab_size: int) -> int:
         if target_vocab_size < 0:
             raise InvalidRequest(f"target_vocab_size must be >= 0 (0 = the drafter's own), got {target_vocab_size}")

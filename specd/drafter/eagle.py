@@ -202,6 +202,11 @@ class EagleDrafter(Drafter):
 
     runner: HeadRunner  # replaces ModelCore's Runner: the head reads features too
 
+    def _warm_up(self, ids: list[str], prompt: list[int], depths: list[int], timings: dict[str, float]) -> None:
+        """None: every call of a head needs the target's features, which a
+        replica alone does not have (its first calls pay their one-off costs;
+        the orchestrator's cost model clips them, specd/orchestrator/adaptive.py)."""
+
     def __init__(self, config, model=None):
         if config.engine == "hf":
             raise ValueError("method eagle runs on the lean engine")

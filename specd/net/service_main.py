@@ -134,6 +134,12 @@ def _add_serving_flags(parser: argparse.ArgumentParser, config_cls) -> None:
         help="largest gRPC message either way (over it: RESOURCE_EXHAUSTED)",
     )
     parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="serve at once, without first running a forward of each shape (the first calls pay their one-off costs)",
+    )
+    parser.add_argument(
         "--shutdown-grace",
         type=float,
         default=5.0,
@@ -182,6 +188,7 @@ def _config_from_args(config_cls, args: argparse.Namespace, tls: TlsConfig | Non
         max_queued_calls=args.max_queued_calls,
         kv_cache_memory=args.kv_cache_memory,
         kv_block_size=args.kv_block_size,
+        warmup=args.warmup,
         **extra,
     )
 

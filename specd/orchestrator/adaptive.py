@@ -60,12 +60,64 @@ def round_ms(k: int, a: float, b: float, c: float, d: float, load: Load, o: floa
 
 
 def best_depth(
-    rates: list[float], k_max: int, a: float, b: float, c: float, d: float, load: Load = Load(), o: float = 0.0
+    rates: list[float],
+    k_max: int,
+    a: float,
+    b: float,
+    c: float,
+    d: float,
+    load: Load = Load(),
+    o: float = 0.0,
+    hold: int | None = None,
+    margin: float = 0.0,
 ) -> int:
+    """hold: the depth running now, kept unless another's goodput beats it by
+    more than `margin` (a fraction)."""
+
     def goodput(k: int) -> float:
         return (expected_tokens(rates, k) + load.tokens) / round_ms(k, a, b, c, d, load, o)
 
-    return max(range(k_max + 1), key=lambda k: (goodput(k), -k))
+    best = max(range(k_max + 1), key=lambda k: (goodput(k), -k))
+    if hold is not None and hold <= k_max and goodput(best) <= (1.0 + margin) * goodput(hold):
+        return hold
+    return best
+
+
+@dataclass
+class RunningMean:
+    """An exponentially weighted mean that starts from its first observations
+    rather than from a made-up value: the weights are normalised (the bias
+    correction of Adam's moments), so after n observations the mean is theirs,
+    however small n. A plain moving average started at 0 (or at a guess) took
+    ~20 cycles at 0.95 to get near the truth, longer than a short request: the
+    first request of a fresh system chose its depths from the start value.
+
+    Observations over `clip` times the current mean count as `clip` times it
+    (winsorised), once `settle` of them are in: a one-off stall (a page fault,
+    a neighbour's burst) cannot poison the window, while a real rise in cost
+    still moves the mean by up to that factor per observation. Before that, an
+    observation under 1/clip of the mean drops what came before: the first
+    calls were the outliers (cold), not this one."""
+
+    decay: float
+    clip: float = 4.0
+    settle: float = 3.0  # observations (weight) before clipping starts
+    value: float = 0.0  # what is returned before any observation
+    _w: float = field(default=0.0, repr=False)
+    _s: float = field(default=0.0, repr=False)
+
+    def observe(self, x: float) -> None:
+        if self._w >= self.settle:
+            x = min(x, self.clip * self.value)
+        elif x * self.clip < self.value:
+            self._w = self._s = 0.0
+        self._w = self.decay * self._w + 1.0
+        self._s = self.decay * self._s + x
+        self.value = self._s / self._w
+
+    @property
+    def seen(self) -> bool:
+        return self._w > 0.0
 
 
 @dataclass
@@ -77,43 +129,100 @@ class CostModel:
 
     Until forwards have seen rows vary apart from sessions, b and c lean on a
     weak prior (a row costs 2% and a session 10% of a one-row forward: small
-    forwards are bound by reading the weights); data take over as they vary."""
+    forwards are bound by reading the weights); data take over as they vary.
+
+    Cold start: what a fresh system learns from its first request must be what
+    it will cost later, or a short request runs at the depth its first cycles
+    chose. So (1) the model services warm up before they serve (a forward of
+    each shape their batchers run; specd/runtime/model_core.py), so that first
+    forwards, allocations and kernel selection are not in the first verify and
+    draft times; (2) draft and overhead times are normalised, winsorised means
+    (RunningMean) that take their first observations at face value and clip
+    later one-off stalls, and verify times are winsorised against the line's
+    own prediction; (3) a draft level's acceptance leans, until it has data of
+    its own, on the level above's rather than on a fixed 0.7: a level that is
+    never drafted (because the prior made it look poor) would otherwise stay
+    at the prior for good, and acceptances are positively correlated, so the
+    level above is the better guess. Measured on the demo pair, the first
+    request of a fresh stack went from 0.6 x fixed K = 4's accepted length to
+    about 1.0 x (docs/architecture.md, "Adaptive depth")."""
 
     decay: float = 0.98  # weight of the past per observation (~50-forward window)
     prior: tuple[float, float] = (0.02, 0.10)
     prior_weight: float = 2.0
+    # A verify forward over this many times the line's prediction counts as
+    # this many times it (once the line has a few forwards): see RunningMean.
+    verify_clip: float = 4.0
+    # Cycles at the request's K before the model chooses: a fresh model's
+    # first cycles are one or two draws per level, too few to tell a level
+    # that is poor from one that missed once (greedy text is the same every
+    # run, so an early miss would steer every fresh start alike).
+    explore_cycles: int = 4
+    _forwards: int = field(default=0, repr=False)
     # Weighted sums x x^T and x y over forwards, x = (1, rows, sessions): plain
     # floats, since every cycle of every session updates them.
     _m: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)], repr=False)
     _v: list[float] = field(default_factory=lambda: [0.0] * 3, repr=False)
     _w: float = 0.0
     _y: float = 0.0
-    draft_ms_per_level: float = 0.0  # drafter time per draft token, over its batches
+    # Drafter time per draft token, over its batches.
+    _draft: RunningMean = field(default_factory=lambda: RunningMean(0.9), repr=False)
     tokens_per_cycle: float = 1.0  # per session-cycle
-    overhead_ms: float = 0.0  # o: a cycle's wall time besides its verify and draft compute
-    # Per draft level: kept given the level above was kept.
-    level_rates: list[float] = field(default_factory=lambda: [0.7] * 16)
-    _seen_draft: bool = field(default=False, repr=False)
+    # o: a cycle's wall time besides its verify and draft compute.
+    _overhead: RunningMean = field(default_factory=lambda: RunningMean(0.95), repr=False)
+    # Per draft level: kept given the level above was kept, as weighted counts
+    # (decay `level_decay` per observation of that level) and the prior weight
+    # of the level above's rate (level 1's prior: `first_prior`).
+    level_decay: float = 0.98
+    first_prior: float = 0.7
+    level_prior_weight: float = 1.0
+    _level_n: list[float] = field(default_factory=lambda: [0.0] * 16, repr=False)
+    _level_kept: list[float] = field(default_factory=lambda: [0.0] * 16, repr=False)
+
+    @property
+    def draft_ms_per_level(self) -> float:
+        return self._draft.value
+
+    @property
+    def overhead_ms(self) -> float:
+        return self._overhead.value
+
+    @property
+    def level_rates(self) -> list[float]:
+        """Per draft level: kept given the level above was kept (a level's own
+        data, shrunk toward the level above's rate by level_prior_weight)."""
+        rates, prior, w0 = [], self.first_prior, self.level_prior_weight
+        for n, kept in zip(self._level_n, self._level_kept):
+            prior = (kept + w0 * prior) / (n + w0)
+            rates.append(prior)
+        return rates
 
     def observe_verify(self, rows: int, sessions: int, ms: float) -> None:
+        if self._w > 0.0:  # as RunningMean, against the line's prediction
+            a, b, c = self.line()
+            predicted = max(a + b * rows + c * sessions, 1e-3)
+            if self._forwards >= self.explore_cycles:
+                ms = min(ms, self.verify_clip * predicted)
+            elif ms * self.verify_clip < predicted:  # the forwards before were cold: drop them
+                self._m, self._v = [[0.0] * 3 for _ in range(3)], [0.0] * 3
+                self._w = self._y = 0.0
         x, g = (1.0, float(rows), float(sessions)), self.decay
         for i in range(3):
             self._v[i] = g * self._v[i] + x[i] * ms
             for j in range(3):
                 self._m[i][j] = g * self._m[i][j] + x[i] * x[j]
         self._w, self._y = g * self._w + 1, g * self._y + ms
+        self._forwards += 1
 
     def observe_draft(self, nodes: int, ms: float) -> None:
         """A drafter batch drafted `nodes` tokens (all its sessions') in ms."""
         if nodes > 0:
-            per = ms / nodes
-            self.draft_ms_per_level = per if not self._seen_draft else 0.9 * self.draft_ms_per_level + 0.1 * per
-            self._seen_draft = True
+            self._draft.observe(ms / nodes)
 
     def observe_cycle(self, cycle_ms: float, verify_ms: float, draft_ms: float) -> None:
         """A session's cycle took cycle_ms of wall time, of which its verify
         forward (its batch's) and the draft it waited for computed the rest."""
-        self.overhead_ms = 0.95 * self.overhead_ms + 0.05 * max(0.0, cycle_ms - verify_ms - draft_ms)
+        self._overhead.observe(max(0.0, cycle_ms - verify_ms - draft_ms))
 
     def observe_tokens(self, committed: int) -> None:
         self.tokens_per_cycle = 0.95 * self.tokens_per_cycle + 0.05 * committed
@@ -121,12 +230,14 @@ class CostModel:
     def observe_levels(self, drafted_depth: int, accepted: int) -> None:
         """Levels 1..accepted were kept, level accepted+1 (if drafted) was not;
         deeper ones were never tried."""
-        for i in range(min(drafted_depth, accepted + 1, len(self.level_rates))):
-            self.level_rates[i] = 0.98 * self.level_rates[i] + 0.02 * (1.0 if i < accepted else 0.0)
+        g = self.level_decay
+        for i in range(min(drafted_depth, accepted + 1, len(self._level_n))):
+            self._level_n[i] = g * self._level_n[i] + 1.0
+            self._level_kept[i] = g * self._level_kept[i] + (1.0 if i < accepted else 0.0)
 
     @property
     def ready(self) -> bool:
-        return self._w >= 1.0
+        return self._forwards >= self.explore_cycles
 
     def line(self) -> tuple[float, float, float]:
         """(a, b, c) of verify_ms ~ a + b * rows + c * sessions."""
@@ -168,7 +279,13 @@ class SessionDepth:
     k_max: int
     first: float | None = None  # level 1 kept; None: take all sessions' rate
     probe_every: int = 8
+    # Hysteresis: the depth changes only for a goodput over (1 + hold_margin) x
+    # the current one's. Near a tie the estimates' noise (a few cycles' draws of
+    # acceptance, timings on a busy host) would flip the choice back and forth,
+    # and a flip to a shallower depth also stops the deeper levels' learning.
+    hold_margin: float = 0.05
     _zeros: int = 0
+    _last: int | None = None  # the depth chosen last (not a probe)
 
     def observe(self, drafted_depth: int, accepted: int, costs: CostModel) -> None:
         costs.observe_levels(drafted_depth, accepted)
@@ -180,9 +297,15 @@ class SessionDepth:
         if not costs.ready:
             return self.k_max
         a, b, c = costs.line()
-        rates = [costs.level_rates[0] if self.first is None else self.first] + costs.level_rates[1:]
+        rates = costs.level_rates
+        if self.first is not None:
+            rates[0] = self.first
         load = Load(rest_rows, rest_sessions, rest_sessions * costs.tokens_per_cycle, rest_rows - rest_sessions)
-        k = best_depth(rates, self.k_max, a, b, c, costs.draft_ms_per_level, load, costs.overhead_ms)
+        hold = self.k_max if self._last is None else self._last  # a fresh session starts from K
+        k = best_depth(
+            rates, self.k_max, a, b, c, costs.draft_ms_per_level, load, costs.overhead_ms, hold, self.hold_margin
+        )
+        self._last = k
         if k == 0:
             self._zeros += 1
             if self._zeros >= self.probe_every:

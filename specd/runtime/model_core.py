@@ -27,6 +27,14 @@ MAX_SESSION_ID = 256
 # is expected to call again soon; the moving average's weight per call.
 ACTIVE_INTERVALS = 3.0
 INTERVAL_EMA = 0.05
+# Warm-up (ModelCore.warm_up): a prompt this long (at most), drafts this deep
+# (within the replica's limit), and as many sessions as one batched forward
+# of the warm-up takes. Small: on a CPU with a tiny model it is well under a
+# second; on a GPU it is the first-call cost (allocator, kernel choice) paid
+# once before serving instead of by the first request.
+WARMUP_PROMPT_TOKENS = 16
+WARMUP_DEPTHS = (1, 2, 4, 8)
+WARMUP_SESSIONS = 2
 
 
 class ModelCore:
@@ -87,6 +95,54 @@ class ModelCore:
             "sessions": self.num_sessions,
             **self.kv_pool.describe(),
         }
+
+    def warm_up(self) -> dict[str, float]:
+        """Run the forwards this replica's batcher will run (a prefill, verify
+        or draft calls of a few depths, a batch of two sessions), through the
+        same calls clients make, before it serves: the first forward of each
+        shape pays one-off costs (lazy initialisation, allocations, kernel
+        selection) that would otherwise land on the first request - and in the
+        orchestrator's adaptive cost model, which would learn from them that
+        drafting is dear (specd/orchestrator/adaptive.py). Returns the ms each
+        step took (logged). A failure is logged, not raised: warm-up only
+        saves time, and the replica still serves."""
+        n = max(2, min(WARMUP_PROMPT_TOKENS, self.context_length // 4))
+        prompt = [(7 * i + 3) % self.vocab_size for i in range(n)]
+        depths = [k for k in WARMUP_DEPTHS if k <= min(self.config.max_draft_tokens, self.context_length // 8)]
+        ids = [f"specd-warmup-{i}" for i in range(WARMUP_SESSIONS)]
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        try:
+            self._warm_up(ids, prompt, depths or [1], timings)
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.warning("%s warm-up failed; serving without it", self.role, exc_info=True)
+        finally:
+            for sid in ids:
+                if sid in self._sessions:
+                    self.close_session(sid)
+            # The warm-up's calls came back to back: their interval would make
+            # real sessions look idle to the batcher's gather window for a while.
+            self._call_interval_s = 0.0
+        log.info(
+            "%s warmed up in %.0f ms: %s",
+            self.role,
+            (time.perf_counter() - start) * 1e3,
+            ", ".join(f"{k} {v:.1f} ms" for k, v in timings.items()),
+        )
+        return timings
+
+    def _warm_up(self, ids: list[str], prompt: list[int], depths: list[int], timings: dict[str, float]) -> None:
+        """The role's own warm-up calls, each timed into timings (warm_up)."""
+
+    @staticmethod
+    def _timed(timings: dict[str, float], name: str, call, *args) -> None:
+        """Run call(*args); a batch's results may hold its exceptions: raise those."""
+        start = time.perf_counter()
+        out = call(*args)
+        timings[name] = (time.perf_counter() - start) * 1e3
+        for r in out if isinstance(out, list) else ():
+            if isinstance(r, Exception):
+                raise r
 
     @property
     def num_sessions(self) -> int:

@@ -96,6 +96,15 @@ class Verifier(ModelCore):
     def __init__(self, config: VerifierConfig, model=None):
         super().__init__(config, model)
 
+    def _warm_up(self, ids: list[str], prompt: list[int], depths: list[int], timings: dict[str, float]) -> None:
+        """Prefills, a verify of each depth, and one of two sessions in one forward."""
+        params = SamplingParams()
+        self._timed(timings, "prefill", self.verify_batch, [self.prepare_open(i, prompt, params) for i in ids])
+        for k in depths:
+            self._timed(timings, f"verify {k + 1} rows", self.verify, ids[0], prompt[:k])
+        batch = [self.prepare(i, prompt[: depths[-1]]) for i in ids]
+        self._timed(timings, f"verify {len(ids)} sessions", self.verify_batch, batch)
+
     @property
     def kv_tokens(self) -> int:
         """Tokens cached over all sessions (the KV pool counts the blocks they hold)."""

@@ -12,6 +12,8 @@ from .servicer import SERVICE_NAME, VerifierServicer
 def start(config: VerifierConfig, core: Verifier | None = None):
     """Load the model (unless given a core), start serving; return (server, port)."""
     core = core or Verifier(config)
+    if config.warmup:  # before the server exists: health says SERVING only once warm
+        core.warm_up()
     start_reaper(core)  # idle sessions expire (config.session_idle_timeout_s)
     return start_sync_server(
         pb_grpc.add_VerifierServiceServicer_to_server,
