@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import time
+from pathlib import Path
 
 import grpc
+import openai
 import pytest
 import torch
 
@@ -136,7 +138,7 @@ def target_only(pairs):
     from specd.runtime.models import Runner, load_model
     budget = KV_BLOCKS * KV_BLOCK * Runner(load_model(target, "cpu")).kv_row_bytes
     s = TargetOnly(target, "--kv-cache-memory", f"{budget}B", "--kv-block-size", str(KV_BLOCK),
-                   orchestrator_args=("--max-active-requests", "2"))
+                   orchestrator_args=("--max-active-requests", "2", "--http-port", "-1"))
     yield s
     s.stop()
 
@@ -182,6 +184,15 @@ def test_orchestrator_admission_bound(target_only):
     errors = [e for _, e in firsts if e is not None]
     assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "limit of 2 concurrent requests" in errors[0].details()
+    # The same bound over the OpenAI-compatible API while both streams are held:
+    # 429 in OpenAI's error shape (the SDK's RateLimitError), streaming or not.
+    client = openai.OpenAI(base_url=s.orchestrator.http_url + "/v1", api_key="unused", max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=Path(target).name, prompt=[40, 41, 42], max_tokens=4, stream=stream)
+        assert info.value.status_code == 429 and info.value.body["type"] == "rate_limit_error", info.value.body
+        assert "limit of 2 concurrent requests" in info.value.body["message"]
+    client.close()
     for (first, err), call in zip(firsts, calls):
         if err is None:
             assert len(first.token_ids) + sum(len(r.token_ids) for r in call) == MAX_NEW
