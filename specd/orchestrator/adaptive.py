@@ -83,6 +83,17 @@ def best_depth(
     return best
 
 
+def screened(x: float, reference: float, settled: bool, clip: float) -> float | None:
+    """An observation as a running estimate should take it, against what the
+    estimate expects (`reference`): once settled, at most `clip` times that
+    (winsorised: a one-off stall cannot poison the estimate, a real rise still
+    moves it); before, None when it is under 1/clip of it: the observations
+    before were the outliers (cold calls), to be dropped, not this one."""
+    if settled:
+        return min(x, clip * reference)
+    return None if x * clip < reference else x
+
+
 @dataclass
 class RunningMean:
     """An exponentially weighted mean that starts from its first observations
@@ -107,10 +118,11 @@ class RunningMean:
     _s: float = field(default=0.0, repr=False)
 
     def observe(self, x: float) -> None:
-        if self._w >= self.settle:
-            x = min(x, self.clip * self.value)
-        elif x * self.clip < self.value:
+        kept = screened(x, self.value, self._w >= self.settle, self.clip)
+        if kept is None:  # the observations so far were cold
             self._w = self._s = 0.0
+        else:
+            x = kept
         self._w = self.decay * self._w + 1.0
         self._s = self.decay * self._s + x
         self.value = self._s / self._w
@@ -201,11 +213,12 @@ class CostModel:
         if self._w > 0.0:  # as RunningMean, against the line's prediction
             a, b, c = self.line()
             predicted = max(a + b * rows + c * sessions, 1e-3)
-            if self._forwards >= self.explore_cycles:
-                ms = min(ms, self.verify_clip * predicted)
-            elif ms * self.verify_clip < predicted:  # the forwards before were cold: drop them
+            kept = screened(ms, predicted, self._forwards >= self.explore_cycles, self.verify_clip)
+            if kept is None:  # the forwards before were cold: drop them
                 self._m, self._v = [[0.0] * 3 for _ in range(3)], [0.0] * 3
                 self._w = self._y = 0.0
+            else:
+                ms = kept
         x, g = (1.0, float(rows), float(sessions)), self.decay
         for i in range(3):
             self._v[i] = g * self._v[i] + x[i] * ms
