@@ -101,3 +101,33 @@ def test_stop_ends_a_wait():
     assert future.result(10) == "a"                 # drained, not dropped
     t.join(10)
     assert time.monotonic() - start < 8.0
+
+
+def test_deferred_bookkeeping_runs_after_every_answer_of_the_batch():
+    """later() from a result's callback waits until the whole batch is
+    answered; from another thread it runs at once; a failing one is logged
+    and the batcher keeps serving."""
+    events: list[str] = []
+    gate = threading.Event()
+
+    def run(jobs):
+        gate.wait(5)
+        return [j.session_id for j in jobs]
+
+    b = Batcher(run, max_sessions=4, name="t")
+    try:
+        futures = [b.submit(Job(s)) for s in ("a", "b", "c")]
+        for f in futures:
+            f.add_done_callback(lambda f: events.append(f"answer {f.result()}"))
+            f.add_done_callback(lambda f: b.later(lambda r=f.result(): events.append(f"book {r}")))
+        futures[1].add_done_callback(lambda f: b.later(lambda: 1 / 0))
+        gate.set()
+        for f in futures:
+            f.result(5)
+        assert b.submit(Job("d")).result(5) == "d"  # still serving after the failed one
+        assert events[:3] == ["answer a", "answer b", "answer c"]
+        assert sorted(events[3:6]) == ["book a", "book b", "book c"]
+        b.later(lambda: events.append("now"))
+        assert events[-1] == "now"
+    finally:
+        b.stop()

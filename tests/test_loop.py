@@ -130,3 +130,75 @@ def truth(n):
     while len(seq) < len(PROMPT) + n:
         seq.append(target_next(seq))
     return seq
+
+
+def test_plain_loop_sends_the_next_propose_before_streaming_the_cycle():
+    """Without pipelining, the next cycle's Propose leaves as soon as a verdict
+    is committed: by the time the consumer holds a cycle's chunk, the drafter
+    has been asked for the next draft, built on exactly the committed tokens
+    (the Drafter fake checks that). The cycle's wall time runs verdict to
+    verdict, so a slow consumer shows in it. The last verdict sends none."""
+    n = 40
+    spec = GenerationSpec(PROMPT, n, SamplingParams(seed=1), "draft_model", DraftShape.chain(3))
+    verifier = Verifier()
+    drafter = Drafter(verifier)
+    tracker = OutputTracker(Tok(), set(), n, 1000)
+
+    async def go():
+        chunks, asked = [], []
+        async for c in run_generation(spec, "s", verifier, drafter, tracker, 1000, 1000):
+            await asyncio.sleep(0.01)  # the consumer's write: the Propose already flies
+            asked.append(drafter.n)
+            chunks.append(c)
+        return chunks, asked
+
+    chunks, asked = asyncio.run(go())
+    cycles = chunks[1:]
+    assert PROMPT + tracker.ids == truth(n)
+    # Chunk i (a cycle, i >= 1) is in the consumer's hands after Propose i+1 was
+    # made (a cycle with no room left for a draft, near the end, makes none);
+    # after the last verdict no Propose goes out.
+    drafted = [bool(c.cycle.draft.tokens) for c in cycles]
+    assert asked[1:] == [sum(drafted[: i + 2]) for i in range(len(cycles))]
+    assert drafter.n == sum(drafted)
+    assert all(c.cycle.wall_ms >= 10 for c in cycles)
+
+
+def test_a_stream_ended_early_drops_the_prefetched_propose():
+    """A consumer that stops after two cycles leaves a Propose in flight: it
+    is cancelled and the session is closed on both replicas."""
+    spec = GenerationSpec(PROMPT, 40, SamplingParams(seed=1), "draft_model", DraftShape.chain(3))
+    verifier = Verifier()
+    closed = []
+
+    class SlowDrafter(Drafter):
+        async def propose(self, *args, **kw):
+            self.asked = getattr(self, "asked", 0) + 1
+            if self.n >= 2:
+                try:
+                    await asyncio.sleep(10)  # still drafting when the stream ends
+                except asyncio.CancelledError:
+                    self.cancelled = True
+                    raise
+            return await super().propose(*args, **kw)
+
+        async def close(self, session_id):
+            closed.append("drafter")
+
+    async def close_verifier(session_id):
+        closed.append("verifier")
+
+    verifier.close = close_verifier
+    drafter = SlowDrafter(verifier)
+
+    async def go():
+        gen = run_generation(spec, "s", verifier, drafter, OutputTracker(Tok(), set(), 40, 1000), 1000, 1000)
+        got = [await gen.__anext__() for _ in range(3)]  # the first token and two cycles
+        await asyncio.sleep(0.01)  # the third Propose is in the drafter now
+        await gen.aclose()
+        return got
+
+    got = asyncio.run(asyncio.wait_for(go(), 5))
+    assert len(got) == 3 and drafter.asked == 3
+    assert getattr(drafter, "cancelled", False), "the prefetched Propose outlived its stream"
+    assert sorted(closed) == ["drafter", "verifier"]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.net.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors
+from specd.net.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors, then
 from specd.net.wire import dists_to_proto, hidden_from_proto, sampling_from_proto, shape_from_proto
 from specd.rules.draft_shape import DraftShape
 from specd.runtime.batcher import Batcher
 from specd.telemetry import tracing
+from specd.telemetry.probe import probed
 
 from .core import Drafter
 from .metrics import DrafterMetrics
@@ -16,12 +19,34 @@ from .metrics import DrafterMetrics
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
 
+def propose_response(proposal) -> pb.ProposeResponse:
+    tree = proposal.tree
+    return pb.ProposeResponse(
+        draft_token_ids=tree.tokens,
+        draft_parents=tree.parents,
+        draft_distributions=dists_to_proto(tree.row_dists),
+        compute_ms=proposal.compute_ms,
+        batch_sessions=proposal.batch_sessions,
+        batch_tokens=proposal.batch_tokens,
+        guessed_token_id=proposal.guess,
+        branches=[
+            pb.AheadBranch(
+                kept=b.kept,
+                token_id=b.token,
+                draft_token_ids=b.tree.tokens,
+                draft_distributions=dists_to_proto(b.tree.row_dists),
+            )
+            for b in proposal.branches
+        ],
+    )
+
+
 class DrafterServicer(pb_grpc.DrafterServiceServicer):
     def __init__(self, core: Drafter):
         self.core = core
         self.metrics = DrafterMetrics(core)
         self.batcher = Batcher(
-            core.propose_batch,
+            probed(core.propose_batch, "_propose"),
             core.config.max_batch_sessions,
             "propose",
             self.metrics.observe_batch,
@@ -51,8 +76,12 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
         close_if_caller_left(self.core, request.session_id, context)
         return pb.OpenDraftSessionResponse()
 
-    def _propose(self, request) -> pb.ProposeResponse:
-        with tracing.server_span("drafter.propose", request.traceparent) as span:
+    def _propose(self, request) -> Future:
+        """Check a Propose and queue it for the next drafting batch; a future of
+        the response. The span and metrics are done after the response is
+        queued to be sent (a callback registered after the one that answers)."""
+        span = tracing.start_server_span("drafter.propose", request.traceparent)
+        try:
             shape = (
                 shape_from_proto(request.shape)
                 if request.HasField("shape")
@@ -69,55 +98,45 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                 request.ahead_alternatives,
                 request.ahead_branch,
             )
-            proposal = self.batcher.submit(job).result()
-            if span is not None:
-                tracing.add_phases(span, "drafter", proposal.phases)
-                span.set_attributes(
-                    {
-                        "specdec.session_id": request.session_id,
-                        "specdec.draft.depth": shape.depth,
-                        "specdec.draft.nodes": len(proposal.tree.tokens),
-                        "specdec.compute_ms": proposal.compute_ms,
-                        "specdec.batch_sessions": proposal.batch_sessions,
-                        "specdec.draft.ahead": request.ahead,
-                        "specdec.draft.rewind": request.rewind,
-                        "specdec.draft.ahead_branch": request.ahead_branch,
-                        "specdec.draft.branches": 1 + len(proposal.branches) if request.ahead else 0,
-                    }
-                )
-        self.metrics.observe_proposal(proposal)
-        tree = proposal.tree
-        return pb.ProposeResponse(
-            draft_token_ids=tree.tokens,
-            draft_parents=tree.parents,
-            draft_distributions=dists_to_proto(tree.row_dists),
-            compute_ms=proposal.compute_ms,
-            batch_sessions=proposal.batch_sessions,
-            batch_tokens=proposal.batch_tokens,
-            guessed_token_id=proposal.guess,
-            branches=[
-                pb.AheadBranch(
-                    kept=b.kept,
-                    token_id=b.token,
-                    draft_token_ids=b.tree.tokens,
-                    draft_distributions=dists_to_proto(b.tree.row_dists),
-                )
-                for b in proposal.branches
-            ],
-        )
+            proposal = self.batcher.submit(job)
+        except Exception as exc:
+            tracing.end_span(span, exc)
+            raise
+        response = then(proposal, propose_response)
+        proposal.add_done_callback(lambda done: self.batcher.later(lambda: self._proposed(request, shape, done, span)))
+        return response
+
+    def _proposed(self, request, shape: DraftShape, done: Future, span) -> None:
+        error = done.exception()
+        if error is None:
+            proposal = done.result()
+            self.metrics.observe_proposal(proposal)
+        if span is None:
+            return
+        attributes = None
+        if error is None:
+            tracing.add_phases(span, "drafter", proposal.phases)
+            attributes = {
+                "specdec.session_id": request.session_id,
+                "specdec.draft.depth": shape.depth,
+                "specdec.draft.nodes": len(proposal.tree.tokens),
+                "specdec.compute_ms": proposal.compute_ms,
+                "specdec.batch_sessions": proposal.batch_sessions,
+                "specdec.draft.ahead": request.ahead,
+                "specdec.draft.rewind": request.rewind,
+                "specdec.draft.ahead_branch": request.ahead_branch,
+                "specdec.draft.branches": 1 + len(proposal.branches) if request.ahead else 0,
+            }
+        tracing.end_span(span, error, attributes)
 
     @grpc_errors
     def Propose(self, request, context):
-        return self._propose(request)
+        return self._propose(request).result()
 
     def ProposeStream(self, request_iterator, context):
         """Messages of many sessions, answered as they finish (by request_id)."""
         yield from concurrent_stream(
-            self._propose,
-            request_iterator,
-            pb.ProposeResponse,
-            self.core.config.max_batch_sessions + 1,
-            self.core.config.max_queued_calls,
+            self._propose, request_iterator, pb.ProposeResponse, self.core.config.max_queued_calls
         )
 
     @grpc_errors

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specd.errors import CapacityExceeded, InvalidRequest, SessionExpired, ShuttingDown
+from specd.telemetry.probe import mark
 
 from .security import TlsConfig
 
@@ -94,20 +95,30 @@ def grpc_errors(method):
     return wrapper
 
 
-def stream_call(handler, request, response_cls):
-    """One message of a multiplexed stream: run handler(request) and echo the
-    request_id; an error goes into the response's `error` field instead of
-    ending the stream that other sessions share."""
-    try:
-        response = handler(request)
-    except Exception as exc:  # noqa: BLE001 - every error must become a status
-        code, msg = status_for(exc)
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("%s failed", handler.__name__)
-        response = response_cls()
-        response.error.code, response.error.message = code.value[0], msg
-    response.request_id = request.request_id
+def error_response(exc: BaseException, response_cls, name: str):
+    """A stream message's failure as a response with its `error` field set:
+    the stream, which other sessions share, goes on."""
+    code, msg = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s failed", name, exc_info=exc)
+    response = response_cls()
+    response.error.code, response.error.message = code.value[0], msg
     return response
+
+
+def then(future: futures.Future, fn) -> futures.Future:
+    """A future of fn(future's result), computed by whichever thread completes
+    `future` (a batcher's), so that no thread waits on it; errors pass through."""
+    out: futures.Future = futures.Future()
+
+    def done(f: futures.Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except Exception as exc:  # noqa: BLE001 - the caller's future carries every error
+            out.set_exception(exc)
+
+    future.add_done_callback(done)
+    return out
 
 
 def close_if_caller_left(core, session_id: str, context) -> None:
@@ -123,60 +134,79 @@ def close_if_caller_left(core, session_id: str, context) -> None:
             core.close_session(session_id)
 
 
-def _refuse(max_pending: int):
-    def refuse(request):
-        raise CapacityExceeded(
-            f"too many messages in flight on this stream (more than {max_pending}); "
-            f"wait for answers before sending more"
-        )
+def concurrent_stream(start, request_iterator, response_cls, max_pending: int = 1024):
+    """Serve a multiplexed bidi stream whose messages belong to many sessions,
+    answered as they finish, in any order, matched by request_id.
 
-    return refuse
-
-
-def concurrent_stream(handler, request_iterator, response_cls, workers: int, max_pending: int = 1024):
-    """Serve a multiplexed bidi stream whose messages belong to many sessions:
-    each message is handled on a thread of its own (so calls of concurrent
-    sessions reach a batcher together) and answered when done, in any order,
-    matched by request_id (stream_call). Ends once the client has closed its
-    side and every message has its answer."""
+    start(request) checks a message and hands it to the core's batcher; it
+    returns a future of the response (specd.net.grpc_util.then) and never
+    waits, so the one reader thread keeps reading while earlier messages are in
+    a forward, and concurrent sessions' calls reach the batcher together. The
+    thread that completes a future (the batcher's) queues its response for this
+    generator to send: a message crosses two threads on its way through (reader
+    -> batcher -> sender) rather than a worker thread of its own as well, whose
+    two wake-ups were a quarter of a cycle's overhead at batch 1
+    (docs/overhead.md). Ends once the client has closed its side and every
+    message has its answer."""
     out: queue.Queue = queue.Queue()
-    pool = futures.ThreadPoolExecutor(workers, thread_name_prefix=getattr(handler, "__name__", "stream"))
+    name = getattr(start, "__name__", "stream")
     # Messages read but not yet answered; past max_pending a message is refused
     # at once (RESOURCE_EXHAUSTED in its response) so a client that floods the
-    # stream cannot grow the pool's queue without bound.
+    # stream cannot grow the batcher's queue without bound.
     pending = threading.BoundedSemaphore(max_pending)
 
-    def run(request):
-        try:
-            out.put(stream_call(handler, request, response_cls))
-        finally:
-            pending.release()
+    def answer(request_id: int, response) -> None:
+        response.request_id = request_id
+        mark(f"{name} answered")
+        out.put(response)
+        pending.release()
+
+    def answered(request_id: int):
+        def done(future: futures.Future) -> None:
+            try:
+                response = future.result()
+            except Exception as exc:  # noqa: BLE001 - every error must become a status
+                response = error_response(exc, response_cls, name)
+            answer(request_id, response)
+
+        return done
 
     def read():
         n = 0
         try:
             for request in request_iterator:
-                if pending.acquire(blocking=False):
-                    pool.submit(run, request)
-                else:
-                    out.put(stream_call(_refuse(max_pending), request, response_cls))
+                mark(f"{name} read")
                 n += 1
+                if not pending.acquire(blocking=False):
+                    refusal = CapacityExceeded(
+                        f"too many messages in flight on this stream (more than {max_pending}); "
+                        f"wait for answers before sending more"
+                    )
+                    response = error_response(refusal, response_cls, name)
+                    response.request_id = request.request_id
+                    out.put(response)
+                    continue
+                try:
+                    future = start(request)
+                except Exception as exc:  # noqa: BLE001 - a bad message fails alone
+                    answer(request.request_id, error_response(exc, response_cls, name))
+                    continue
+                mark(f"{name} queued")
+                future.add_done_callback(answered(request.request_id))
         except Exception:  # noqa: BLE001 - the client went away: answer what is in flight, then end
             pass
         out.put(n)  # the count of answers to send
 
-    threading.Thread(target=read, daemon=True, name="stream-reader").start()
+    threading.Thread(target=read, daemon=True, name=f"{name}-reader").start()
     sent, total = 0, None
-    try:
-        while total is None or sent < total:
-            item = out.get()
-            if isinstance(item, int):
-                total = item
-                continue
-            yield item
-            sent += 1
-    finally:
-        pool.shutdown(wait=False)
+    while total is None or sent < total:
+        item = out.get()
+        if isinstance(item, int):
+            total = item
+            continue
+        mark(f"{name} sending")
+        yield item
+        sent += 1
 
 
 def add_health_and_reflection(server, service_names: list[str]) -> health.HealthServicer:

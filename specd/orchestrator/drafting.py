@@ -56,6 +56,10 @@ def branch_draft(ahead: Draft, index: int) -> Draft:
     return pre
 
 
+async def _no_draft() -> Draft:
+    return Draft()
+
+
 async def timed_propose(drafter: DrafterClient, *args, **kwargs) -> Draft:
     start = time.perf_counter()
     draft = await drafter.propose(*args, **kwargs)
@@ -73,6 +77,11 @@ class Drafting:
     def draft_ahead(self, draft: Draft, state: CycleState, remaining: int) -> None:
         """Start the next cycle's draft while `draft` is verified."""
 
+    async def prefetch(self, state: CycleState, remaining: int) -> None:
+        """A verdict is committed: start the next cycle's draft now, before the
+        cycle is reported and its tokens streamed; returns once the call is on
+        its way (not answered)."""
+
     async def drop(self) -> None:
         """The stream ends: drop what is drafting ahead."""
 
@@ -85,19 +94,40 @@ class NoDrafting(Drafting):
 
 
 class PlainDrafting(Drafting):
-    """A Propose per cycle, telling the drafter what the last verdict kept."""
+    """A Propose per cycle, telling the drafter what the last verdict kept;
+    sent as soon as the verdict is committed (prefetch)."""
 
     def __init__(self, drafter: DrafterClient, session_id: str, shaper: DraftShaper):
         self.drafter, self.session_id, self.shaper = drafter, session_id, shaper
+        self._next: asyncio.Future[Draft] | None = None  # the prefetched draft, in the making
 
     async def draft(self, state: CycleState, remaining: int) -> Draft:
+        if self._next is not None:
+            next_draft, self._next = self._next, None
+            return await next_draft
+        return await self._propose(state, remaining)
+
+    async def prefetch(self, state: CycleState, remaining: int) -> None:
+        self._next = asyncio.ensure_future(self._propose(state, remaining))
+        # One turn of the loop: the call's task runs up to its message's write,
+        # so the Propose leaves now rather than after the consumer's write.
+        await asyncio.sleep(0)
+
+    def _propose(self, state: CycleState, remaining: int):
+        """The Propose for the state as it is now (the call leaves when awaited)."""
         shape = self.shaper.next(state.committed, remaining)
         if shape is None:
-            return Draft()
+            return _no_draft()
         args = (self.session_id, state.kept_path, state.unsent, shape)
-        draft = await timed_propose(self.drafter, *args, **state.news())
-        state.heard()
-        return draft
+        propose = timed_propose(self.drafter, *args, **state.news())
+        state.heard()  # the call carries all of it
+        return propose
+
+    async def drop(self) -> None:
+        if self._next is not None:  # the stream ended after a verdict
+            self._next.cancel()
+            await asyncio.gather(self._next, return_exceptions=True)
+            self._next = None
 
 
 class PipelinedDrafting(PlainDrafting):
@@ -119,6 +149,9 @@ class PipelinedDrafting(PlainDrafting):
         state.branch, state.unsent = hit, []  # the drafter has those tokens
         return branch_draft(pre, hit)
 
+    async def prefetch(self, state: CycleState, remaining: int) -> None:
+        """Nothing: a draft is already made during each verify (draft_ahead)."""
+
     def draft_ahead(self, draft: Draft, state: CycleState, remaining: int) -> None:
         if not draft.tokens:
             return
@@ -135,6 +168,7 @@ class PipelinedDrafting(PlainDrafting):
         state.branch = 0
 
     async def drop(self) -> None:
+        await super().drop()
         if self._ahead is not None:  # the stream ended during a verify
             self._ahead.cancel()
             await asyncio.gather(self._ahead, return_exceptions=True)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 
+from specd.telemetry.probe import mark
+
 from .adaptive import CostModel
 from .depth import DraftShaper, depth_policy, draft_budget, learn_costs
 from .detok import Emit, OutputTracker
@@ -94,7 +96,8 @@ async def open_session(
 
 
 async def draft_step(drafting: Drafting, state: CycleState, remaining: int, start: float) -> Draft:
-    """This cycle's draft (the time waited for it), and the next one started if pipelined."""
+    """This cycle's draft (the time waited for it since the last verdict), and
+    the next one started if pipelined."""
     draft = await drafting.draft(state, remaining)
     draft.wait_ms = ms_since(start) if draft.tokens else 0.0
     drafting.draft_ahead(draft, state, remaining)
@@ -122,21 +125,38 @@ async def run_generation(
     shaper = DraftShaper(spec.shape, depth, target_ctx, drafter_ctx) if spec.shape else None
     drafting = drafting_for(spec, session_id, drafter, shaper)
     replicas, stats = SessionReplicas(session_id, verifier, drafter), new_stats(spec)
+    span = None  # the cycle's span (tracing on)
     try:
         state, emit = await open_session(replicas, spec, tracker, stats, trace)
+        last = time.perf_counter()  # a cycle runs from one verdict to the next
+        span = trace.start_cycle()
         yield Chunk(emit, stats)
         while emit.finish_reason is None:
-            with trace.cycle() as span:  # the draft and verify calls nest under it
-                start = time.perf_counter()
-                draft = await draft_step(drafting, state, tracker.remaining, start)
+            with trace.current(span):  # the draft and verify calls nest under it
+                draft = await draft_step(drafting, state, tracker.remaining, last)
                 verdict = await verifier.verify(session_id, draft)
-                stats.feature_bytes += state.commit(draft, verdict)
-                emit = stream(tracker, stats, verdict.tokens)
-                record = state.last = stats.observe_cycle(draft, verdict, ms_since(start))
-                trace.annotate(span, record)
-                learn_costs(costs, record)
-                depth.observe(record)
+            now = time.perf_counter()
+            mark("verdict")
+            wall_ms, last = (now - last) * 1e3, now
+            stats.feature_bytes += state.commit(draft, verdict)
+            emit = stream(tracker, stats, verdict.tokens)
+            record = state.last = stats.observe_cycle(draft, verdict, wall_ms)
+            depth.observe(record)  # the session's acceptance: the next depth depends on it
+            done, span = span, None
+            if emit.finish_reason is None:
+                # The next Propose leaves now, before the rest of this cycle's
+                # bookkeeping and the client's write: the drafter works
+                # meanwhile (docs/overhead.md). The shared cost model learns
+                # this cycle after it: a running mean, one cycle late.
+                span = trace.start_cycle()
+                with trace.current(span):
+                    await drafting.prefetch(state, tracker.remaining)
+            learn_costs(costs, record)
+            trace.end_cycle(done, record)
+            mark("streamed")
             yield Chunk(emit, stats, record)
+            mark("resumed")
     finally:
+        trace.end_cycle(span)
         await drafting.drop()
         await replicas.close(trace)

@@ -44,18 +44,23 @@ class DrafterClient(Protocol):
 class NoTrace:
     """The trace hooks of the loop when tracing is off (specd/orchestrator/tracing.py
     has the real ones): `scope` makes the request span current around the
-    session calls, `cycle` opens a span per cycle that the draft and verify
-    calls nest under, `annotate` puts a cycle's record on it."""
+    session calls; `start_cycle` opens a cycle's span (None here), `current`
+    makes it current around the draft and verify calls that nest under it,
+    `end_cycle` puts the cycle's record on it and ends it. A cycle's span is
+    opened before its Propose leaves, which is during the previous cycle."""
 
     _null = contextlib.nullcontext()
 
     def scope(self) -> contextlib.AbstractContextManager:
         return self._null
 
-    def cycle(self) -> contextlib.AbstractContextManager:
+    def start_cycle(self) -> Any:
+        return None
+
+    def current(self, span) -> contextlib.AbstractContextManager:
         return self._null
 
-    def annotate(self, span, cycle: CycleRecord) -> None:
+    def end_cycle(self, span, cycle: CycleRecord | None = None) -> None:
         pass
 
 

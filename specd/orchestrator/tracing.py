@@ -1,6 +1,6 @@
 """The spans of one Generate: a request span with the GenAI semantic-convention
 attributes, and a span per cycle carrying the loop's CycleRecord as `specdec.*`
-attributes. The loop only calls the hooks (`scope`, `cycle`, `annotate`); when
+attributes. The loop only calls the hooks (`scope`, `start_cycle`, `current`, `end_cycle`); when
 tracing is off it gets no-op hooks (`OFF`) and none of this runs.
 
 Context is made current only around awaits that never cross a `yield` of the
@@ -85,12 +85,19 @@ class RequestTrace(NoTrace):
     def scope(self):
         return trace.use_span(self.span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
 
-    def cycle(self):
-        span = tracing.tracer.start_span("specdec.cycle", context=trace.set_span_in_context(self.span))
-        return trace.use_span(span, end_on_exit=True)
+    def start_cycle(self):
+        return tracing.tracer.start_span("specdec.cycle", context=trace.set_span_in_context(self.span))
 
-    def annotate(self, span, cycle: CycleRecord) -> None:
-        span.set_attributes(cycle_attributes(cycle, self.method))
+    def current(self, span):
+        return trace.use_span(span, end_on_exit=False) if span is not None else self._null
+
+    def end_cycle(self, span, cycle: CycleRecord | None = None) -> None:
+        """cycle None: the stream ended before the cycle did (its span is closed as it is)."""
+        if span is None:
+            return
+        if cycle is not None:
+            span.set_attributes(cycle_attributes(cycle, self.method))
+        span.end()
 
     def finish(self, chunk, error: BaseException | None = None) -> None:
         """End the request span with what was produced (chunk: the last one, if any)."""

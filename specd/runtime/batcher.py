@@ -20,6 +20,7 @@ full batch, never waits.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from specd.errors import CapacityExceeded
+
+log = logging.getLogger(__name__)
 
 
 class Job(Protocol):
@@ -56,6 +59,7 @@ class Batcher:
         self._queue: collections.deque[tuple[Job, Future]] = collections.deque()
         self._ready = threading.Condition()
         self._stopped = False
+        self._deferred: list[Callable[[], None]] = []  # see later()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"{name}-batcher")
         self._thread.start()
 
@@ -119,14 +123,34 @@ class Batcher:
             except Exception as exc:  # noqa: BLE001 - every caller of the batch gets the error
                 for _, future in batch:
                     future.set_exception(exc)
+                self._run_deferred()
                 continue
-            if self.on_batch:
-                self.on_batch([job for job, _ in batch])
             for (_, future), result in zip(batch, results):
                 if isinstance(result, Exception):
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+            # Only then what no caller waits for: every answer of the batch is
+            # on its way before any span or metric of it is recorded.
+            self._run_deferred()
+            if self.on_batch:
+                self.on_batch([job for job, _ in batch])
+
+    def later(self, fn: Callable[[], None]) -> None:
+        """Run fn once the current batch's results are all set (from a result's
+        callback, which runs on this batcher's thread); at once elsewhere."""
+        if threading.current_thread() is self._thread:
+            self._deferred.append(fn)
+        else:
+            fn()
+
+    def _run_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for fn in deferred:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - bookkeeping must not stop the batcher
+                log.exception("%s: deferred bookkeeping failed", self.name)
 
     def stop(self) -> None:
         with self._ready:

@@ -4,7 +4,7 @@ variables, W3C `traceparent` propagation, and the few span helpers the edges use
 Tracing is on only when an OTLP endpoint is configured
 (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) and
 OTEL_SDK_DISABLED is not true. The SDK itself reads OTEL_SERVICE_NAME,
-OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG), OTEL_BSP_* and
+OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG) (default_sampler), OTEL_BSP_* and
 OTEL_EXPORTER_OTLP_* (headers, timeout, insecure). When off, every helper here
 returns a shared no-op context manager after one flag test: no span objects,
 no context switches on the hot path.
@@ -59,12 +59,33 @@ def setup(default_service_name: str) -> bool:
     resource = Resource.create()  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES win
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: default_service_name}))
-    _provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER
+    _provider = TracerProvider(resource=resource, sampler=default_sampler())
     _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(_provider)
     ENABLED = True
     log.info("tracing on: service.name=%s", resource.attributes.get(SERVICE_NAME))
     return True
+
+
+def default_sampler():
+    """OTEL_TRACES_SAMPLER when set (the SDK reads it and its _ARG); else
+    parent-based trace-id ratio at OTEL_TRACES_SAMPLER_ARG (1.0 when unset).
+    Parent-based keeps whole requests: the orchestrator decides once per
+    request (or follows its caller's traceparent) and every span below it,
+    the drafter's and verifier's too, follows that decision. So
+    OTEL_TRACES_SAMPLER_ARG=0.05 alone traces 5 % of requests, whole."""
+    if os.environ.get("OTEL_TRACES_SAMPLER"):
+        return None
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    raw = os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+    try:
+        ratio = float(raw)
+    except ValueError:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a ratio in [0, 1], got {raw!r}") from None
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a ratio in [0, 1], got {raw!r}")
+    return ParentBased(TraceIdRatioBased(ratio))
 
 
 def shutdown() -> None:
@@ -119,6 +140,28 @@ def server_span(name: str, traceparent_value: str = "", grpc_context=None, attri
     return tracer.start_as_current_span(
         name, context=extract(traceparent_value, grpc_context), kind=SpanKind.SERVER, attributes=attributes
     )
+
+
+def start_server_span(name: str, traceparent_value: str = "", attributes=None):
+    """A SERVER span under the caller's context that the caller ends (None
+    when off): for a stream message answered on another thread, so that the
+    span's bookkeeping can wait until the answer is on its way (end_span)."""
+    if not ENABLED:
+        return None
+    return tracer.start_span(name, context=extract(traceparent_value), kind=SpanKind.SERVER, attributes=attributes)
+
+
+def end_span(span, error: BaseException | None = None, attributes=None) -> None:
+    """End a span from start_server_span, recording the call's error (as a
+    `with` span would) and its attributes."""
+    if span is None:
+        return
+    if attributes:
+        span.set_attributes(attributes)
+    if error is not None:
+        span.record_exception(error)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    span.end()
 
 
 @contextlib.contextmanager

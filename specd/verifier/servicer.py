@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.net.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors
+from specd.net.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors, then
 from specd.net.wire import dists_from_proto, hidden_to_proto, sampling_from_proto
 from specd.runtime.batcher import Batcher
 from specd.telemetry import tracing
+from specd.telemetry.probe import probed
 
 from .core import Verifier
 from .metrics import VerifierMetrics
@@ -15,12 +18,24 @@ from .metrics import VerifierMetrics
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
 
+def verify_response(result) -> pb.VerifyResponse:
+    return pb.VerifyResponse(
+        num_accepted=result.num_accepted,
+        token_ids=result.tokens,
+        accepted_path=result.path,
+        compute_ms=result.compute_ms,
+        batch_sessions=result.batch_sessions,
+        batch_tokens=result.batch_tokens,
+        hidden_states=hidden_to_proto(result.hidden),
+    )
+
+
 class VerifierServicer(pb_grpc.VerifierServiceServicer):
     def __init__(self, core: Verifier):
         self.core = core
         self.metrics = VerifierMetrics(core)
         self.batcher = Batcher(
-            core.verify_batch,
+            probed(core.verify_batch, "_verify"),
             core.config.max_batch_sessions,
             "verify",
             self.metrics.observe_batch,
@@ -54,49 +69,53 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
         first, hidden = first if request.return_hidden_states else (first, None)
         return pb.OpenVerifySessionResponse(first_token_id=first or 0, hidden_states=hidden_to_proto(hidden))
 
-    def _verify(self, request) -> pb.VerifyResponse:
-        with tracing.server_span("verifier.verify", request.traceparent) as span:
+    def _verify(self, request) -> Future:
+        """Check a Verify and queue it for the next forward; a future of the
+        response. The span and metrics are done after the response is queued
+        to be sent (a callback registered after the one that answers)."""
+        span = tracing.start_server_span("verifier.verify", request.traceparent)
+        try:
             job = self.core.prepare(
                 request.session_id,
                 list(request.draft_token_ids),
                 list(request.draft_parents),
                 dists_from_proto(request.draft_distributions) or None,
             )
-            result = self.batcher.submit(job).result()
-            if span is not None:
-                tracing.add_phases(span, "verifier", result.phases)
-                span.set_attributes(
-                    {
-                        "specdec.session_id": request.session_id,
-                        "specdec.draft.nodes": len(request.draft_token_ids),
-                        "specdec.accepted_length": result.num_accepted,
-                        "specdec.compute_ms": result.compute_ms,
-                        "specdec.batch_sessions": result.batch_sessions,
-                    }
-                )
-        self.metrics.observe_verify(len(request.draft_token_ids), result)
-        return pb.VerifyResponse(
-            num_accepted=result.num_accepted,
-            token_ids=result.tokens,
-            accepted_path=result.path,
-            compute_ms=result.compute_ms,
-            batch_sessions=result.batch_sessions,
-            batch_tokens=result.batch_tokens,
-            hidden_states=hidden_to_proto(result.hidden),
-        )
+            result = self.batcher.submit(job)
+        except Exception as exc:
+            tracing.end_span(span, exc)
+            raise
+        response = then(result, verify_response)
+        result.add_done_callback(lambda done: self.batcher.later(lambda: self._verified(request, done, span)))
+        return response
+
+    def _verified(self, request, done: Future, span) -> None:
+        error = done.exception()
+        if error is None:
+            result = done.result()
+            self.metrics.observe_verify(len(request.draft_token_ids), result)
+        if span is None:
+            return
+        attributes = None
+        if error is None:
+            tracing.add_phases(span, "verifier", result.phases)
+            attributes = {
+                "specdec.session_id": request.session_id,
+                "specdec.draft.nodes": len(request.draft_token_ids),
+                "specdec.accepted_length": result.num_accepted,
+                "specdec.compute_ms": result.compute_ms,
+                "specdec.batch_sessions": result.batch_sessions,
+            }
+        tracing.end_span(span, error, attributes)
 
     @grpc_errors
     def Verify(self, request, context):
-        return self._verify(request)
+        return self._verify(request).result()
 
     def VerifyStream(self, request_iterator, context):
         """Messages of many sessions, answered as they finish (by request_id)."""
         yield from concurrent_stream(
-            self._verify,
-            request_iterator,
-            pb.VerifyResponse,
-            self.core.config.max_batch_sessions + 1,
-            self.core.config.max_queued_calls,
+            self._verify, request_iterator, pb.VerifyResponse, self.core.config.max_queued_calls
         )
 
     @grpc_errors
