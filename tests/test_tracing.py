@@ -46,7 +46,9 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                     got.append(dict(service=resource.get("service.name"), name=s.name, trace=s.trace_id.hex(),
                                     id=s.span_id.hex(), parent=s.parent_span_id.hex(), kind=s.kind,
                                     start=s.start_time_unix_nano, end=s.end_time_unix_nano,
-                                    attrs={a.key: _value(a.value) for a in s.attributes}))
+                                    attrs={a.key: _value(a.value) for a in s.attributes},
+                                    events={e.name: {a.key: _value(a.value) for a in e.attributes}
+                                            for e in s.events}))
         with self.lock:
             self.spans += got
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -159,12 +161,15 @@ def test_one_generate_is_one_trace_across_services(fields, traced_stack, receive
             assert ca["specdec.bonus_token"] == (depth > 0 and n == depth)   # a chain's leaf is its end
         committed += n + 1                                     # the kept path + correction/bonus
 
-        # cycle -> specdec.verify (client) -> verifier.verify (server) -> forward/accept/compact
+        # cycle -> specdec.verify (client) -> verifier.verify (server)
         (verify,) = _children(spans, c, "specdec.verify")
         (server,) = _children(spans, verify, "verifier.verify")
         assert server["service"] == "verifier" and server["attrs"]["specdec.accepted_length"] == n
-        assert {x["name"] for x in spans if x["parent"] == server["id"]} == \
-            {"verifier.forward", "verifier.accept", "verifier.compact"}
+        # The call's phases are events on its span, each with its duration.
+        assert not [x for x in spans if x["parent"] == server["id"]]
+        assert set(server["events"]) == {"verifier.forward", "verifier.accept", "verifier.compact"}
+        assert all(e["specdec.phase_ms"] >= 0 for e in server["events"].values())
+        assert server["events"]["verifier.forward"]["specdec.phase_ms"] > 0
         # cycle -> specdec.draft (client) -> drafter.propose (server), when the cycle drafted
         drafts = _children(spans, c, "specdec.draft")
         assert len(drafts) == (1 if depth else 0)
@@ -172,8 +177,7 @@ def test_one_generate_is_one_trace_across_services(fields, traced_stack, receive
             (propose,) = _children(spans, d, "drafter.propose")
             assert propose["service"] == "drafter"
             assert propose["attrs"]["specdec.draft.nodes"] == ca["specdec.draft.nodes"]
-            assert {x["name"] for x in spans if x["parent"] == propose["id"]} == \
-                {"drafter.forward", "drafter.tree"}
+            assert set(propose["events"]) == {"drafter.forward", "drafter.tree"}
 
     # Accepted lengths plus one correction/bonus per cycle = the streamed tokens
     # after the prefill's.
@@ -215,3 +219,35 @@ def test_cycle_record_and_attributes():
     assert a["specdec.cycle.index"] == 1 and a["specdec.draft.nodes"] == 4 and a["specdec.draft.depth"] == 3
     assert a["specdec.accepted_per_position"] == [1, 1, 0] and a["specdec.committed_tokens"] == 3
     assert a["specdec.overhead_ms"] == 1.0 and a["specdec.bonus_token"] is False
+
+
+@pytest.mark.unit
+def test_default_sampler_is_parent_based_ratio(monkeypatch):
+    """Without OTEL_TRACES_SAMPLER: parent-based trace-id ratio at
+    OTEL_TRACES_SAMPLER_ARG (all when unset), so a request is traced whole or
+    not at all; with it, the SDK's own choice; a bad ratio is refused by name."""
+    from opentelemetry.sdk.trace.sampling import Decision
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER_ARG", raising=False)
+    every = tracing.default_sampler()
+    assert "ParentBased" in every.get_description() and "1.0" in every.get_description()
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.0")
+    none = tracing.default_sampler()
+    root = none.should_sample(None, 0x1234, "specdec.generate")
+    assert root.decision == Decision.DROP  # ratio 0: no request is traced ...
+
+    def under(sampled: bool):
+        flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+        parent = NonRecordingSpan(SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=flags))
+        return none.should_sample(set_span_in_context(parent), 0x1234, "verifier.verify").decision
+
+    # ... but a span follows its parent's decision: a sampled request is kept whole.
+    assert under(True) == Decision.RECORD_AND_SAMPLE and under(False) == Decision.DROP
+    for bad in ("1.5", "-0.1", "half"):
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", bad)
+        with pytest.raises(ValueError, match="OTEL_TRACES_SAMPLER_ARG"):
+            tracing.default_sampler()
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    assert tracing.default_sampler() is None  # the SDK reads it

@@ -15,6 +15,7 @@ from specd.runtime.kv_budget import parse_memory
 from specd.runtime.models import DTYPE_CHOICES
 from specd.telemetry import metrics, tracing
 
+from .grpc_util import prefer_latency
 from .security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
 
 
@@ -25,6 +26,7 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
     tracing.setup(name.rsplit(".", 1)[-1])
+    prefer_latency()
     _serve(name, _config_from_args(config_cls, args, tls), start, args)
 
 

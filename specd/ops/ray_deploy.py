@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from specd.drafter.config import DrafterConfig
 from specd.net.auth import TOKENS_ENV
-from specd.net.grpc_util import MAX_MESSAGE_BYTES
+from specd.net.grpc_util import MAX_MESSAGE_BYTES, prefer_latency
 from specd.net.security import TlsConfig
 from specd.orchestrator.config import OrchestratorConfig
 from specd.orchestrator.pool import ReplicaSpec
@@ -136,6 +136,7 @@ class ModelServiceActor:
     def _start(self, kind: str, config_fields: dict) -> None:
         logging.basicConfig(level=logging.INFO)
         tracing.setup(kind)  # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
+        prefer_latency()
         # The services default to loopback, which the orchestrator on another
         # node could not reach: bind this node's IP unless told otherwise.
         config_fields = dict(config_fields, host=config_fields.get("host") or ray.util.get_node_ip_address())
@@ -189,6 +190,7 @@ class OrchestratorActor:
         with _starting():
             logging.basicConfig(level=logging.INFO)
             tracing.setup("orchestrator")
+            prefer_latency()
             self.host = ray.util.get_node_ip_address()
             # Served before the core starts: it reports the address (Status, the targets file).
             self._metrics = f"{self.host}:{metrics.serve(deployment.metrics_port, self.host)}"

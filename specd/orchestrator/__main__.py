@@ -11,7 +11,7 @@ import logging
 import signal
 
 from specd.net.auth import tokens_from_env_and_file
-from specd.net.grpc_util import MAX_MESSAGE_BYTES
+from specd.net.grpc_util import MAX_MESSAGE_BYTES, prefer_latency
 from specd.net.security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
 from specd.telemetry import metrics, tracing
 
@@ -103,6 +103,7 @@ def main(argv=None):
         p.exit(2, f"orchestrator: {exc}\n")
     logging.basicConfig(level=logging.INFO)
     tracing.setup("orchestrator")  # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
+    prefer_latency()
     asyncio.run(serve(config_from_args(args, tls), args.metrics_port))
     tracing.shutdown()  # export the spans still queued
 
