@@ -140,27 +140,38 @@ def test_drafter_batch_equals_one_session_at_a_time(cores, temperature):
     params = SamplingParams(temperature=temperature, seed=5)
     prompts = {"x": [40, 41, 42], "y": [50, 51, 52, 53, 54, 55], "z": [60, 61]}
     shapes = {"x": DraftShape.chain(3), "y": DraftShape.chain(5), "z": DraftShape(branching=(2, 1))}
+    assert_batch_equals_solo(drafter, params, prompts, shapes)
+
+
+def assert_batch_equals_solo(drafter, params, prompts: dict, shapes: dict, cycles: int = 4) -> list[dict]:
+    """Sessions drafted one Propose each and the same sessions in one batch draft
+    the same trees, cycle after cycle (each keeps its first node, then a token of
+    our own choosing). Returns each cycle's batch trees by prompt key."""
     for tag in ("solo", "batch"):
         for k, p in prompts.items():
             drafter.open_session(f"{tag}-{k}", p, params)
+    out = []
     try:
         outcome = {k: ([], [p[-1] + 100]) for k, p in prompts.items()}   # (accepted path, committed)
-        for cycle in range(4):
+        for cycle in range(cycles):
             solo = {k: drafter.propose(f"solo-{k}", *outcome[k], shapes[k]).tree for k in prompts}
             jobs = [drafter.prepare(f"batch-{k}", *outcome[k], shapes[k]) for k in prompts]
             batch = dict(zip(prompts, (p.tree for p in drafter.propose_batch(jobs))))
             for k in prompts:
                 a, b = solo[k], batch[k]
-                assert (a.tokens, a.parents, a.forwarded) == (b.tokens, b.parents, b.forwarded), (cycle, k)
+                assert (a.tokens, a.parents, a.forwarded, a.pruned) == (b.tokens, b.parents, b.forwarded, b.pruned), (
+                    cycle, k)
+                assert a.confidences == pytest.approx(b.confidences, abs=1e-5)
                 assert len(a.row_dists) == len(b.row_dists)
                 for (ia, pa), (ib, pb_) in zip(a.row_dists, b.row_dists):
                     assert ia == ib and torch.allclose(torch.tensor(pa), torch.tensor(pb_), atol=1e-5)
-                # Next cycle: the first node kept, then a token of our own choosing.
                 outcome[k] = ([0], [a.tokens[0], 30 + cycle])
+            out.append(batch)
     finally:
         for tag in ("solo", "batch"):
             for k in prompts:
                 drafter.close_session(f"{tag}-{k}")
+    return out
 
 
 def test_resumed_session_continues_exactly(cores):

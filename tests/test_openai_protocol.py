@@ -50,12 +50,12 @@ def refusal(make, **fields) -> InvalidField:
 def test_completion_fields_map_to_the_generate_request():
     r = completion(prompt="hello", max_tokens=7, temperature=0, top_p=0.5, seed=3, stop="x", top_k=4,
                    speculative_method="ngram", num_speculative_tokens=2, adaptive_speculation=False,
-                   pipeline_drafting=True, pipeline_alternatives=1, user="u", n=1, echo=False,
-                   presence_penalty=0, logit_bias={}, stream=True, stream_options={"include_usage": True})
+                   pipeline_drafting=True, pipeline_alternatives=1, confidence_threshold=0.25, user="u", n=1,
+                   echo=False, presence_penalty=0, logit_bias={}, stream=True, stream_options={"include_usage": True})
     assert (r.prompt, r.max_new_tokens, r.temperature, r.top_p, r.seed, list(r.stop), r.top_k) == \
         ("hello", 7, 0.0, 0.5, 3, ["x"], 4)
     assert (r.speculative_method, r.num_speculative_tokens, r.adaptive_speculation) == ("ngram", 2, False)
-    assert (r.pipeline_drafting, r.pipeline_alternatives) == (True, 1)
+    assert (r.pipeline_drafting, r.pipeline_alternatives, r.confidence_threshold) == (True, 1, 0.25)
     assert not r.HasField("tree")
 
 

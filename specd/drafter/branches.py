@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tree_builder import DraftTree, _choose
+from .tree_builder import DraftTree, _choose, extends
 
 
 @dataclass
@@ -73,42 +73,51 @@ def branch_mask(visible: list[int], own: list[list[int]], cached: int) -> torch.
 
 def grow_branches(runner, groups: list, top_n: int, tops: int) -> None:
     """Grow every branch's chain in place. groups: per session (cache, params,
-    generator, depth, branches); each branch's token is forwarded first (at
-    position = its `visible`, the row count before it), then its chain grows
-    one node per level. One forward per level for all groups. tops: ranked
-    choices kept per chain node (the next ahead call's alternatives)."""
-    pending = [(g, [b.token for b in g[4]]) for g in groups]  # (group, token per branch to forward)
+    generator, depth, branches, min_confidence); each branch's token is
+    forwarded first (at position = its `visible`, the row count before it),
+    then its chain grows one node per level, up to `depth` nodes or its first
+    node under min_confidence (each branch on its own, as a fresh chain would).
+    One forward per level for all groups. tops: ranked choices kept per chain
+    node (the next ahead call's alternatives)."""
+    # (group, the branches whose last token goes through the model this level)
+    pending = [(g, list(g[4])) for g in groups]
     level = 0
     while pending:
         items = []
-        for (cache, _, _, _, branches), toks in pending:
-            at = torch.tensor([b.visible + level for b in branches])
-            items.append(
-                (cache, toks, at, branch_mask([b.visible for b in branches], [b.rows for b in branches], cache.length))
-            )
+        for (cache, *_), growing in pending:
+            at = torch.tensor([b.visible + level for b in growing])
+            toks = [b.tree.tokens[-1] if level else b.token for b in growing]
+            mask = branch_mask([b.visible for b in growing], [b.rows for b in growing], cache.length)
+            items.append((cache, toks, at, mask))
             start = cache.length
-            for r, b in enumerate(branches):
+            for r, b in enumerate(growing):
                 b.rows.append(start + r)
                 if level:
                     b.tree.forwarded.append(level - 1)
         logits = runner.forward_batch(items)
         following = []
-        for ((cache, params, gen, depth, branches), _), lg in zip(pending, logits):
+        for (group, growing), lg in zip(pending, logits):
+            _, params, gen, depth, _, threshold = group
             ranked = torch.topk(lg, min(tops, lg.shape[-1])).indices.tolist() if tops else None
-            for r, b in enumerate(branches):
-                (token,), dist = _choose(lg[r], 1, params, top_n, gen)
+            for r, b in enumerate(growing):
+                (token,), dist, (conf,) = _choose(lg[r], 1, params, top_n, gen)
                 t = b.tree
                 t.parents.append(len(t.tokens) - 1)
                 t.tokens.append(token)
+                t.confidences.append(conf)
                 if dist:
                     t.row_dists.append(dist)
                 if ranked:
                     t.tops.append(ranked[r])
-            if len(branches[0].tree.tokens) < depth:  # leaves are not forwarded
-                following.append(((cache, params, gen, depth, branches), [b.tree.tokens[-1] for b in branches]))
+                if len(t.tokens) < depth and not extends(conf, threshold):
+                    t.pruned = 1
+            # Leaves are not forwarded: a full chain, or one stopped at an unsure node.
+            on = [b for b in growing if len(b.tree.tokens) < depth and not b.tree.pruned]
+            if on:
+                following.append((group, on))
         pending = following
         level += 1
-    for *_, branches in groups:
-        for b in branches:
+    for group in groups:
+        for b in group[4]:
             if b.tree.row_dists:  # the leaf's own row has no children
                 b.tree.row_dists.append(([], []))

@@ -5,7 +5,10 @@ Session invariant between calls: `tokens` are the committed ids the drafter
 knows of; the cache holds a prefix of them followed by the tree nodes it
 forwarded last time (`last.forwarded`). On each Propose the cache keeps only the
 accepted path's rows (in place), the committed tokens not yet cached are
-forwarded, and a new tree grows below the last committed token.
+forwarded, and a new tree grows below the last committed token. A draft cut
+short by `shape.min_confidence` forwarded only the nodes it grew children of
+(an unsure node is a leaf, never forwarded), and `last.forwarded` says which,
+so nothing needs undoing: the next accepted_path indexes the proposed nodes.
 
 Pipelined drafting (PEARL's post-verify, Liu et al. 2024): an `ahead` call
 arrives while the verifier checks the last chain. It commits that chain plus the
@@ -329,7 +332,10 @@ class Drafter(ModelCore):
         chains = [(j, r) for j, r in rest if batched and j.shape.is_chain]
         grown = grow_chains(
             self._forwards,
-            [(j.session.cache, j.session.params, j.session.generator, j.shape.depth, r[0]) for j, r in chains],
+            [
+                (j.session.cache, j.session.params, j.session.generator, j.shape.depth, r[0], j.shape.min_confidence)
+                for j, r in chains
+            ],
             self.config.draft_top_n,
             self._tops,
         )
@@ -387,7 +393,7 @@ class Drafter(ModelCore):
                 Branch(kept, token, first + kept)
                 for kept, token in outcomes(j.committed, s.checkpoint.last.tops, bonus, n)
             ]
-            groups.append((s.cache, s.params, s.generator, j.shape.depth, s.branches))
+            groups.append((s.cache, s.params, s.generator, j.shape.depth, s.branches, j.shape.min_confidence))
             out[id(j)] = s.branches
         if groups:
             grow_branches(self._forwards, groups, self.config.draft_top_n, self._tops)

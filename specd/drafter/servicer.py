@@ -29,12 +29,16 @@ def propose_response(proposal) -> pb.ProposeResponse:
         batch_sessions=proposal.batch_sessions,
         batch_tokens=proposal.batch_tokens,
         guessed_token_id=proposal.guess,
+        draft_confidences=tree.confidences,
+        confidence_pruned=tree.pruned,
         branches=[
             pb.AheadBranch(
                 kept=b.kept,
                 token_id=b.token,
                 draft_token_ids=b.tree.tokens,
                 draft_distributions=dists_to_proto(b.tree.row_dists),
+                draft_confidences=b.tree.confidences,
+                confidence_pruned=b.tree.pruned,
             )
             for b in proposal.branches
         ],
@@ -126,6 +130,8 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                 "specdec.draft.rewind": request.rewind,
                 "specdec.draft.ahead_branch": request.ahead_branch,
                 "specdec.draft.branches": 1 + len(proposal.branches) if request.ahead else 0,
+                "specdec.draft.min_confidence": shape.min_confidence,
+                "specdec.draft.confidence_pruned": proposal.tree.pruned,
             }
         tracing.end_span(span, error, attributes)
 

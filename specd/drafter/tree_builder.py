@@ -11,10 +11,20 @@ Children are chosen by top-k (greedy requests and dynamic trees: the verifier
 uses the greedy / deterministic-children rule) or, for sampled requests on
 static trees, drawn WITHOUT replacement from the drafter's truncated q, which
 travels with the tree (the verifier uses the sampled-children rule).
+
+Every node carries its confidence: the drafter's probability of the token it
+chose there, in the law it chose it from (a sampled child: its q; a top-k
+child: its softmax probability). With `shape.min_confidence` set, a node under
+it gets no children (it is a leaf, kept): a chain ends at its first unsure
+token. The rule decides only whether a position is drafted, from the tokens
+before it - never whether a drawn token is kept - so each token is still
+proposed exactly as drawn from the q that travels with it, and the verifier's
+rules stay exact (docs/rules.md, "Stopping where the drafter is unsure").
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -36,15 +46,37 @@ class DraftTree:
     # where that node was drafted - an ahead call's likely corrections
     # (specd/drafter/branches.py). Empty when not recorded.
     tops: list[list[int]] = field(default_factory=list)
+    # Per node: the drafter's probability of its token where it chose it.
+    confidences: list[float] = field(default_factory=list)
+    # Nodes left without the children their shape gave them, because their
+    # confidence was under shape.min_confidence.
+    pruned: int = 0
 
 
-def _sample_without_replacement(ids: torch.Tensor, probs: torch.Tensor, n: int, gen) -> list[int]:
-    probs, out = probs.clone(), []
+def extends(confidence: float, threshold: float) -> bool:
+    """Whether the tree grows below a node of this confidence (threshold 0: always)."""
+    return confidence >= threshold
+
+
+def top_with_confidence(rows: torch.Tensor, n: int) -> tuple[list[list[int]], list[float]]:
+    """The n best ids of each row of logits (R, V), best first, and the
+    softmax probability of each row's first: one transfer to the host."""
+    top = torch.topk(rows, n)
+    first = torch.exp(top.values[:, :1].float() - torch.logsumexp(rows.float(), -1, keepdim=True))
+    # ids as float64 are exact (< 2**53): ids and probabilities come over together.
+    out = torch.cat([top.indices.double(), first.double()], 1).tolist()
+    return [[int(i) for i in r[:n]] for r in out], [r[n] for r in out]
+
+
+def _sample_without_replacement(ids: torch.Tensor, probs: torch.Tensor, n: int, gen) -> tuple[list[int], list[float]]:
+    """n draws without replacement; the ids, and each one's probability in q."""
+    left, out, conf = probs.clone(), [], []
     for _ in range(min(n, int((probs > 0).sum()))):
-        j = int(torch.multinomial(probs, 1, generator=gen))
+        j = int(torch.multinomial(left, 1, generator=gen))
         out.append(int(ids[j]))
-        probs[j] = 0.0
-    return out
+        conf.append(float(probs[j]))
+        left[j] = 0.0
+    return out, conf
 
 
 class _Grower:
@@ -56,9 +88,10 @@ class _Grower:
         self.depth: list[int] = []
         self.ancestors: list[list[int]] = []  # per node: ancestor node indices
 
-    def add(self, token: int, parent: int) -> int:
+    def add(self, token: int, parent: int, confidence: float) -> int:
         self.tree.tokens.append(token)
         self.tree.parents.append(parent)
+        self.tree.confidences.append(confidence)
         self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
         self.ancestors.append([] if parent < 0 else self.ancestors[parent] + [parent])
         return len(self.tree.tokens) - 1
@@ -96,24 +129,31 @@ def build_tree(
     if shape.dynamic:
         _grow_dynamic(g, root_logits, shape)
     else:
-        _grow_static(g, root_logits, shape.children(), params, top_n, gen)
+        _grow_static(g, root_logits, shape.children(), params, top_n, gen, shape.min_confidence)
     return g.tree
 
 
 def _choose(logits: torch.Tensor, n: int, params, top_n: int, gen):
-    """A node's n children: the drafter's top n (greedy), or n draws without
-    replacement from its truncated q, returned with them (sampled)."""
+    """A node's n children and their confidences: the drafter's top n
+    (greedy; no q), or n draws without replacement from its truncated q,
+    returned with them (sampled). -> (ids, q or None, confidences)."""
     if params.greedy:
-        return torch.topk(logits, n).indices.tolist(), None
+        top = torch.topk(logits, n)
+        probs = torch.exp(top.values.float() - torch.logsumexp(logits.float(), -1))
+        # ids as float64 are exact: ids and confidences come over together.
+        ids, conf = torch.stack([top.indices.double(), probs.double()]).tolist()
+        return [int(i) for i in ids], None, conf
     # The draws use the session's CPU generator; the truncated q (top_n entries)
     # comes over once, and it is what the verifier is sent anyway.
     ids, probs = (t.cpu() for t in truncate_top(logits_to_probs(logits, params), top_n))
-    return _sample_without_replacement(ids, probs, n, gen), (ids.tolist(), probs.tolist())
+    chosen, conf = _sample_without_replacement(ids, probs, n, gen)
+    return chosen, (ids.tolist(), probs.tolist()), conf
 
 
-def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen) -> None:
+def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen, threshold: float = 0.0) -> None:
     """children: how many children each node path has (DraftShape.children);
-    the k-th child of a node is the drafter's k-th choice there."""
+    the k-th child of a node is the drafter's k-th choice there. A node under
+    `threshold` keeps none (DraftShape.min_confidence)."""
     sampled = not params.greedy
     # (rank path, node index, its logits)
     frontier: list[tuple[tuple[int, ...], int, torch.Tensor]] = [((), -1, root_logits)]
@@ -121,12 +161,14 @@ def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen) ->
     while frontier:
         level = []
         for path, node, logits in frontier:
-            chosen, dist = _choose(logits, children[path], params, top_n, gen)
+            chosen, dist, conf = _choose(logits, children[path], params, top_n, gen)
             if dist:
                 dists[node + 1] = dist
-            level += [(path + (k,), g.add(t, node)) for k, t in enumerate(chosen)]
+            level += [(path + (k,), g.add(t, node, c)) for k, (t, c) in enumerate(zip(chosen, conf))]
         # Only nodes with children of their own go through the model.
-        level = [(p, n) for p, n in level if p in children]
+        parents = [(p, n) for p, n in level if p in children]
+        level = [(p, n) for p, n in parents if extends(g.tree.confidences[n], threshold)]
+        g.tree.pruned += len(parents) - len(level)
         if not level:
             break
         logits = g.forward_level([n for _, n in level])
@@ -138,30 +180,36 @@ def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen) ->
 def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTree]:
     """Chains of several sessions with one batched forward per level (what
     _grow_static does for one chain): chains are (cache, params, generator,
-    depth, root logits); each level picks every session's next token and
-    forwards those still drafting together. The caches must hold exactly the
-    committed tokens. tops: ranked choices kept per node (DraftTree.tops)."""
+    depth, root logits, min_confidence); each level picks every session's
+    next token and forwards those still drafting together: a chain stops at
+    its depth or after its first token under its min_confidence, each on its
+    own. The caches must hold exactly the committed tokens. tops: ranked
+    choices kept per node (DraftTree.tops)."""
     grown = [DraftTree() for _ in chains]
-    active = [(i, root) for i, (*_, root) in enumerate(chains)]
+    active = [(i, chains[i][4]) for i in range(len(chains))]
     level = 0
     while active:
         forward = []
         ranked = _ranked_greedy(chains, active, tops)
         for i, logits in active:
-            cache, params, gen, depth, _ = chains[i]
+            cache, params, gen, depth, _, threshold = chains[i]
             tree = grown[i]
             if i in ranked:
-                token, dist = ranked[i][0], None
+                (token, *_), conf = ranked[i]
+                dist = None
             else:
-                (token,), dist = _choose(logits, 1, params, top_n, gen)
+                (token,), dist, (conf,) = _choose(logits, 1, params, top_n, gen)
             if dist:
                 tree.row_dists.append(dist)
             tree.tokens.append(token)
             tree.parents.append(level - 1)
+            tree.confidences.append(conf)
             if tops:
-                top = ranked[i] if i in ranked else torch.topk(logits, min(tops, logits.shape[-1])).indices.tolist()
+                top = ranked[i][0] if i in ranked else torch.topk(logits, min(tops, logits.shape[-1])).indices.tolist()
                 tree.tops.append(top[:tops])
-            if level + 1 < depth:
+            if level + 1 < depth and not extends(conf, threshold):
+                tree.pruned = 1
+            elif level + 1 < depth:
                 tree.forwarded.append(level)
                 forward.append(i)
         level += 1
@@ -175,27 +223,28 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
     return grown
 
 
-def _ranked_greedy(chains: list, active: list, tops: int) -> dict[int, list[int]]:
-    """The greedy chains' ranked choices at this level, {chain: ids best first
-    (max(1, tops) of them)}, from ONE top-k over all their rows and one
-    transfer to the host - not a host sync per session, which on a GPU would
-    cost more than the level's forward at a large batch."""
+def _ranked_greedy(chains: list, active: list, tops: int) -> dict[int, tuple[list[int], float]]:
+    """The greedy chains' ranked choices at this level, {chain: (ids best first
+    (max(1, tops) of them), the first one's probability)}, from ONE top-k over
+    all their rows and one transfer to the host - not a host sync per session,
+    which on a GPU would cost more than the level's forward at a large batch."""
     by_width: dict[int, list] = {}  # rows of one width stack (a padded pair's are cut to the target's ids)
     for i, lg in active:
         if chains[i][1].greedy:
             by_width.setdefault(lg.shape[-1], []).append((i, lg))
-    out: dict[int, list[int]] = {}
+    out: dict[int, tuple[list[int], float]] = {}
     for width, greedy in by_width.items():
         rows = torch.stack([lg for _, lg in greedy]) if len(greedy) > 1 else greedy[0][1][None]
-        ids = torch.topk(rows, max(1, min(tops, width))).indices.tolist()
-        out |= {i: r for (i, _), r in zip(greedy, ids)}
+        ids, conf = top_with_confidence(rows, max(1, min(tops, width)))
+        out |= {i: (r, c) for (i, _), r, c in zip(greedy, ids, conf)}
     return out
 
 
 def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:
     """EAGLE-2 style: expand the top_k best nodes of each depth, then keep the
     node_budget nodes of highest cumulative log-probability. A child never
-    scores above its parent, so the kept set is closed under ancestors."""
+    scores above its parent, so the kept set is closed under ancestors. A
+    node under shape.min_confidence is not expanded (the next best is)."""
     score: list[float] = []
 
     def expand(parent: int, logits: torch.Tensor) -> list[int]:
@@ -204,13 +253,17 @@ def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:
         base = score[parent] if parent >= 0 else 0.0
         made = []
         for lp, t in zip(top.values.tolist(), top.indices.tolist()):
-            made.append(g.add(t, parent))
+            made.append(g.add(t, parent, math.exp(lp)))
             score.append(base + lp)
         return made
 
     level = expand(-1, root_logits)
     for _ in range(shape.max_depth - 1):
-        best = sorted(level, key=lambda n: -score[n])[: shape.top_k]
+        ranked = sorted(level, key=lambda n: -score[n])
+        best = [n for n in ranked if extends(g.tree.confidences[n], shape.min_confidence)][: shape.top_k]
+        g.tree.pruned += sum(n not in best for n in ranked[: shape.top_k])
+        if not best:
+            break
         logits = g.forward_level(best)
         level = [c for n, row in zip(best, logits) for c in expand(n, row)]
     keep = sorted(range(len(score)), key=lambda n: (-score[n], g.depth[n]))[: shape.node_budget]
@@ -220,6 +273,8 @@ def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:
     g.tree = DraftTree(
         tokens=[t.tokens[n] for n in keep],
         parents=[new[t.parents[n]] if t.parents[n] >= 0 else -1 for n in keep],
+        confidences=[t.confidences[n] for n in keep],
+        pruned=t.pruned,
         # Forwarded rows stay in the cache in their order; pruned ones map to -1
         # and are dropped by the next compaction.
         forwarded=[new.get(n, -1) for n in t.forwarded],

@@ -30,6 +30,7 @@ def shape_to_proto(shape) -> pb.DraftShape:
         max_depth=shape.max_depth,
         top_k=shape.top_k,
         paths=[pb.TreePath(ranks=p) for p in shape.paths],
+        min_confidence=shape.min_confidence,
     )
 
 
@@ -42,6 +43,7 @@ def shape_from_proto(msg: pb.DraftShape, default_top_k: int = 4):
         max_depth=msg.max_depth,
         top_k=msg.top_k or default_top_k,
         paths=tuple(tuple(p.ranks) for p in msg.paths),
+        min_confidence=msg.min_confidence,
     )
 
 

@@ -292,6 +292,8 @@ def cmd_generate(args) -> int:
         req.pipeline_drafting = args.pipeline
     if getattr(args, "pipeline_alternatives", None) is not None:
         req.pipeline_alternatives = args.pipeline_alternatives
+    if getattr(args, "confidence_threshold", None) not in (None, "auto"):  # auto: the service's setting
+        req.confidence_threshold = args.confidence_threshold
     if args.tree or args.tree_budget or args.tree_paths:
         req.tree.CopyFrom(
             pb.DraftShape(

@@ -27,11 +27,19 @@ and k = argmax G(k) over 0..k_max. At batch 1 that is the classic speculative
 optimum; when rows are what costs and the forward is full of other sessions'
 rows, a draft token must be likely kept to pay for its row, down to k = 0
 (plain decoding) when none would.
+
+Within the chosen depth, the same round costs set the confidence below which
+the drafter stops (SessionDepth.threshold; the rule and what it learns:
+specd/orchestrator/confidence.py): a node is worth drafting below when its
+expected share of committed tokens, at the round's ms per token, exceeds what
+one more row and level add to T.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .confidence import ConfidenceTable
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -190,6 +198,9 @@ class CostModel:
     level_prior_weight: float = 1.0
     _level_n: list[float] = field(default_factory=lambda: [0.0] * 16, repr=False)
     _level_kept: list[float] = field(default_factory=lambda: [0.0] * 16, repr=False)
+    # Acceptance per bucket of the drafter's confidence: where drafts stop
+    # (specd/orchestrator/confidence.py).
+    confidence: ConfidenceTable = field(default_factory=ConfidenceTable)
 
     @property
     def draft_ms_per_level(self) -> float:
@@ -306,14 +317,31 @@ class SessionDepth:
             prior = costs.level_rates[0] if self.first is None else self.first
             self.first = 0.85 * prior + 0.15 * (1.0 if accepted else 0.0)
 
-    def choose(self, costs: CostModel, rest_rows: float, rest_sessions: int) -> int:
-        if not costs.ready:
-            return self.k_max
-        a, b, c = costs.line()
+    def _rates_and_load(self, costs: CostModel, rest_rows: float, rest_sessions: int) -> tuple[list[float], Load]:
         rates = costs.level_rates
         if self.first is not None:
             rates[0] = self.first
         load = Load(rest_rows, rest_sessions, rest_sessions * costs.tokens_per_cycle, rest_rows - rest_sessions)
+        return rates, load
+
+    def threshold(self, costs: CostModel, k: int, rest_rows: float, rest_sessions: int) -> float:
+        """The confidence below which drafting stops, at depth k: where one more
+        node's expected tokens are worth less than the row and level it adds
+        (specd/orchestrator/confidence.py). 0 until the model is ready."""
+        if k == 0 or not costs.ready:
+            return 0.0
+        a, b, c = costs.line()
+        rates, load = self._rates_and_load(costs, rest_rows, rest_sessions)
+        d, o = costs.draft_ms_per_level, costs.overhead_ms
+        here = round_ms(k, a, b, c, d, load, o)
+        token_ms = here / (expected_tokens(rates, k) + load.tokens)
+        return costs.confidence.threshold(token_ms, round_ms(k + 1, a, b, c, d, load, o) - here)
+
+    def choose(self, costs: CostModel, rest_rows: float, rest_sessions: int) -> int:
+        if not costs.ready:
+            return self.k_max
+        a, b, c = costs.line()
+        rates, load = self._rates_and_load(costs, rest_rows, rest_sessions)
         hold = self.k_max if self._last is None else self._last  # a fresh session starts from K
         k = best_depth(
             rates, self.k_max, a, b, c, costs.draft_ms_per_level, load, costs.overhead_ms, hold, self.hold_margin

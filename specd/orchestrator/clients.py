@@ -287,9 +287,18 @@ class GrpcDrafter(_Client):
             r.compute_ms,
             r.batch_tokens,
             r.guessed_token_id if r.HasField("guessed_token_id") else None,
-            branches=[(b.kept, b.token_id, _chain(b.draft_token_ids, b.draft_distributions)) for b in r.branches],
+            branches=[(b.kept, b.token_id, _chain(b)) for b in r.branches],
+            confidences=list(r.draft_confidences),
+            pruned=r.confidence_pruned,
         )
 
 
-def _chain(tokens, dists) -> Draft:
-    return Draft(list(tokens), list(range(-1, len(tokens) - 1)), dists_from_proto(dists))
+def _chain(b: pb.AheadBranch) -> Draft:
+    tokens = b.draft_token_ids
+    return Draft(
+        list(tokens),
+        list(range(-1, len(tokens) - 1)),
+        dists_from_proto(b.draft_distributions),
+        confidences=list(b.draft_confidences),
+        pruned=b.confidence_pruned,
+    )

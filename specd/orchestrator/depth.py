@@ -2,8 +2,9 @@
 
 The depth comes from a `DepthPolicy`: fixed (the request's K) or adaptive (the
 goodput-best depth, specd/orchestrator/adaptive.py); `DraftShaper` cuts the
-request's shape to it and to what is left of the output and the contexts.
-Pure: no I/O."""
+request's shape to it and to what is left of the output and the contexts, and
+sets the confidence below which the drafter stops (fixed, or the adaptive
+policy's learned one: specd/orchestrator/confidence.py). Pure: no I/O."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class DepthPolicy(Protocol):
         """Learn the acceptance per level from a finished cycle."""
         ...
 
+    def threshold(self, k: int) -> float:
+        """The learned confidence threshold for a draft of depth k (0 = off)."""
+        ...
+
 
 @dataclass
 class FixedDepth:
@@ -46,6 +51,9 @@ class FixedDepth:
     def observe(self, cycle: CycleRecord) -> None:
         if cycle.depth:  # fixed-K sessions teach the shared per-level rates too
             self.costs.observe_levels(cycle.depth, cycle.accepted)
+
+    def threshold(self, k: int) -> float:
+        return 0.0  # a fixed draft is drafted as asked
 
 
 @dataclass
@@ -66,6 +74,9 @@ class AdaptiveDepth:
         self.rest_rows = max(0, cycle.verdict.batch_tokens - (len(cycle.draft.tokens) + 1))
         self.rest_sessions = max(0, cycle.verdict.batch_sessions - 1)
 
+    def threshold(self, k: int) -> float:
+        return self.session.threshold(self.costs, k, self.rest_rows, self.rest_sessions)
+
 
 def depth_policy(k: int, adaptive: bool, costs: CostModel) -> DepthPolicy:
     """k: the request's depth, the most an adaptive one goes to."""
@@ -80,13 +91,19 @@ class DraftShaper:
     depth: DepthPolicy
     target_ctx: int
     drafter_ctx: int
+    # The drafter's stopping threshold (DraftShape.min_confidence): fixed (0 =
+    # off), or None = the depth policy's learned one for the chosen depth.
+    confidence: float | None = 0.0
 
     def next(self, committed: int, remaining: int) -> DraftShape | None:
         """None: no room for a draft (a plain decode step)."""
         k = self.depth.choose()
         cut = self.shape.truncated(draft_budget(k, remaining, committed, self.target_ctx, self.drafter_ctx))
         # A wide tree's nodes are rows too: fewer levels near the context's end.
-        return cut.fit(self.target_ctx - committed, self.drafter_ctx - committed) if cut is not None else None
+        fitted = cut.fit(self.target_ctx - committed, self.drafter_ctx - committed) if cut is not None else None
+        if fitted is None:
+            return None
+        return fitted.with_confidence(self.depth.threshold(k) if self.confidence is None else self.confidence)
 
 
 def learn_costs(costs: CostModel, cycle: CycleRecord) -> None:
@@ -97,5 +114,6 @@ def learn_costs(costs: CostModel, cycle: CycleRecord) -> None:
     costs.observe_verify(verdict.batch_tokens or rows, verdict.batch_sessions or 1, verdict.compute_ms)
     costs.observe_draft(draft.batch_tokens or len(draft.tokens), draft.compute_ms)
     costs.observe_tokens(len(verdict.tokens))
+    costs.confidence.observe(draft.parents, draft.confidences, verdict.path)
     # A pre-draft's compute ran beside an earlier verify: only the draft waited for counts.
     costs.observe_cycle(cycle.wall_ms, verdict.compute_ms, 0.0 if draft.ahead else draft.compute_ms)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from specd.rules.draft_shape import DraftShape
+
 from .depth import DraftShaper
 from .ports import DrafterClient
 from .records import Draft, Verdict
@@ -52,6 +54,7 @@ def branch_draft(ahead: Draft, index: int) -> Draft:
     else:
         pre = ahead.branches[index - 1][2]
         pre.compute_ms, pre.batch_tokens, pre.call_ms = ahead.compute_ms, ahead.batch_tokens, ahead.call_ms
+        pre.min_confidence = ahead.min_confidence
     pre.ahead, pre.branch, pre.branches = True, index, []
     return pre
 
@@ -61,9 +64,12 @@ async def _no_draft() -> Draft:
 
 
 async def timed_propose(drafter: DrafterClient, *args, **kwargs) -> Draft:
+    """args: (session_id, accepted_path, committed, shape), as DrafterClient.propose."""
     start = time.perf_counter()
     draft = await drafter.propose(*args, **kwargs)
     draft.call_ms = (time.perf_counter() - start) * 1e3
+    shape: DraftShape = args[3]
+    draft.min_confidence = shape.min_confidence
     return draft
 
 

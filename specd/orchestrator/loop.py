@@ -122,7 +122,7 @@ async def run_generation(
     costs = costs or CostModel()
     drafter = drafter if spec.shape is not None else None  # no shape: plain decoding, drafter unused
     depth = depth_policy(spec.shape.depth if spec.shape else 0, spec.adaptive and drafter is not None, costs)
-    shaper = DraftShaper(spec.shape, depth, target_ctx, drafter_ctx) if spec.shape else None
+    shaper = DraftShaper(spec.shape, depth, target_ctx, drafter_ctx, spec.confidence) if spec.shape else None
     drafting = drafting_for(spec, session_id, drafter, shaper)
     replicas, stats = SessionReplicas(session_id, verifier, drafter), new_stats(spec)
     span = None  # the cycle's span (tracing on)

@@ -91,6 +91,7 @@ class _Common(Strict):
     adaptive_speculation: bool | None = None
     pipeline_drafting: bool | None = None
     pipeline_alternatives: Int32 | None = None
+    confidence_threshold: float | None = None
 
 
 class CompletionRequest(_Common):
@@ -220,7 +221,13 @@ def _sampling(req: _Common, out: pb.GenerateRequest) -> None:
 def _speculation(req: _Common, out: pb.GenerateRequest) -> None:
     if req.speculative_method is not None:
         out.speculative_method = req.speculative_method
-    for name in ("num_speculative_tokens", "adaptive_speculation", "pipeline_drafting", "pipeline_alternatives"):
+    for name in (
+        "num_speculative_tokens",
+        "adaptive_speculation",
+        "pipeline_drafting",
+        "pipeline_alternatives",
+        "confidence_threshold",
+    ):
         value = getattr(req, name)
         if value is not None:
             setattr(out, name, value)
@@ -292,6 +299,7 @@ CORE_FIELDS = (
     "speculative_method",
     "pipeline_drafting",
     "pipeline_alternatives",
+    "confidence_threshold",
 )
 
 

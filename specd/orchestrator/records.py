@@ -26,6 +26,9 @@ class Draft:
     # bonus token, the chain after it); this draft itself assumes all kept + guess.
     branches: list[tuple[int, int, Draft]] = field(default_factory=list)
     branch: int = 0  # a pipelined draft: its branch (0 = all kept + guess, i = branches[i-1])
+    confidences: list[float] = field(default_factory=list)  # per node: the drafter's probability of it
+    min_confidence: float = 0.0  # the stopping threshold it was drafted with (0 = off)
+    pruned: int = 0  # nodes the threshold left without the children the shape gave them
 
 
 @dataclass
@@ -98,6 +101,7 @@ class Stats:
     draft_wait_ms: float = 0.0  # of the cycles' wall time, waiting for drafts
     draft_call_ms: float = 0.0  # the used drafts' Propose calls' own wall time
     feature_bytes: int = 0  # spec.features: hidden-state bytes carried (prefill + cycles)
+    confidence_stops: int = 0  # cycles whose draft the confidence threshold cut short
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
@@ -121,6 +125,7 @@ class Stats:
         self.pipelined_alternative_drafts += draft.ahead and draft.branch > 0
         self.draft_wait_ms += draft.wait_ms
         self.draft_call_ms += draft.call_ms
+        self.confidence_stops += draft.pruned > 0
         record = CycleRecord(self.cycles - 1, draft, verdict, wall_ms)
         self.cycle_overhead_ms.append(record.overhead_ms)
         return record

@@ -32,6 +32,9 @@ class GenerationSpec:
     adaptive: bool = False  # choose the depth per cycle (specd/orchestrator/adaptive.py), up to shape's
     pipeline: bool = False  # draft the next chain during each verify (specd/orchestrator/drafting.py)
     pipeline_alternatives: int = 0  # ... also for this many rejection outcomes per depth
+    # The drafter stops below a node less confident than this (0 = off; None =
+    # learned per cycle, adaptive requests: specd/orchestrator/confidence.py).
+    confidence: float | None = 0.0
 
     @property
     def features(self) -> bool:
@@ -71,6 +74,7 @@ def build_spec(
     else:  # a request that names its own K or tree gets exactly that
         adaptive = config.speculative.adaptive and not (req.HasField("num_speculative_tokens") or req.HasField("tree"))
     pipeline = pipelining(req, config.speculative, method, shape)
+    adaptive = adaptive and shape is not None
     return GenerationSpec(
         prompt_ids,
         max_new,
@@ -78,9 +82,10 @@ def build_spec(
         method,
         shape,
         tuple(req.stop),
-        adaptive and shape is not None,
+        adaptive,
         pipeline,
         alternatives(req, config.speculative) if pipeline else 0,
+        confidence_threshold(req, config.speculative, method, shape, adaptive),
     )
 
 
@@ -112,6 +117,28 @@ def alternatives(req, sc: SpeculativeConfig) -> int:
     if not 0 <= n <= MAX_PIPELINE_ALTERNATIVES:
         raise InvalidRequest(f"pipeline_alternatives must be in [0, {MAX_PIPELINE_ALTERNATIVES}], got {n}")
     return n
+
+
+def confidence_threshold(
+    req, sc: SpeculativeConfig, method: str, shape: DraftShape | None, adaptive: bool
+) -> float | None:
+    """The drafter's stopping threshold (None: learned per cycle). Only a
+    drafter service reports confidences; other methods draft as they do."""
+    drafts = method in DRAFTER_METHODS and shape is not None
+    if req.HasField("confidence_threshold"):
+        t = req.confidence_threshold
+        if not 0.0 <= t < 1.0:  # NaN fails too
+            raise InvalidRequest(f"confidence_threshold must be in [0, 1) (0 = off), got {t}")
+        if t and not drafts:
+            raise InvalidRequest(
+                f"confidence_threshold needs speculative_method draft_model or eagle (got method {method!r})"
+            )
+        return t
+    if not drafts:
+        return 0.0
+    if sc.confidence_threshold == "auto":
+        return None if adaptive else 0.0
+    return float(sc.confidence_threshold)
 
 
 def pipelining(req, sc: SpeculativeConfig, method: str, shape: DraftShape | None) -> bool:
@@ -156,6 +183,8 @@ def speculation(
             f"speculative_method {method} was asked for but this deployment's drafter serves {drafter_method}"
         )
     if req.HasField("tree"):
+        if req.tree.min_confidence:
+            raise InvalidRequest("tree.min_confidence: a request sets it with confidence_threshold")
         shape = shape_from_proto(req.tree)
     elif sc.tree and not req.HasField("num_speculative_tokens"):
         shape = sc.tree_shape()

@@ -14,6 +14,8 @@
     adaptive: true             # depth per cycle from measured acceptance and costs (false: always K)
     pipeline: false            # draft the next chain during each verify (draft_model chains)
     pipeline_alternatives: 2   # ... also for this many rejection outcomes per depth (0: all-kept only)
+    confidence_threshold: auto # draft nothing below a token the drafter is less sure of than this:
+                               # auto (learned, adaptive requests) | a number in [0, 1) | 0 (off)
 
 Read from YAML or TOML (`specd up --speculative-config FILE`) or flags; every
 error names the key and the value. Requests may override method, K and tree
@@ -66,6 +68,12 @@ class SpeculativeConfig:
     # correction, and as many further bonus guesses (specd/drafter/branches.py).
     # 0 = only the all-kept branch. Default from benchmarks/pipeline.py (benchmarks/README.md).
     pipeline_alternatives: int = 2
+    # The drafter drafts nothing below a token whose confidence (its own
+    # probability of it) is under this; the token itself is drafted. "auto":
+    # learned per cycle from acceptance per confidence bucket and the measured
+    # costs, for adaptive requests (others: off); a number in [0, 1): that
+    # threshold for every drafter request; 0: off (specd/orchestrator/confidence.py).
+    confidence_threshold: str | float = "auto"
     max_num_speculative_tokens: int = 16  # limits that requests cannot exceed
     max_tree_nodes: int = 64
 
@@ -85,6 +93,7 @@ class SpeculativeConfig:
         for key in ("adaptive", "pipeline"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"speculative_config.{key}: must be true or false, got {getattr(self, key)!r}")
+        check_confidence_threshold(self.confidence_threshold)
         if not 0 <= self.pipeline_alternatives <= MAX_PIPELINE_ALTERNATIVES:
             raise ConfigError(
                 f"speculative_config.pipeline_alternatives: {self.pipeline_alternatives} is outside "
@@ -127,6 +136,24 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
         return cls(**data).validate()
+
+
+def check_confidence_threshold(value) -> None:
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ConfigError(
+            f'speculative_config.confidence_threshold: "auto" or a number in [0, 1) (0 = off), got {value!r}'
+        )
+
+
+def confidence_arg(text: str) -> str | float:  # argparse type
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want auto or a number in [0, 1); got {text!r}") from None
 
 
 def load(path: str | Path) -> SpeculativeConfig:
@@ -186,6 +213,14 @@ def add_draft_shape_flags(g) -> None:
         default=None,
         help="pipelined drafting: rejection outcomes pre-drafted per chain depth (0: all-kept only)",
     )
+    g.add_argument(
+        "--confidence-threshold",
+        type=confidence_arg,
+        default=None,
+        metavar="auto|X",
+        help="draft nothing below a token the drafter is less sure of than this: auto (learned, for "
+        "adaptive requests; the service's default), a number in [0, 1), 0 = off",
+    )
 
 
 def parse_branching(text: str) -> list[int]:  # argparse type, also used by the CLI
@@ -218,6 +253,7 @@ def speculative_config_from_args(args) -> SpeculativeConfig:
             "adaptive",
             "pipeline",
             "pipeline_alternatives",
+            "confidence_threshold",
         )
         if getattr(args, k, None) is not None
     }

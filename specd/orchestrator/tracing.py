@@ -42,6 +42,10 @@ def cycle_attributes(c: CycleRecord, method: str) -> dict:
         # Which pre-drafted outcome it was: 0 = all kept + guessed bonus, i > 0 =
         # the ahead call's i-th alternative (a rejection outcome or bonus guess).
         "specdec.draft.branch": c.draft.branch,
+        # The drafter's stopping threshold this cycle (0 = off) and the nodes
+        # it left without the children the shape gave them.
+        "specdec.draft.min_confidence": c.draft.min_confidence,
+        "specdec.draft.confidence_pruned": c.draft.pruned,
     }
 
 

@@ -6,11 +6,17 @@ many children) or node by node (`paths`, each node as its tuple of choice
 ranks from the root, as Medusa's choice lists). Paths let a tree spend its
 nodes where acceptance is likely, e.g. a deep chain plus the drafter's second
 choice at depth 1 (the shape `benchmarks/tree_search.py` finds on the demo
-pair), which a per-depth branching cannot express."""
+pair), which a per-depth branching cannot express.
+
+`min_confidence` rides with the shape (0 = off): the drafter grows nothing
+below a node whose confidence (its own probability of the token it chose) is
+under it, so a chain ends at its first unsure token, that token included
+(docs/rules.md, "Stopping where the drafter is unsure"). It travels with the
+shape because every cut of the shape keeps it and the tree builders read both."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specd.errors import InvalidRequest
 
@@ -24,6 +30,7 @@ class DraftShape:
     max_depth: int = 0  # dynamic: depth limit
     top_k: int = 4  # dynamic: candidates per expanded node, nodes expanded per depth
     paths: tuple[tuple[int, ...], ...] = ()  # static, node by node (instead of branching)
+    min_confidence: float = 0.0  # nothing is drafted below a node less confident than this (0 = off)
 
     @staticmethod
     def chain(k: int, max_k: int | None = None) -> DraftShape:
@@ -91,7 +98,7 @@ class DraftShape:
         context and fail inside the batch (INTERNAL)."""
         if not self.dynamic or self.forward_rows <= room:
             return self
-        return DraftShape(node_budget=self.node_budget, max_depth=max(1, 1 + room // self.top_k), top_k=self.top_k)
+        return replace(self, max_depth=max(1, 1 + room // self.top_k))
 
     def fit(self, max_nodes: int, max_rows: int) -> DraftShape | None:
         """This shape with as many levels as fit: at most max_nodes nodes (the
@@ -101,7 +108,7 @@ class DraftShape:
         if self.dynamic:
             if max_nodes < 1:
                 return None
-            shape = DraftShape(node_budget=min(self.node_budget, max_nodes), max_depth=self.max_depth, top_k=self.top_k)
+            shape = replace(self, node_budget=min(self.node_budget, max_nodes))
         for d in range(shape.depth, 0, -1):
             cut = shape._cut(d)
             if cut.max_nodes <= max_nodes and cut.forward_rows <= max_rows:
@@ -109,6 +116,8 @@ class DraftShape:
         return None
 
     def validate(self, max_nodes: int, max_depth: int) -> DraftShape:
+        if not (0.0 <= self.min_confidence < 1.0):  # NaN fails too
+            raise InvalidRequest(f"min_confidence must be in [0, 1) (0 = off), got {self.min_confidence}")
         if self.dynamic:
             if not (1 <= self.max_depth <= max_depth):
                 raise InvalidRequest(f"tree max_depth must be in [1, {max_depth}], got {self.max_depth}")
@@ -136,10 +145,14 @@ class DraftShape:
     def _cut(self, depth: int) -> DraftShape:
         """truncated(depth) for depth >= 1."""
         if self.dynamic:
-            return DraftShape(node_budget=self.node_budget, max_depth=min(self.max_depth, depth), top_k=self.top_k)
+            return replace(self, max_depth=min(self.max_depth, depth))
         if self.paths:
-            return DraftShape(paths=tuple(p for p in self.paths if len(p) <= depth))
-        return DraftShape(branching=self.branching[:depth])
+            return replace(self, paths=tuple(p for p in self.paths if len(p) <= depth))
+        return replace(self, branching=self.branching[:depth])
+
+    def with_confidence(self, threshold: float) -> DraftShape:
+        """The same shape with this stopping threshold (0 = off)."""
+        return self if threshold == self.min_confidence else replace(self, min_confidence=threshold)
 
 
 def _check_paths(paths, max_nodes: int) -> None:

@@ -35,18 +35,20 @@ class CallError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DraftShape(_message.Message):
-    __slots__ = ("branching", "node_budget", "max_depth", "top_k", "paths")
+    __slots__ = ("branching", "node_budget", "max_depth", "top_k", "paths", "min_confidence")
     BRANCHING_FIELD_NUMBER: _ClassVar[int]
     NODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     PATHS_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     branching: _containers.RepeatedScalarFieldContainer[int]
     node_budget: int
     max_depth: int
     top_k: int
     paths: _containers.RepeatedCompositeFieldContainer[TreePath]
-    def __init__(self, branching: _Optional[_Iterable[int]] = ..., node_budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ..., paths: _Optional[_Iterable[_Union[TreePath, _Mapping]]] = ...) -> None: ...
+    min_confidence: float
+    def __init__(self, branching: _Optional[_Iterable[int]] = ..., node_budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., top_k: _Optional[int] = ..., paths: _Optional[_Iterable[_Union[TreePath, _Mapping]]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class TreePath(_message.Message):
     __slots__ = ("ranks",)
@@ -111,19 +113,23 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., accepted_path: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., shape: _Optional[_Union[DraftShape, _Mapping]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ..., rewind: _Optional[bool] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ..., ahead_alternatives: _Optional[int] = ..., ahead_branch: _Optional[int] = ...) -> None: ...
 
 class AheadBranch(_message.Message):
-    __slots__ = ("kept", "token_id", "draft_token_ids", "draft_distributions")
+    __slots__ = ("kept", "token_id", "draft_token_ids", "draft_distributions", "draft_confidences", "confidence_pruned")
     KEPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_PRUNED_FIELD_NUMBER: _ClassVar[int]
     kept: int
     token_id: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
-    def __init__(self, kept: _Optional[int] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+    draft_confidences: _containers.RepeatedScalarFieldContainer[float]
+    confidence_pruned: int
+    def __init__(self, kept: _Optional[int] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_confidences: _Optional[_Iterable[float]] = ..., confidence_pruned: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_parents", "draft_distributions", "compute_ms", "request_id", "error", "batch_sessions", "batch_tokens", "guessed_token_id", "branches")
+    __slots__ = ("draft_token_ids", "draft_parents", "draft_distributions", "compute_ms", "request_id", "error", "batch_sessions", "batch_tokens", "guessed_token_id", "branches", "draft_confidences", "confidence_pruned")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +140,8 @@ class ProposeResponse(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GUESSED_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_PRUNED_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
@@ -144,7 +152,9 @@ class ProposeResponse(_message.Message):
     batch_tokens: int
     guessed_token_id: int
     branches: _containers.RepeatedCompositeFieldContainer[AheadBranch]
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., guessed_token_id: _Optional[int] = ..., branches: _Optional[_Iterable[_Union[AheadBranch, _Mapping]]] = ...) -> None: ...
+    draft_confidences: _containers.RepeatedScalarFieldContainer[float]
+    confidence_pruned: int
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., guessed_token_id: _Optional[int] = ..., branches: _Optional[_Iterable[_Union[AheadBranch, _Mapping]]] = ..., draft_confidences: _Optional[_Iterable[float]] = ..., confidence_pruned: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -251,7 +261,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_path: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method", "adaptive_speculation", "pipeline_drafting", "pipeline_alternatives")
+    __slots__ = ("prompt", "prompt_token_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method", "adaptive_speculation", "pipeline_drafting", "pipeline_alternatives", "confidence_threshold")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +277,7 @@ class GenerateRequest(_message.Message):
     ADAPTIVE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_DRAFTING_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: PromptTokenIds
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -282,7 +293,8 @@ class GenerateRequest(_message.Message):
     adaptive_speculation: bool
     pipeline_drafting: bool
     pipeline_alternatives: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ..., adaptive_speculation: _Optional[bool] = ..., pipeline_drafting: _Optional[bool] = ..., pipeline_alternatives: _Optional[int] = ...) -> None: ...
+    confidence_threshold: float
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ..., adaptive_speculation: _Optional[bool] = ..., pipeline_drafting: _Optional[bool] = ..., pipeline_alternatives: _Optional[int] = ..., confidence_threshold: _Optional[float] = ...) -> None: ...
 
 class PromptTokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -299,7 +311,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position", "adaptive", "pipelined_drafts", "draft_wait_ms", "draft_call_ms", "feature_bytes", "pipelined_alternative_drafts")
+    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position", "adaptive", "pipelined_drafts", "draft_wait_ms", "draft_call_ms", "feature_bytes", "pipelined_alternative_drafts", "confidence_stops")
     CYCLES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +332,7 @@ class GenerationStats(_message.Message):
     DRAFT_CALL_MS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_ALTERNATIVE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_STOPS_FIELD_NUMBER: _ClassVar[int]
     cycles: int
     drafted_tokens: int
     accepted_tokens: int
@@ -340,7 +353,8 @@ class GenerationStats(_message.Message):
     draft_call_ms: float
     feature_bytes: int
     pipelined_alternative_drafts: int
-    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., adaptive: _Optional[bool] = ..., pipelined_drafts: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_call_ms: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., pipelined_alternative_drafts: _Optional[int] = ...) -> None: ...
+    confidence_stops: int
+    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., adaptive: _Optional[bool] = ..., pipelined_drafts: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_call_ms: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., pipelined_alternative_drafts: _Optional[int] = ..., confidence_stops: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
