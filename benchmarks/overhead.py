@@ -3,6 +3,7 @@ three services, step by step (docs/overhead.md).
 
     python -m benchmarks.overhead                  # demo pair, chain K=4, greedy
     python -m benchmarks.overhead --quick          # a smoke run
+    python -m benchmarks.overhead --floor          # also the transport's own floor
 
 The services run with SPECD_PROBE_DIR set (specd/telemetry/probe.py): each
 process appends timestamped events (a message read, queued for a forward, the
@@ -143,6 +144,75 @@ def where(step: tuple[str, str]) -> str:
     return "orchestrator"
 
 
+def _floor_server(port_out, gap_s: float) -> None:
+    """A VerifyStream-like service with nothing in it: specd's stream server
+    (concurrent_stream), each message answered after `gap_s` on a worker
+    thread (the forward's place: the server's threads idle meanwhile)."""
+    from concurrent import futures
+
+    import grpc
+
+    from specd.api.v1 import specdec_pb2 as pb
+    from specd.net.grpc_util import concurrent_stream, prefer_latency
+
+    prefer_latency()
+    pool = futures.ThreadPoolExecutor(1)
+
+    def answer() -> pb.VerifyResponse:
+        start = time.perf_counter()
+        time.sleep(gap_s)
+        return pb.VerifyResponse(token_ids=[1], compute_ms=(time.perf_counter() - start) * 1e3)
+
+    def stream(requests, context):
+        messages = (pb.VerifyRequest.FromString(r) for r in requests)
+        for response in concurrent_stream(lambda _: pool.submit(answer), messages, pb.VerifyResponse):
+            yield response.SerializeToString()
+
+    handler = grpc.method_handlers_generic_handler("floor.Floor", {"S": grpc.stream_stream_rpc_method_handler(stream)})
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((handler,))
+    port_out.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    server.wait_for_termination()
+
+
+def transport_floor(gap_ms: float, messages: int = 400) -> float:
+    """Median round trip minus the server's `compute`, in ms, of one message
+    at a time over a stream from an asyncio client (the orchestrator's side)
+    to the stream server above: what any cycle pays per message on this
+    machine, before any of specd's own work."""
+    import asyncio
+    import multiprocessing
+
+    import grpc
+
+    from specd.api.v1 import specdec_pb2 as pb
+
+    ctx = multiprocessing.get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=_floor_server, args=(ports, gap_ms / 1e3), daemon=True)
+    proc.start()
+    port = ports.get(timeout=60)
+
+    async def run() -> float:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream("/floor.Floor/S")()
+            msg = pb.VerifyRequest(session_id="s", draft_token_ids=[1, 2, 3, 4]).SerializeToString()
+            times = []
+            for _ in range(messages):
+                start = time.perf_counter()
+                await call.write(msg)
+                r = pb.VerifyResponse.FromString(await call.read())
+                times.append((time.perf_counter() - start) * 1e3 - r.compute_ms)
+            await call.done_writing()
+        return statistics.median(times[messages // 10 :])
+
+    try:
+        return asyncio.run(run())
+    finally:
+        proc.kill()
+
+
 def main(argv=None) -> int:
     from training.evaluate_pair import make_prompts
 
@@ -156,6 +226,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--label", default="", help="what this profile is of (kept in the JSON)")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure the transport's floor: an empty stream server's round trip, busy and idle between messages",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "overhead.json")
     args = ap.parse_args(argv)
     if args.quick:
@@ -196,6 +271,13 @@ def main(argv=None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
     }
+    if args.floor:
+        # Idle 10 ms between messages, as a drafter is while the verifier
+        # computes (and the other way round): threads sleep, wake-ups cost.
+        result["transport_floor_ms_p50"] = {
+            "busy (no gap)": round(transport_floor(0.0), 3),
+            "idle 10 ms between messages": round(transport_floor(10.0, 200), 3),
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"| step | where | ms (p50 over {result['cycles']} cycles) |\n|---|---|---|")
@@ -211,6 +293,8 @@ def main(argv=None) -> int:
         f"cycle_overhead_ms (the services' own figure): p50 {result['overhead_ms_p50']} ms, "
         f"p90 {result['overhead_ms_p90']} ms"
     )
+    for name, ms in result.get("transport_floor_ms_p50", {}).items():
+        print(f"transport floor, one message's round trip minus compute, {name}: {ms} ms")
     print(f"wrote {args.out}")
     return 0
 

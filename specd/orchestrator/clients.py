@@ -13,9 +13,8 @@ span; unary calls carry its traceparent in metadata, stream messages in their
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
 import grpc
@@ -53,56 +52,54 @@ class StreamMux:
     """Many in-flight requests over one bidi stream, answered in any order.
 
     The stream opens on first use and reopens after it breaks; a break fails
-    every request in flight with the stream's status. The caller's task writes
-    its message itself (one write at a time, in order), rather than handing it
-    to a task that feeds the stream: a hop less on every message."""
+    every request in flight with the stream's status. Messages go out through
+    the stream's own request iterator, fed by a queue, never written by the
+    caller's task: a caller cancelled in the middle of a write (its client
+    left) would cancel the stream that every session shares."""
 
-    def __init__(self, open_stream: Callable[[], Any]) -> None:
+    def __init__(self, open_stream: Callable[[AsyncIterator], Any]) -> None:
         self._open_stream = open_stream
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
-        self._call: Any = None  # the open stream call
-        self._write_lock = asyncio.Lock()  # one write at a time on the open stream
+        self._queue: asyncio.Queue | None = None
 
     async def call(self, request, timeout: float):
-        call = self._call if self._call is not None else self._start()
+        queue = self._queue if self._queue is not None else self._start()
         request.request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = future
+        # The timeout fails the future itself; asyncio.wait_for would add a
+        # waiter and callbacks per message, and on Python 3.11 it can turn the
+        # caller's cancellation into a TimeoutError (a client's deadline, seen
+        # as an internal error).
+        expiry = asyncio.get_running_loop().call_later(timeout, _expire, future, timeout)
+        mark(f"send {type(request).__name__}")
+        queue.put_nowait(request)
         try:
-            async with self._write_lock:
-                try:
-                    mark(f"send {type(request).__name__}")
-                    await call.write(request)
-                except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                    await self._broken(call, future)
-            response = await asyncio.wait_for(future, timeout)
+            response = await future
             mark("woken")
         finally:
+            expiry.cancel()
             self._pending.pop(request.request_id, None)
         if response.HasField("error"):
             raise ServiceError(_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN), response.error.message)
         return response
 
-    def _start(self):
-        call = self._call = self._open_stream()
-        self._reader = asyncio.ensure_future(self._read(call))
-        return call
+    def _start(self) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
 
-    async def _broken(self, call, future: asyncio.Future) -> None:
-        """A write failed: the stream has ended. The message fails with the
-        stream's status (the reader may have failed the others before this
-        one was pending); the next call opens a fresh stream."""
-        if self._call is call:
-            self._call = None
-        if not future.done():
-            code, details = await call.code(), await call.details()
-            future.set_exception(ServiceError(code, details or f"stream to the replica ended: {code.name}"))
+        async def requests():
+            while (item := await queue.get()) is not None:
+                yield item
 
-    async def _read(self, call) -> None:
+        self._reader = asyncio.ensure_future(self._read(self._open_stream(requests()), queue))
+        return queue
+
+    async def _read(self, stream, queue) -> None:
         error: Exception = ServiceError(grpc.StatusCode.UNAVAILABLE, "stream to the replica ended")
         try:
-            async for response in call:
+            async for response in stream:
                 mark("received")
                 future = self._pending.get(response.request_id)
                 if future is not None and not future.done():
@@ -111,21 +108,23 @@ class StreamMux:
             error = ServiceError(exc.code(), exc.details() or str(exc.code()))
         except asyncio.CancelledError:
             raise
-        if self._call is call:
-            self._call = None  # next call opens a fresh stream
+        if self._queue is queue:
+            self._queue = None  # next call opens a fresh stream
         for future in list(self._pending.values()):
             if not future.done():
                 future.set_exception(error)
 
     def close(self) -> None:
-        if self._call is not None:
-            call, self._call = self._call, None
-            asyncio.ensure_future(_done_writing(call))
+        if self._queue is not None:
+            self._queue.put_nowait(None)
+            self._queue = None
 
 
-async def _done_writing(call) -> None:
-    with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-        await call.done_writing()
+def _expire(future: asyncio.Future, timeout: float) -> None:
+    if not future.done():
+        future.set_exception(
+            ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the replica did not answer within {timeout:g} s")
+        )
 
 
 class _Client:

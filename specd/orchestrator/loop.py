@@ -158,5 +158,7 @@ async def run_generation(
             mark("resumed")
     finally:
         trace.end_cycle(span)
-        await drafting.drop()
-        await replicas.close(trace)
+        try:
+            await drafting.drop()
+        finally:  # a second cancel may interrupt the drop: the sessions are freed all the same
+            await replicas.close(trace)
