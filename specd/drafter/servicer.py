@@ -111,16 +111,13 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
         return response
 
     def _proposed(self, request, shape: DraftShape, done: Future, span) -> None:
-        error = done.exception()
-        if error is None:
-            proposal = done.result()
-            self.metrics.observe_proposal(proposal)
-        if span is None:
-            return
-        attributes = None
-        if error is None:
-            tracing.add_phases(span, "drafter", proposal.phases)
-            attributes = {
+        if done.exception() is None:
+            self.metrics.observe_proposal(done.result())
+        tracing.end_call_span(
+            span,
+            done,
+            "drafter",
+            lambda proposal: {
                 "specdec.session_id": request.session_id,
                 "specdec.draft.depth": shape.depth,
                 "specdec.draft.nodes": len(proposal.tree.tokens),
@@ -132,8 +129,8 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                 "specdec.draft.branches": 1 + len(proposal.branches) if request.ahead else 0,
                 "specdec.draft.min_confidence": shape.min_confidence,
                 "specdec.draft.confidence_pruned": proposal.tree.pruned,
-            }
-        tracing.end_span(span, error, attributes)
+            },
+        )
 
     @grpc_errors
     def Propose(self, request, context):

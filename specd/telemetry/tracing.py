@@ -164,6 +164,21 @@ def end_span(span, error: BaseException | None = None, attributes=None) -> None:
     span.end()
 
 
+def end_call_span(span, done, prefix: str, attributes) -> None:
+    """End a stream call's server span from its finished batch future: the
+    result's phases as events and attributes(result) on success, the error
+    otherwise."""
+    if span is None:
+        return
+    error = done.exception()
+    if error is not None:
+        end_span(span, error)
+        return
+    result = done.result()
+    add_phases(span, prefix, result.phases)
+    end_span(span, None, attributes(result))
+
+
 @contextlib.contextmanager
 def _client_span(name, message, attributes):
     with tracer.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes) as span:

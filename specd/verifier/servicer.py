@@ -90,23 +90,20 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
         return response
 
     def _verified(self, request, done: Future, span) -> None:
-        error = done.exception()
-        if error is None:
-            result = done.result()
-            self.metrics.observe_verify(len(request.draft_token_ids), result)
-        if span is None:
-            return
-        attributes = None
-        if error is None:
-            tracing.add_phases(span, "verifier", result.phases)
-            attributes = {
+        if done.exception() is None:
+            self.metrics.observe_verify(len(request.draft_token_ids), done.result())
+        tracing.end_call_span(
+            span,
+            done,
+            "verifier",
+            lambda result: {
                 "specdec.session_id": request.session_id,
                 "specdec.draft.nodes": len(request.draft_token_ids),
                 "specdec.accepted_length": result.num_accepted,
                 "specdec.compute_ms": result.compute_ms,
                 "specdec.batch_sessions": result.batch_sessions,
-            }
-        tracing.end_span(span, error, attributes)
+            },
+        )
 
     @grpc_errors
     def Verify(self, request, context):
