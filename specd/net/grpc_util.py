@@ -161,9 +161,9 @@ def concurrent_stream(start, request_iterator, response_cls, max_pending: int = 
     thread that completes a future (the batcher's) queues its response for this
     generator to send: a message crosses two threads on its way through (reader
     -> batcher -> sender) rather than a worker thread of its own as well, whose
-    two wake-ups were a quarter of a cycle's overhead at batch 1
-    (docs/overhead.md). Ends once the client has closed its side and every
-    message has its answer."""
+    two wake-ups per message cost about 0.5 ms of a 4 ms cycle overhead at
+    batch 1 (docs/overhead.md). Ends once the client has closed its side and
+    every message has its answer."""
     out: queue.Queue = queue.Queue()
     name = getattr(start, "__name__", "stream")
     # Messages read but not yet answered; past max_pending a message is refused
