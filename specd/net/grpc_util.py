@@ -166,6 +166,10 @@ def concurrent_stream(start, request_iterator, response_cls, max_pending: int = 
     every message has its answer."""
     out: queue.Queue = queue.Queue()
     name = getattr(start, "__name__", "stream")
+    # The probe's event names, made once (specd/telemetry/probe.py).
+    read_event, queued_event, answered_event, sending_event = (
+        f"{name} {e}" for e in ("read", "queued", "answered", "sending")
+    )
     # Messages read but not yet answered; past max_pending a message is refused
     # at once (RESOURCE_EXHAUSTED in its response) so a client that floods the
     # stream cannot grow the batcher's queue without bound.
@@ -173,7 +177,7 @@ def concurrent_stream(start, request_iterator, response_cls, max_pending: int = 
 
     def answer(request_id: int, response) -> None:
         response.request_id = request_id
-        mark(f"{name} answered")
+        mark(answered_event)
         out.put(response)
         pending.release()
 
@@ -191,7 +195,7 @@ def concurrent_stream(start, request_iterator, response_cls, max_pending: int = 
         n = 0
         try:
             for request in request_iterator:
-                mark(f"{name} read")
+                mark(read_event)
                 n += 1
                 if not pending.acquire(blocking=False):
                     refusal = CapacityExceeded(
@@ -207,7 +211,7 @@ def concurrent_stream(start, request_iterator, response_cls, max_pending: int = 
                 except Exception as exc:  # noqa: BLE001 - a bad message fails alone
                     answer(request.request_id, error_response(exc, response_cls, name))
                     continue
-                mark(f"{name} queued")
+                mark(queued_event)
                 future.add_done_callback(answered(request.request_id))
         except Exception:  # noqa: BLE001 - the client went away: answer what is in flight, then end
             pass
@@ -220,7 +224,7 @@ def concurrent_stream(start, request_iterator, response_cls, max_pending: int = 
         if isinstance(item, int):
             total = item
             continue
-        mark(f"{name} sending")
+        mark(sending_event)
         yield item
         sent += 1
 

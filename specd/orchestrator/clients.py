@@ -73,7 +73,7 @@ class StreamMux:
         # caller's cancellation into a TimeoutError (a client's deadline, seen
         # as an internal error).
         expiry = asyncio.get_running_loop().call_later(timeout, _expire, future, timeout)
-        mark(f"send {type(request).__name__}")
+        mark("send", type(request).__name__)
         queue.put_nowait(request)
         try:
             response = await future

@@ -63,12 +63,13 @@ async def _no_draft() -> Draft:
     return Draft()
 
 
-async def timed_propose(drafter: DrafterClient, *args, **kwargs) -> Draft:
-    """args: (session_id, accepted_path, committed, shape), as DrafterClient.propose."""
+async def timed_propose(
+    drafter: DrafterClient, session_id: str, accepted_path: list[int], committed: list[int], shape: DraftShape, /, **kw
+) -> Draft:
+    """DrafterClient.propose, its wall time and its shape's threshold noted on the draft."""
     start = time.perf_counter()
-    draft = await drafter.propose(*args, **kwargs)
+    draft = await drafter.propose(session_id, accepted_path, committed, shape, **kw)
     draft.call_ms = (time.perf_counter() - start) * 1e3
-    shape: DraftShape = args[3]
     draft.min_confidence = shape.min_confidence
     return draft
 
