@@ -31,6 +31,7 @@ from specd.errors import CapacityExceeded, InvalidRequest
 from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
 from specd.rules.validation import check_token_ids
+from specd.runtime.grammar import Constraint
 from specd.runtime.model_core import ModelCore
 from specd.runtime.models import ModelSession
 from specd.runtime.phases import Phases
@@ -93,6 +94,9 @@ class _Session:
     # one is taken, `tokens` end at the chain and the branches' rows follow.
     branches: list[Branch] | None = None
     target_vocab: int = 0  # the target's rows: the ids committed tokens may be (specd/drafter/vocab.py)
+    # Structured output: every draft distribution is masked to what it allows
+    # along the node's path; it advances only on committed tokens.
+    constraint: Constraint | None = None
     logits_width: int = 0  # ids the drafter may propose: min(its rows, target_vocab)
 
 
@@ -103,14 +107,27 @@ class Drafter(ModelCore):
         super().__init__(config, model)
 
     def open_session(
-        self, session_id: str, prompt_ids: list[int], params: SamplingParams, target_vocab_size: int = 0
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        target_vocab_size: int = 0,
+        generated_from: int = 0,
     ) -> None:
-        """target_vocab_size: the target's rows (0 = the drafter's own); see specd/drafter/vocab.py."""
+        """target_vocab_size: the target's rows (0 = the drafter's own); see specd/drafter/vocab.py.
+        params.constraint: structured output; prompt_ids[generated_from:] are
+        generated tokens it consumes (a rebuilt session; 0 = none)."""
         target_vocab = self._target_vocab(target_vocab_size)
         self._check_request(session_id, prompt_ids, params, target_vocab)
+        constraint = params.constraint
+        if constraint is not None and not 0 <= generated_from <= len(prompt_ids):
+            raise InvalidRequest(f"generated_from {generated_from} is outside the {len(prompt_ids)} prompt_token_ids")
+        generated = list(prompt_ids[generated_from:]) if generated_from else []
+        matcher = self.constraint(constraint, generated)
         with self._lock:
             self._check_room(session_id)
             s = self._new_session(prompt_ids, params, target_vocab)
+            s.constraint = matcher
             try:
                 # The prompt's KV blocks (CapacityExceeded when the budget is full).
                 s.cache.reserve(len(prompt_ids), f"session {session_id!r} (a prompt of {len(prompt_ids)} tokens)")
@@ -197,6 +214,10 @@ class Drafter(ModelCore):
             )
         if alternatives and not ahead:
             raise InvalidRequest("ahead_alternatives is only for ahead calls")
+        if ahead and self._sessions.get(session_id) is not None and self._sessions[session_id].constraint is not None:
+            # The guess and its branches would advance the constraint on
+            # tokens nobody committed; constrained sessions draft after verdicts.
+            raise InvalidRequest("ahead drafting is not available to a session with structured output")
         if hidden is not None:
             raise InvalidRequest("hidden_states were sent to a draft_model drafter (they are for method eagle)")
         s = self._get(session_id)
@@ -333,7 +354,15 @@ class Drafter(ModelCore):
         grown = grow_chains(
             self._forwards,
             [
-                (j.session.cache, j.session.params, j.session.generator, j.shape.depth, r[0], j.shape.min_confidence)
+                (
+                    j.session.cache,
+                    j.session.params,
+                    j.session.generator,
+                    j.shape.depth,
+                    r[0],
+                    j.shape.min_confidence,
+                    j.session.constraint,
+                )
                 for j, r in chains
             ],
             self.config.draft_top_n,
@@ -343,7 +372,13 @@ class Drafter(ModelCore):
         for j, r in rest:
             if id(j) not in trees:
                 trees[id(j)] = build_tree(
-                    j.session.cache, r[0], j.shape, j.session.params, self.config.draft_top_n, j.session.generator
+                    j.session.cache,
+                    r[0],
+                    j.shape,
+                    j.session.params,
+                    self.config.draft_top_n,
+                    j.session.generator,
+                    j.session.constraint,
                 )
         return trees
 
@@ -423,6 +458,8 @@ class Drafter(ModelCore):
         if s.cache.length > s.base:
             s.cache.compact(s.base, keep) if keep else s.cache.rollback(s.base)
         s.tokens += j.committed
+        if s.constraint is not None:
+            s.constraint.commit(j.committed)
 
     @staticmethod
     def _take_branch(s: _Session, index: int) -> None:

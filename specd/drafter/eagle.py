@@ -221,7 +221,17 @@ class EagleDrafter(Drafter):
         self.runner = HeadRunner(built_runner.lean, fc)
         self.install_kv_pool()  # per row: the head's K and V and a feature
 
-    def open_session(self, session_id: str, prompt_ids: list[int], params, target_vocab_size: int = 0) -> None:
+    def tokenizer_dir(self) -> str:
+        return head_target_dir(self.config.model_dir, self.config.target_dir)
+
+    def open_session(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params,
+        target_vocab_size: int = 0,
+        generated_from: int = 0,
+    ) -> None:
         # Nothing to prefill yet: the head needs the prompt's features, which
         # come from the verifier's prefill with the first Propose.
         if self._target_vocab(target_vocab_size) != self.vocab_size:
@@ -231,9 +241,13 @@ class EagleDrafter(Drafter):
                 f"(an EAGLE head drafts over its target's vocabulary)"
             )
         self._check_request(session_id, prompt_ids, params)
+        generated = list(prompt_ids[generated_from:]) if generated_from else []
+        matcher = self.constraint(params.constraint, generated)
         with self._lock:
             self._check_room(session_id)
-            self._add(session_id, self._new_session(prompt_ids, params))  # idle expiry counts from now
+            s = self._new_session(prompt_ids, params)
+            s.constraint = matcher
+            self._add(session_id, s)  # idle expiry counts from now
 
     def prepare(
         self,
@@ -276,6 +290,8 @@ class EagleDrafter(Drafter):
         s = j.session
         s.cache.rollback(s.base)
         s.tokens += j.committed
+        if s.constraint is not None:
+            s.constraint.commit(j.committed)
 
     def _root_logits(self, live: list[ProposeJob]) -> list[torch.Tensor]:
         items = []

@@ -7,7 +7,12 @@ from concurrent.futures import Future
 from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd.net.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors, then
-from specd.net.wire import dists_to_proto, hidden_from_proto, sampling_from_proto, shape_from_proto
+from specd.net.wire import (
+    dists_to_proto,
+    hidden_from_proto,
+    sampling_from_proto,
+    shape_from_proto,
+)
 from specd.rules.draft_shape import DraftShape
 from specd.runtime.batcher import Batcher
 from specd.telemetry import tracing
@@ -76,6 +81,7 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                 list(request.prompt_token_ids),
                 sampling_from_proto(request.sampling),
                 request.target_vocab_size,
+                generated_from=request.generated_from,
             )
         close_if_caller_left(self.core, request.session_id, context)
         return pb.OpenDraftSessionResponse()

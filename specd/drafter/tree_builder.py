@@ -31,6 +31,7 @@ import torch
 
 from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams, logits_to_probs, truncate_top
+from specd.runtime.grammar import Constraint, apply_masks
 
 
 @dataclass
@@ -82,8 +83,8 @@ def _sample_without_replacement(ids: torch.Tensor, probs: torch.Tensor, n: int, 
 class _Grower:
     """Holds the tree while it grows; `forward_level` runs one depth."""
 
-    def __init__(self, session, past_len: int):
-        self.s, self.past = session, past_len
+    def __init__(self, session, past_len: int, constraint: Constraint | None = None):
+        self.s, self.past, self.constraint = session, past_len, constraint
         self.tree = DraftTree()
         self.depth: list[int] = []
         self.ancestors: list[list[int]] = []  # per node: ancestor node indices
@@ -95,6 +96,14 @@ class _Grower:
         self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
         self.ancestors.append([] if parent < 0 else self.ancestors[parent] + [parent])
         return len(self.tree.tokens) - 1
+
+    def masked(self, logits: torch.Tensor, node: int) -> torch.Tensor:
+        """The logits of `node`'s children (-1: the root's) with what the
+        output constraint forbids after its path at -inf (no constraint: as they are)."""
+        if self.constraint is None:
+            return logits
+        path = [] if node < 0 else [self.tree.tokens[a] for a in self.ancestors[node]] + [self.tree.tokens[node]]
+        return masked_row(self.constraint, logits, path)
 
     def forward_level(self, nodes: list[int]) -> torch.Tensor:
         """Forward these nodes in one pass; return their logits (len(nodes), V)."""
@@ -120,12 +129,27 @@ class _Grower:
         return logits
 
 
+def masked_row(constraint: Constraint, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """One row of draft logits under the output constraint, `path` draft tokens
+    past the committed ones: q is then the masked law, and no draft token is
+    one the verifier's masked p would give probability 0."""
+    allowed = constraint.allowed(path)
+    return logits if allowed is None else apply_masks(logits, allowed)
+
+
 def build_tree(
-    session, root_logits: torch.Tensor, shape: DraftShape, params: SamplingParams, top_n: int, gen: torch.Generator
+    session,
+    root_logits: torch.Tensor,
+    shape: DraftShape,
+    params: SamplingParams,
+    top_n: int,
+    gen: torch.Generator,
+    constraint: Constraint | None = None,
 ) -> DraftTree:
     """Grow a tree below the root. The session's cache must hold exactly the
-    committed tokens (the root is the last of them); tree nodes are appended."""
-    g = _Grower(session, session.length)
+    committed tokens (the root is the last of them); tree nodes are appended.
+    constraint: structured output, standing at the committed tokens."""
+    g = _Grower(session, session.length, constraint)
     if shape.dynamic:
         _grow_dynamic(g, root_logits, shape)
     else:
@@ -142,7 +166,10 @@ def _choose(logits: torch.Tensor, n: int, params, top_n: int, gen):
         probs = torch.exp(top.values.float() - torch.logsumexp(logits.float(), -1))
         # ids as float64 are exact: ids and confidences come over together.
         ids, conf = torch.stack([top.indices.double(), probs.double()]).tolist()
-        return [int(i) for i in ids], None, conf
+        # A constraint may allow fewer than n: its forbidden tokens (probability 0) are no children.
+        ok = top.values.isfinite().tolist()
+        kept = [(int(i), c) for i, c, f in zip(ids, conf, ok) if f] or [(int(ids[0]), conf[0])]
+        return [i for i, _ in kept], None, [c for _, c in kept]
     # The draws use the session's CPU generator; the truncated q (top_n entries)
     # comes over once, and it is what the verifier is sent anyway.
     ids, probs = (t.cpu() for t in truncate_top(logits_to_probs(logits, params), top_n))
@@ -161,7 +188,7 @@ def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen, th
     while frontier:
         level = []
         for path, node, logits in frontier:
-            chosen, dist, conf = _choose(logits, children[path], params, top_n, gen)
+            chosen, dist, conf = _choose(g.masked(logits, node), children[path], params, top_n, gen)
             if dist:
                 dists[node + 1] = dist
             level += [(path + (k,), g.add(t, node, c)) for k, (t, c) in enumerate(zip(chosen, conf))]
@@ -184,15 +211,20 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
     next token and forwards those still drafting together: a chain stops at
     its depth or after its first token under its min_confidence, each on its
     own. The caches must hold exactly the committed tokens. tops: ranked
-    choices kept per node (DraftTree.tops)."""
+    choices kept per node (DraftTree.tops). A chain may carry a seventh item,
+    its output constraint (or None)."""
     grown = [DraftTree() for _ in chains]
     active = [(i, chains[i][4]) for i in range(len(chains))]
     level = 0
     while active:
         forward = []
+        active = [
+            (i, lg if len(chains[i]) < 7 or chains[i][6] is None else masked_row(chains[i][6], lg, grown[i].tokens))
+            for i, lg in active
+        ]
         ranked = _ranked_greedy(chains, active, tops)
         for i, logits in active:
-            cache, params, gen, depth, _, threshold = chains[i]
+            cache, params, gen, depth, _, threshold = chains[i][:6]
             tree = grown[i]
             if i in ranked:
                 (token, *_), conf = ranked[i]
@@ -248,11 +280,13 @@ def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:
     score: list[float] = []
 
     def expand(parent: int, logits: torch.Tensor) -> list[int]:
-        logp = torch.log_softmax(logits.float(), -1)
+        logp = torch.log_softmax(g.masked(logits, parent).float(), -1)
         top = torch.topk(logp, shape.top_k)
         base = score[parent] if parent >= 0 else 0.0
         made = []
         for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+            if lp == float("-inf"):  # forbidden by the output constraint
+                continue
             made.append(g.add(t, parent, math.exp(lp)))
             score.append(base + lp)
         return made

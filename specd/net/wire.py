@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 from specd.api.v1 import specdec_pb2 as pb
+from specd.errors import InvalidRequest
 from specd.rules.sampling import SamplingParams
+from specd.rules.structured import OutputConstraint
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+    return pb.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=p.seed,
+        structured_output=constraint_to_proto(p.constraint),
+    )
 
 
 def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     # proto3 has no presence for plain floats: an unset top_p (0.0) means "off".
-    return SamplingParams(temperature=sp.temperature, top_p=sp.top_p or 1.0, top_k=sp.top_k, seed=sp.seed)
+    return SamplingParams(
+        temperature=sp.temperature,
+        top_p=sp.top_p or 1.0,
+        top_k=sp.top_k,
+        seed=sp.seed,
+        constraint=constraint_from_proto(sp.structured_output, sp.HasField("structured_output")),
+    )
 
 
 def dists_from_proto(dists) -> list[tuple[list[int], list[float]]]:
@@ -56,3 +70,26 @@ def hidden_from_proto(msg, present: bool):
     from specd.runtime.features import HiddenStates
 
     return HiddenStates(msg.data, msg.rows, msg.hidden_size, msg.dtype) if present else None
+
+
+def constraint_to_proto(c: OutputConstraint | None) -> pb.StructuredOutput | None:
+    if c is None:
+        return None
+    if c.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    msg = pb.StructuredOutput()
+    setattr(msg, c.kind, c.text)
+    return msg
+
+
+def constraint_from_proto(msg: pb.StructuredOutput, present: bool) -> OutputConstraint | None:
+    """None when the field is unset; a set message with no kind (or
+    json_object false) is refused by OutputConstraint.validate."""
+    if not present:
+        return None
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        raise InvalidRequest(
+            "structured_output is set but names no constraint: give json_schema, regex, ebnf or json_object: true"
+        )
+    return OutputConstraint(kind, "" if kind == "json_object" else getattr(msg, kind)).validate()

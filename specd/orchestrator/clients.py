@@ -185,10 +185,11 @@ class GrpcVerifier(_Client):
         super().__init__(address, timeout_s, **channel)
         self.mux = StreamMux(self.stub.VerifyStream)
 
-    async def open(self, session_id, prompt_ids, sampling, resume: bool = False, *, hidden=False):
+    async def open(self, session_id, prompt_ids, sampling, resume: bool = False, *, hidden=False, generated_from=0):
         """resume: re-prefill all committed tokens, sample nothing (returns None).
         hidden: the session returns the target's features (EAGLE); then the
-        result is (first token, the prompt's features)."""
+        result is (first token, the prompt's features). generated_from: with
+        structured output, where the generated tokens of a resume start."""
         r = await self._unary(
             self.stub.OpenSession,
             pb.OpenVerifySessionRequest(
@@ -197,6 +198,7 @@ class GrpcVerifier(_Client):
                 sampling=sampling_to_proto(sampling),
                 resume=resume,
                 return_hidden_states=hidden,
+                generated_from=generated_from,
             ),
             "specdec.prefill",
             "OpenSession",
@@ -238,7 +240,9 @@ class GrpcDrafter(_Client):
         # only ids the verifier has (padded pairs; specd/drafter/vocab.py).
         self.target_vocab_size = target_vocab_size
 
-    async def open(self, session_id, prompt_ids, sampling) -> None:
+    async def open(self, session_id, prompt_ids, sampling, *, generated_from=0) -> None:
+        """generated_from: with structured output, where the generated tokens
+        of a rebuilt session start in prompt_ids."""
         await self._unary(
             self.stub.OpenSession,
             pb.OpenDraftSessionRequest(
@@ -246,6 +250,7 @@ class GrpcDrafter(_Client):
                 prompt_token_ids=prompt_ids,
                 sampling=sampling_to_proto(sampling),
                 target_vocab_size=self.target_vocab_size,
+                generated_from=generated_from,
             ),
             "specdec.draft_prefill",
             "OpenSession",

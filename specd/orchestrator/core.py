@@ -14,6 +14,8 @@ from transformers import AutoConfig
 
 from specd.errors import CapacityExceeded, ShuttingDown
 from specd.runtime.eagle_head import is_head_dir
+from specd.runtime.grammar import Constraint, GrammarEngine
+from specd.runtime.grammar import eos_ids as grammar_eos_ids
 from specd.runtime.models import context_length, load_tokenizer
 
 from .adaptive import CostModel
@@ -82,6 +84,8 @@ class Orchestrator:
         self.vocab_size = target_cfg.vocab_size
         self.target_ctx = context_length(target_cfg)
         self.eos_ids = eos_ids(target_cfg)
+        self._grammar_eos = grammar_eos_ids(target_cfg, self.tokenizer)
+        self._grammar: GrammarEngine | None = None  # built on the first structured-output request
         self.drafter_ctx = self.target_ctx
         # What the drafter pool serves: an EAGLE head directory (method eagle,
         # on the target's features) or a draft model.
@@ -132,6 +136,13 @@ class Orchestrator:
         # (adaptive depth); per method, since ngram and a drafter differ.
         self.costs: collections.defaultdict[str, CostModel] = collections.defaultdict(CostModel)
 
+    @property
+    def grammar(self) -> GrammarEngine:
+        """Structured output over the target's tokenizer (specd/runtime/grammar.py)."""
+        if self._grammar is None:
+            self._grammar = GrammarEngine(self.tokenizer, self._grammar_eos)
+        return self._grammar
+
     def client_for(self, spec: ReplicaSpec):
         tls, limit = self.config.tls, self.config.max_message_bytes
         if spec.kind == "verifier":
@@ -154,12 +165,15 @@ class Orchestrator:
                 self.tokenizer, self.eos_ids, spec.max_new_tokens, self.target_ctx - len(spec.prompt_ids), spec.stop
             )
             verifier, drafter, used = self._clients(spec, tracker)
+            c = spec.sampling.constraint
+            constraint = None if c is None else self.grammar.constraint(c, self.vocab_size)
             # aclosing: when this generator is closed or cancelled while the loop
             # is suspended at a yield, close the loop NOW so that its `finally`
             # frees the sessions on the replicas; otherwise that waits for the
             # garbage collector and cancelled streams leave sessions open
             # (tests/test_cancellation.py).
-            async with contextlib.aclosing(self._loop(spec, session_id, verifier, drafter, tracker, trace)) as chunks:
+            loop = self._loop(spec, session_id, verifier, drafter, tracker, trace, constraint)
+            async with contextlib.aclosing(loop) as chunks:
                 async for chunk in chunks:
                     metrics.observe(chunk, spec.method)
                     yield chunk
@@ -194,6 +208,7 @@ class Orchestrator:
             self.target_ctx,
             has_drafter=any(not r.draining for r in self.pools["drafter"].replicas.values()),
             drafter_method=self.drafter_method,
+            compile_constraint=lambda c: self.grammar.compile(c),
         )
 
     def _clients(
@@ -227,11 +242,12 @@ class Orchestrator:
         drafter: DrafterClient | None,
         tracker: OutputTracker,
         trace: NoTrace,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         # The cost model is per method: ngram and a drafter differ.
         costs = self.costs[spec.method]
         return run_generation(
-            spec, session_id, verifier, drafter, tracker, self.target_ctx, self.drafter_ctx, trace, costs
+            spec, session_id, verifier, drafter, tracker, self.target_ctx, self.drafter_ctx, trace, costs, constraint
         )
 
     async def scale(self, counts: dict[str, int]) -> None:

@@ -66,6 +66,13 @@ def is_lost(exc: BaseException) -> bool:
     return isinstance(exc, ServiceError) and exc.code == grpc.StatusCode.UNAVAILABLE
 
 
+def generated_after(sampling, prompt_len: int) -> dict:
+    """A rebuilt session's open keywords: with structured output, where its
+    generated tokens start (its constraint consumes them, and stands exactly
+    at the committed tokens); nothing otherwise."""
+    return {"generated_from": prompt_len} if sampling.constraint is not None else {}
+
+
 def reseeded(sampling, committed: int):
     """Sampling params for a session rebuilt after `committed` tokens: the seed
     mixed with the length (splitmix64), a stream independent of the draws that
@@ -139,10 +146,11 @@ class FailoverVerifier:
         self.lease, self.committed, self.max_failovers = _Lease(pool), committed, max_failovers
         self.sampling = None
         self.hidden = False  # the session returns the target's features (EAGLE): so must a resumed one
+        self.prompt_len = 0  # a resumed constrained session's generated tokens start here
         self._last_loss = ""
 
     async def open(self, session_id: str, prompt_ids: list[int], sampling, *, hidden: bool = False):
-        self.sampling, self.hidden = sampling, hidden
+        self.sampling, self.hidden, self.prompt_len = sampling, hidden, len(prompt_ids)
         try:
             self.lease.acquire()
         except CapacityExceeded:  # none deployed or all draining: RESOURCE_EXHAUSTED; lost ones: UNAVAILABLE
@@ -189,6 +197,7 @@ class FailoverVerifier:
                     reseeded(self.sampling, len(tokens)),
                     resume=True,
                     **({"hidden": True} if self.hidden else {}),
+                    **generated_after(self.sampling, self.prompt_len),
                 )
             except ServiceError as exc:
                 self._lose_or_raise(session_id, exc)
@@ -241,9 +250,10 @@ class FailoverDrafter:
         self.fresh = False  # ... rebuilt from the committed tokens, no proposal yet
         self.base = 0  # ... from that many of them (the rest go with its first proposal)
         self.opening = None  # the client of an open in flight (its session may exist already)
+        self.prompt_len = 0  # a rebuilt constrained session's generated tokens start here
 
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None:
-        self.sampling = sampling
+        self.sampling, self.prompt_len = sampling, len(prompt_ids)
         await self._open_any(session_id, prompt_ids, sampling, rebuild=False)
 
     async def propose(self, session_id: str, accepted_path: list[int], committed: list[int], shape, **kw) -> Draft:
@@ -320,13 +330,15 @@ class FailoverDrafter:
                 self.lease.acquire()
             except CapacityExceeded:
                 return False
+            more = {}
             if rebuild:
                 tokens = self.committed()
                 prompt_ids, sampling = tokens[:-1], reseeded(self.sampling, len(tokens))
                 self.base = len(prompt_ids)
+                more = generated_after(self.sampling, self.prompt_len)
             try:
                 self.opening = self.lease.client
-                await self.lease.client.open(session_id, prompt_ids, sampling)
+                await self.lease.client.open(session_id, prompt_ids, sampling, **more)
             except ServiceError as exc:
                 self.opening = None
                 if is_lost(exc):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 
+from specd.runtime.grammar import Constraint
 from specd.telemetry.probe import mark
 
 from .adaptive import CostModel
@@ -38,6 +39,7 @@ from .ports import NO_TRACE, DrafterClient, NoTrace, VerifierClient
 from .records import Chunk, CycleRecord, Draft, Stats, Verdict
 from .request import GenerationSpec
 from .session import CycleState, SessionReplicas
+from .structured import shape_draft
 
 # The loop's data and ports, importable from here as well as from their modules.
 __all__ = [
@@ -114,11 +116,13 @@ async def run_generation(
     drafter_ctx: int,
     trace: NoTrace = NO_TRACE,
     costs: CostModel | None = None,
+    constraint: Constraint | None = None,
 ) -> AsyncGenerator[Chunk, None]:
     """Open the session, then per cycle: draft, verify, commit and stream,
     learn; close it however the stream ends. costs: the orchestrator's shared
     cost model; it learns from every cycle and, for an adaptive request,
-    chooses the depth of the next."""
+    chooses the depth of the next. constraint: the request's structured
+    output, standing at the prompt (specd/orchestrator/structured.py)."""
     costs = costs or CostModel()
     drafter = drafter if spec.shape is not None else None  # no shape: plain decoding, drafter unused
     depth = depth_policy(spec.shape.depth if spec.shape else 0, spec.adaptive and drafter is not None, costs)
@@ -128,20 +132,27 @@ async def run_generation(
     span = None  # the cycle's span (tracing on)
     try:
         state, emit = await open_session(replicas, spec, tracker, stats, trace)
+        if constraint is not None:
+            constraint.commit(state.unsent)
         last = time.perf_counter()  # a cycle runs from one verdict to the next
         span = trace.start_cycle()
         yield Chunk(emit, stats)
         while emit.finish_reason is None:
             with trace.current(span):  # the draft and verify calls nest under it
                 draft = await draft_step(drafting, state, tracker.remaining, last)
+                if constraint is not None and drafter is not None:
+                    room = draft_budget(spec.forced_room, tracker.remaining, state.committed, target_ctx, drafter_ctx)
+                    shape_draft(draft, constraint, room, cut=spec.method == "ngram")
                 verdict = await verifier.verify(session_id, draft)
             now = time.perf_counter()
             mark("verdict")
             wall_ms, last = (now - last) * 1e3, now
             stats.feature_bytes += state.commit(draft, verdict)
+            if constraint is not None:
+                constraint.commit(verdict.tokens)
             emit = stream(tracker, stats, verdict.tokens)
             record = state.last = stats.observe_cycle(draft, verdict, wall_ms)
-            depth.observe(record)  # the session's acceptance: the next depth depends on it
+            depth.observe(record.drafted())  # the session's acceptance: the next depth depends on it
             done, span = span, None
             if emit.finish_reason is None:
                 # The next Propose leaves now, before the rest of this cycle's
@@ -151,7 +162,7 @@ async def run_generation(
                 span = trace.start_cycle()
                 with trace.current(span):
                     await drafting.prefetch(state, tracker.remaining)
-            learn_costs(costs, record)
+            learn_costs(costs, record.drafted())
             trace.end_cycle(done, record)
             mark("streamed")
             yield Chunk(emit, stats, record)

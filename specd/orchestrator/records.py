@@ -29,6 +29,14 @@ class Draft:
     confidences: list[float] = field(default_factory=list)  # per node: the drafter's probability of it
     min_confidence: float = 0.0  # the stopping threshold it was drafted with (0 = off)
     pruned: int = 0  # nodes the threshold left without the children the shape gave them
+    # Structured output: tokens the constraint forced, appended at the chain's
+    # end (the last `forced` nodes; no drafter made them: specd/orchestrator/structured.py).
+    forced: int = 0
+
+    @property
+    def proposed(self) -> int:
+        """Nodes the drafter made (the rest were forced)."""
+        return len(self.tokens) - self.forced
 
 
 @dataclass
@@ -68,6 +76,34 @@ class CycleRecord:
         return bool(self.verdict.path) and self.verdict.path[-1] not in self.draft.parents
 
     @property
+    def forced_accepted(self) -> int:
+        """Forced nodes on the accepted path."""
+        return sum(n >= self.draft.proposed for n in self.verdict.path)
+
+    def drafted(self) -> CycleRecord:
+        """The cycle as the drafter's part of the draft alone: what acceptance
+        learning reads (a forced token says nothing about the drafter)."""
+        if not self.draft.forced:
+            return self
+        n = self.draft.proposed
+        d = self.draft
+        draft = Draft(
+            d.tokens[:n],
+            d.parents[:n],
+            [],
+            d.compute_ms,
+            d.batch_tokens,
+            call_ms=d.call_ms,
+            wait_ms=d.wait_ms,
+            ahead=d.ahead,
+        )
+        draft.confidences, draft.min_confidence, draft.pruned = d.confidences[:n], d.min_confidence, d.pruned
+        kept = [i for i in self.verdict.path if i < n]
+        v = self.verdict
+        verdict = Verdict(kept, v.tokens[: len(kept) + 1], v.compute_ms, v.batch_sessions, v.batch_tokens)
+        return CycleRecord(self.index, draft, verdict, self.wall_ms)
+
+    @property
     def overhead_ms(self) -> float:
         # A pipelined draft's compute ran during the previous cycle, not in this wall time.
         draft_ms = 0.0 if self.draft.ahead else self.draft.compute_ms
@@ -102,6 +138,8 @@ class Stats:
     draft_call_ms: float = 0.0  # the used drafts' Propose calls' own wall time
     feature_bytes: int = 0  # spec.features: hidden-state bytes carried (prefill + cycles)
     confidence_stops: int = 0  # cycles whose draft the confidence threshold cut short
+    forced_tokens: int = 0  # draft tokens the output constraint forced (in drafted_tokens too)
+    forced_accepted: int = 0  # ... kept by the verifier (in accepted_tokens too)
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
@@ -127,6 +165,8 @@ class Stats:
         self.draft_call_ms += draft.call_ms
         self.confidence_stops += draft.pruned > 0
         record = CycleRecord(self.cycles - 1, draft, verdict, wall_ms)
+        self.forced_tokens += draft.forced
+        self.forced_accepted += record.forced_accepted
         self.cycle_overhead_ms.append(record.overhead_ms)
         return record
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specd.errors import InvalidRequest
-from specd.net.wire import shape_from_proto
+from specd.net.wire import constraint_from_proto, shape_from_proto
 from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
+from specd.rules.structured import OutputConstraint
 from specd.rules.validation import check_token_ids
 
 from .chat import chat_prompt_ids
@@ -35,6 +37,9 @@ class GenerationSpec:
     # The drafter stops below a node less confident than this (0 = off; None =
     # learned per cycle, adaptive requests: specd/orchestrator/confidence.py).
     confidence: float | None = 0.0
+    # Structured output (sampling.constraint set): forced tokens join chains
+    # up to this draft depth in all (0 = no forced drafting).
+    forced_room: int = 0
 
     @property
     def features(self) -> bool:
@@ -51,8 +56,11 @@ def build_spec(
     context_length: int,
     has_drafter: bool,
     drafter_method: str = "draft_model",
+    compile_constraint: Callable[[OutputConstraint], object] | None = None,
 ) -> GenerationSpec:
-    """drafter_method: what the deployment's drafter pool serves (draft_model | eagle)."""
+    """drafter_method: what the deployment's drafter pool serves (draft_model | eagle).
+    compile_constraint: checks a structured_output (InvalidRequest naming
+    what is wrong) before any replica sees it."""
     prompt_ids = request_prompt_ids(req, tokenizer)
     check_token_ids(prompt_ids, vocab_size, context_length, "prompt")
 
@@ -64,7 +72,10 @@ def build_spec(
     if math.isnan(top_p) or not (0.0 < top_p <= 1.0):  # checked here: 0 would read as "unset" downstream
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
     seed = req.seed if req.HasField("seed") else secrets.randbits(63)
-    sampling = SamplingParams(req.temperature, top_p, req.top_k, seed).validate()
+    constraint = constraint_from_proto(req.structured_output, req.HasField("structured_output"))
+    if constraint is not None and compile_constraint is not None:
+        compile_constraint(constraint)
+    sampling = SamplingParams(req.temperature, top_p, req.top_k, seed, constraint).validate()
 
     if any(not s for s in req.stop):
         raise InvalidRequest("stop strings must not be empty")
@@ -73,7 +84,7 @@ def build_spec(
         adaptive = req.adaptive_speculation
     else:  # a request that names its own K or tree gets exactly that
         adaptive = config.speculative.adaptive and not (req.HasField("num_speculative_tokens") or req.HasField("tree"))
-    pipeline = pipelining(req, config.speculative, method, shape)
+    pipeline = pipelining(req, config.speculative, method, shape, constraint is not None)
     adaptive = adaptive and shape is not None
     return GenerationSpec(
         prompt_ids,
@@ -86,7 +97,16 @@ def build_spec(
         pipeline,
         alternatives(req, config.speculative) if pipeline else 0,
         confidence_threshold(req, config.speculative, method, shape, adaptive),
+        forced_room(req, config.speculative, constraint is not None),
     )
+
+
+def forced_room(req, sc: SpeculativeConfig, constrained: bool) -> int:
+    """Draft depth that forced tokens may fill (0: no forced drafting)."""
+    if req.HasField("forced_drafting") and not constrained:
+        raise InvalidRequest("forced_drafting is for requests with structured_output")
+    on = req.forced_drafting if req.HasField("forced_drafting") else True
+    return sc.max_num_speculative_tokens if constrained and on else 0
 
 
 def request_prompt_ids(req, tokenizer) -> list[int]:
@@ -141,18 +161,22 @@ def confidence_threshold(
     return float(sc.confidence_threshold)
 
 
-def pipelining(req, sc: SpeculativeConfig, method: str, shape: DraftShape | None) -> bool:
+def pipelining(req, sc: SpeculativeConfig, method: str, shape: DraftShape | None, constrained: bool = False) -> bool:
     """Pipelined drafting needs a drafter service drafting chains: the drafter
-    guesses the bonus token after the last chain token, a single position."""
+    guesses the bonus token after the last chain token, a single position.
+    Not with structured output: the guess would advance the constraint on a
+    token nobody committed."""
     able = method == "draft_model" and shape is not None and shape.is_chain
     if req.HasField("pipeline_drafting"):
+        if req.pipeline_drafting and constrained:
+            raise InvalidRequest("pipeline_drafting is not available with structured_output")
         if req.pipeline_drafting and not able:
             raise InvalidRequest(
                 "pipeline_drafting needs speculative_method draft_model with a chain "
                 f"(got method {method!r}{' and a tree' if shape is not None and not shape.is_chain else ''})"
             )
         return req.pipeline_drafting
-    return sc.pipeline and able
+    return sc.pipeline and able and not constrained
 
 
 def speculation(

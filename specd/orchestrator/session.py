@@ -52,8 +52,10 @@ class CycleState:
     def commit(self, draft: Draft, verdict: Verdict) -> int:
         """A verdict's tokens are committed; returns the feature bytes it carried."""
         kept = self.keep_features(verdict.hidden)
-        if draft.tokens:
-            self.kept_path = verdict.path
+        if draft.proposed:
+            # The drafter's nodes only: a forced tail is news to it, among the
+            # committed tokens (specd/orchestrator/structured.py).
+            self.kept_path = [n for n in verdict.path if n < draft.proposed]
         self.unsent += verdict.tokens
         self.committed += len(verdict.tokens)
         return kept

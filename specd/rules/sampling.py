@@ -18,6 +18,8 @@ import torch
 
 from specd.errors import InvalidRequest
 
+from .structured import OutputConstraint
+
 # Below this, logits / temperature can overflow float32 to inf and softmax gives
 # NaN; such a request means "greedy", and must say so with temperature = 0.
 MIN_TEMPERATURE = 1e-3
@@ -29,6 +31,9 @@ class SamplingParams:
     top_p: float = 1.0  # (0, 1]; 1 = off
     top_k: int = 0  # 0 = off
     seed: int = 0
+    # Structured output (vLLM keeps it with the sampling parameters too): the
+    # law is the masked logits' (specd/runtime/grammar.py); None = unconstrained.
+    constraint: OutputConstraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -44,6 +49,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.constraint is not None:
+            self.constraint.validate()
         return self
 
 

@@ -7,15 +7,18 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
 from specd.errors import CapacityExceeded, InvalidRequest, SessionExpired, UnknownSession
 from specd.rules.sampling import SamplingParams
+from specd.rules.structured import OutputConstraint
 from specd.rules.validation import check_token_ids
 
+from .grammar import Constraint, GrammarEngine, eos_ids
 from .kv_budget import DEFAULT_BLOCK_ROWS, KVPool, budget_bytes
-from .models import ModelRunner, Runner, architecture, context_length, load_model, vocab_size
+from .models import ModelRunner, Runner, architecture, context_length, load_model, load_tokenizer, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ class ModelCore:
         # Concurrent sessions share a forward through the batcher instead
         # (specd/runtime/batcher.py).
         self._lock = threading.Lock()
+        self._grammar: GrammarEngine | None = None  # built on the first constrained session
+        self._grammar_lock = threading.Lock()
 
     def install_kv_pool(self) -> KVPool:
         """The replica's KV budget (specd/runtime/kv_budget.py), sized now that
@@ -155,6 +160,31 @@ class ModelCore:
         stalled by a slow client drops out, so it makes no batch wait."""
         since = time.monotonic() - ACTIVE_INTERVALS * self._call_interval_s
         return sum(1 for sid, t in list(self._touched.items()) if t >= since and sid in self._sessions)
+
+    def tokenizer_dir(self) -> str:
+        """Where the tokenizer that structured output masks with is read from."""
+        return self.config.model_dir
+
+    @property
+    def grammar(self) -> GrammarEngine:
+        """The structured-output engine over this model's tokenizer, built once
+        (reading the tokenizer takes about a second)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                try:
+                    tokenizer = load_tokenizer(self.tokenizer_dir())
+                except (OSError, ValueError) as exc:
+                    raise InvalidRequest(
+                        f"structured output needs the model's tokenizer, and the {self.role} could not load one "
+                        f"from {self.tokenizer_dir()!r}: {exc}"
+                    ) from None
+                self._grammar = GrammarEngine(tokenizer, eos_ids(self.model.config, tokenizer))
+            return self._grammar
+
+    def constraint(self, c: OutputConstraint | None, committed: Sequence[int] = ()) -> Constraint | None:
+        """A new session's constraint (None: unconstrained), standing after
+        `committed` generated tokens; InvalidRequest for a bad constraint."""
+        return None if c is None else self.grammar.constraint(c, self.vocab_size, committed)
 
     def _check_request(
         self, session_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int | None = None

@@ -33,6 +33,7 @@ from specd.rules.tree import (
 )
 from specd.rules.validation import check_token_ids
 from specd.runtime.features import HiddenStates
+from specd.runtime.grammar import Constraint, apply_masks
 from specd.runtime.model_core import ModelCore
 from specd.runtime.models import ModelSession, Runner
 from specd.runtime.phases import Phases
@@ -74,6 +75,7 @@ class OpenJob:
     params: SamplingParams
     resume: bool = False
     hidden: bool = False
+    constraint: Constraint | None = None  # structured output, standing at the committed tokens
 
 
 @dataclass
@@ -83,6 +85,9 @@ class _Session:
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
     hidden: bool = False  # return the target's features (EAGLE drafting)
+    # Structured output: the target's logits are masked to what it allows at
+    # every row before the rule, and it advances only on committed tokens.
+    constraint: Constraint | None = None
 
 
 def is_chain(tree: TokenTree) -> bool:
@@ -112,7 +117,13 @@ class Verifier(ModelCore):
         return sum(s.cache.length for s in list(self._sessions.values()))
 
     def open_session(
-        self, session_id: str, prompt_ids: list[int], params: SamplingParams, resume: bool = False, hidden: bool = False
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        resume: bool = False,
+        hidden: bool = False,
+        generated_from: int = 0,
     ):
         """Prefill the prompt; return the first generated token (a plain decode step).
 
@@ -127,12 +138,22 @@ class Verifier(ModelCore):
         the result is (first token, HiddenStates of every prompt token); after a
         resume (None, None) - the drafter has the earlier features already.
 
+        params.constraint: structured output (specd/runtime/grammar.py); after
+        a resume it consumes prompt_ids[generated_from:], the generated tokens.
+
         The servicer sends prepare_open's job through the batcher instead, so
         that prefills share forwards with each other and with verifies."""
-        return self._alone(self.verify_batch([self.prepare_open(session_id, prompt_ids, params, resume, hidden)]))
+        job = self.prepare_open(session_id, prompt_ids, params, resume, hidden, generated_from)
+        return self._alone(self.verify_batch([job]))
 
     def prepare_open(
-        self, session_id: str, prompt_ids: list[int], params: SamplingParams, resume: bool = False, hidden: bool = False
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        resume: bool = False,
+        hidden: bool = False,
+        generated_from: int = 0,
     ) -> OpenJob:
         """Check an OpenSession call (no lock, no forward), like `prepare`."""
         self._check_request(session_id, prompt_ids, params)
@@ -143,7 +164,14 @@ class Verifier(ModelCore):
             )
         if hidden and self.runner.lean is None:
             raise InvalidRequest("return_hidden_states needs the verifier's lean engine")
-        return OpenJob(session_id, list(prompt_ids), params, resume, hidden)
+        constraint = params.constraint
+        if constraint is not None and resume and not 0 < generated_from < len(prompt_ids):
+            raise InvalidRequest(
+                f"generated_from {generated_from} must point into the {len(prompt_ids)} prompt_token_ids "
+                "of a resumed constrained session (where its generated tokens start)"
+            )
+        generated = list(prompt_ids[generated_from:]) if constraint is not None and resume else []
+        return OpenJob(session_id, list(prompt_ids), params, resume, hidden, self.constraint(constraint, generated))
 
     def _admit(self, j: OpenJob, pending: int) -> _Session:
         """Under the lock: room for the session (beside `pending` sessions
@@ -151,7 +179,7 @@ class Verifier(ModelCore):
         KV budget: CapacityExceeded when they are not free); the new session."""
         self._check_room(j.session_id, pending)
         gen = torch.Generator().manual_seed(j.params.seed)
-        s = _Session(self.runner.new_session(), j.params, gen, list(j.prompt_ids), j.hidden)
+        s = _Session(self.runner.new_session(), j.params, gen, list(j.prompt_ids), j.hidden, j.constraint)
         rows = len(j.prompt_ids) - 1 if j.resume else len(j.prompt_ids)
         s.cache.reserve(rows, f"session {j.session_id!r} (a prompt of {len(j.prompt_ids)} tokens)")
         return s
@@ -171,8 +199,14 @@ class Verifier(ModelCore):
         if j.resume:
             return (None, None) if j.hidden else None
         params = s.params
+        if s.constraint is not None:
+            allowed = s.constraint.allowed()
+            assert allowed is not None  # the empty path is never forbidden
+            logits = self._masked(s.constraint, logits[None], allowed[None])[0]
         first = sample(logits_to_probs(logits, params), s.generator) if not params.greedy else int(logits.argmax())
         s.tokens.append(first)
+        if s.constraint is not None:
+            s.constraint.commit([first])
         return (first, HiddenStates.encode(states, self.config.hidden_dtype)) if j.hidden else first
 
     def verify(
@@ -272,6 +306,10 @@ class Verifier(ModelCore):
             for (j, s), lg, h in zip(admitted, logits[len(live) :], states[len(live) :]):
                 done[id(j)] = self._first_token(j, s, lg[0], h)
                 self._add(j.session_id, s)
+            logits = [
+                lg if j.session.constraint is None else self._masked(j.session.constraint, lg, j.tree)
+                for j, lg in zip(live, logits[: len(live)])
+            ]
             best = iter(self._argmaxes([lg for j, lg in zip(live, logits) if j.session.params.greedy]))
             accepted = [self._accept(j, lg, best) for j, lg in zip(live, logits)]
             phases.mark("accept")
@@ -284,12 +322,22 @@ class Verifier(ModelCore):
                 # Keep the root and the accepted path; the new last token is pending.
                 j.session.cache.compact(len(j.session.tokens) - 1, compaction_indices(r.path))
                 j.session.tokens += r.tokens
+                if j.session.constraint is not None:
+                    j.session.constraint.commit(r.tokens)
             phases.mark("compact")
             ms, rows = (time.perf_counter() - start) * 1e3, sum(len(ids) for _, ids, _, _ in items)
             for r in accepted:
                 r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases.spans, len(items), rows
             done |= {id(j): r for j, r in zip(live, accepted)}
             return self._in_order(jobs, done | refused, "verify")
+
+    @staticmethod
+    def _masked(c: Constraint, logits: torch.Tensor, tree) -> torch.Tensor:
+        """The rows (root + nodes) with what the constraint forbids at -inf:
+        each row masked at its node's path, the matcher moved there
+        tentatively (specd/runtime/grammar.py). tree: a TokenTree, or the masks."""
+        masks = tree if isinstance(tree, torch.Tensor) else c.tree_masks(list(tree.tokens), list(tree.parents))
+        return apply_masks(logits, masks)
 
     @staticmethod
     def _argmaxes(logits: list[torch.Tensor]) -> list[list[int]]:

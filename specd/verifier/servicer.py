@@ -63,6 +63,7 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
                 sampling_from_proto(request.sampling),
                 resume=request.resume,
                 hidden=request.return_hidden_states,
+                generated_from=request.generated_from,
             )
             first = self.batcher.submit(job).result()
         close_if_caller_left(self.core, request.session_id, context)

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "structured_output")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    structured_output: StructuredOutput
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -25,6 +27,18 @@ class SparseDistribution(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "regex", "ebnf", "json_object")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    EBNF_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    ebnf: str
+    json_object: bool
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
 
 class CallError(_message.Message):
     __slots__ = ("code", "message")
@@ -69,16 +83,18 @@ class HiddenStates(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class OpenDraftSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "target_vocab_size")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "target_vocab_size", "generated_from")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FROM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     target_vocab_size: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target_vocab_size: _Optional[int] = ...) -> None: ...
+    generated_from: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target_vocab_size: _Optional[int] = ..., generated_from: _Optional[int] = ...) -> None: ...
 
 class OpenDraftSessionResponse(_message.Message):
     __slots__ = ()
@@ -201,18 +217,20 @@ class ReplicaInfo(_message.Message):
     def __init__(self, engine: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenVerifySessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "resume", "return_hidden_states")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "resume", "return_hidden_states", "generated_from")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FROM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     resume: bool
     return_hidden_states: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
+    generated_from: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., return_hidden_states: _Optional[bool] = ..., generated_from: _Optional[int] = ...) -> None: ...
 
 class OpenVerifySessionResponse(_message.Message):
     __slots__ = ("first_token_id", "hidden_states")
@@ -261,7 +279,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_path: _Optional[_Iterable[int]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method", "adaptive_speculation", "pipeline_drafting", "pipeline_alternatives", "confidence_threshold")
+    __slots__ = ("prompt", "prompt_token_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "tree", "speculative_method", "adaptive_speculation", "pipeline_drafting", "pipeline_alternatives", "confidence_threshold", "structured_output", "forced_drafting")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +296,8 @@ class GenerateRequest(_message.Message):
     PIPELINE_DRAFTING_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    FORCED_DRAFTING_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: PromptTokenIds
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -294,7 +314,9 @@ class GenerateRequest(_message.Message):
     pipeline_drafting: bool
     pipeline_alternatives: int
     confidence_threshold: float
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ..., adaptive_speculation: _Optional[bool] = ..., pipeline_drafting: _Optional[bool] = ..., pipeline_alternatives: _Optional[int] = ..., confidence_threshold: _Optional[float] = ...) -> None: ...
+    structured_output: StructuredOutput
+    forced_drafting: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., tree: _Optional[_Union[DraftShape, _Mapping]] = ..., speculative_method: _Optional[str] = ..., adaptive_speculation: _Optional[bool] = ..., pipeline_drafting: _Optional[bool] = ..., pipeline_alternatives: _Optional[int] = ..., confidence_threshold: _Optional[float] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., forced_drafting: _Optional[bool] = ...) -> None: ...
 
 class PromptTokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -311,7 +333,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position", "adaptive", "pipelined_drafts", "draft_wait_ms", "draft_call_ms", "feature_bytes", "pipelined_alternative_drafts", "confidence_stops")
+    __slots__ = ("cycles", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "prompt_tokens", "completion_tokens", "num_speculative_tokens", "draft_compute_ms", "verify_compute_ms", "cycles_wall_ms", "cycle_overhead_ms", "method", "drafts", "accepted_per_position", "adaptive", "pipelined_drafts", "draft_wait_ms", "draft_call_ms", "feature_bytes", "pipelined_alternative_drafts", "confidence_stops", "forced_tokens", "forced_accepted")
     CYCLES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +355,8 @@ class GenerationStats(_message.Message):
     FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_ALTERNATIVE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_STOPS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     cycles: int
     drafted_tokens: int
     accepted_tokens: int
@@ -354,7 +378,9 @@ class GenerationStats(_message.Message):
     feature_bytes: int
     pipelined_alternative_drafts: int
     confidence_stops: int
-    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., adaptive: _Optional[bool] = ..., pipelined_drafts: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_call_ms: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., pipelined_alternative_drafts: _Optional[int] = ..., confidence_stops: _Optional[int] = ...) -> None: ...
+    forced_tokens: int
+    forced_accepted: int
+    def __init__(self, cycles: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_compute_ms: _Optional[float] = ..., verify_compute_ms: _Optional[float] = ..., cycles_wall_ms: _Optional[float] = ..., cycle_overhead_ms: _Optional[_Iterable[float]] = ..., method: _Optional[str] = ..., drafts: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., adaptive: _Optional[bool] = ..., pipelined_drafts: _Optional[int] = ..., draft_wait_ms: _Optional[float] = ..., draft_call_ms: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., pipelined_alternative_drafts: _Optional[int] = ..., confidence_stops: _Optional[int] = ..., forced_tokens: _Optional[int] = ..., forced_accepted: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")
