@@ -96,20 +96,30 @@ def test_speculative_sampling_matches_target(prompt, temperature, top_p, top_k, 
                      dict(temperature=temperature, top_p=top_p, top_k=top_k, **draft))
 
 
-def check_stream_law(stack, prompt, joint, threshold, fields: dict) -> None:
+def check_stream_law(stack, prompt, joint, threshold, fields: dict) -> int:
     """N sampled requests (4 tokens, seeds 0..N-1) through the stack; the law of
     their first 3 tokens must be within `threshold` TV of the exact joint, and
-    both paths (kept drafts, tokens after a rejection) must really have run."""
-    counts, rejections, acceptances = {}, 0, 0
+    both paths (kept drafts, tokens after a rejection) must really have run.
+    Returns the requests that drafted forced tokens (structured output)."""
+    stat, rejections, acceptances, forced = stream_law(stack, prompt, joint, threshold, fields)
+    assert rejections > N // 10 and acceptances > N // 10
+    assert stat < threshold
+    return forced
+
+
+def stream_law(stack, prompt, joint, threshold, fields: dict) -> tuple[float, int, int, int]:
+    """(TV of the N requests' first 3 tokens from the exact joint, requests with
+    a rejection, with an acceptance, with forced draft tokens)."""
+    counts, rejections, acceptances, forced = {}, 0, 0, 0
     for ids, last in generate_seeds(stack, N, prompt_token_ids={"ids": prompt}, max_new_tokens=4, **fields):
         counts[tuple(ids[:3])] = counts.get(tuple(ids[:3]), 0) + 1
         rejections += last.stats.accepted_tokens < last.stats.drafted_tokens
         acceptances += last.stats.accepted_tokens > 0
+        forced += last.stats.forced_tokens > 0
     stat = tv(joint, counts, N)
     print(f"{fields}: TV={stat:.4f} threshold={threshold:.4f} support={len(joint)} "
-          f"requests with a rejection={rejections} with an acceptance={acceptances}")
-    assert rejections > N // 10 and acceptances > N // 10
-    assert stat < threshold
+          f"requests with a rejection={rejections} with an acceptance={acceptances} with forced tokens={forced}")
+    return stat, rejections, acceptances, forced
 
 
 def generate_seeds(stack, n: int, **fields) -> list:

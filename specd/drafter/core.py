@@ -69,6 +69,7 @@ class ProposeJob:
     hidden: torch.Tensor | None = None  # method eagle: target features of the committed tokens, (n, C)
     alternatives: int = 0  # ahead: alternative corrections per depth to pre-draft
     branch: int = 0  # after an ahead call: the branch its verdict matched (0 = all kept)
+    forced_room: int = 0  # structured output: forced nodes the chain may take besides its depth
 
 
 @dataclass
@@ -186,12 +187,12 @@ class Drafter(ModelCore):
         hidden=None,
         alternatives: int = 0,
         branch: int = 0,
+        forced_room: int = 0,
     ) -> Proposal:
-        return self._alone(
-            self.propose_batch(
-                [self.prepare(session_id, accepted_path, committed, shape, ahead, rewind, hidden, alternatives, branch)]
-            )
+        job = self.prepare(
+            session_id, accepted_path, committed, shape, ahead, rewind, hidden, alternatives, branch, forced_room
         )
+        return self._alone(self.propose_batch([job]))
 
     def prepare(
         self,
@@ -204,10 +205,12 @@ class Drafter(ModelCore):
         hidden=None,
         alternatives: int = 0,
         branch: int = 0,
+        forced_room: int = 0,
     ) -> ProposeJob:
         """Check one Propose call (no lock, no forward): a bad call fails here,
         alone, before it could join a batch. hidden: HiddenStates (method eagle);
-        alternatives / branch: ProposeRequest.ahead_alternatives / ahead_branch."""
+        alternatives / branch: ProposeRequest.ahead_alternatives / ahead_branch;
+        forced_room: ProposeRequest.forced_room."""
         if not 0 <= alternatives <= self.config.max_ahead_alternatives:
             raise InvalidRequest(
                 f"ahead_alternatives {alternatives} is outside [0, {self.config.max_ahead_alternatives}]"
@@ -246,9 +249,23 @@ class Drafter(ModelCore):
             rewind,
             alternatives=alternatives,
             branch=branch,
+            forced_room=self._forced_room(s, forced_room, shape, known + len(committed)),
         )
         self._check_state(job)
         return job
+
+    def _forced_room(self, s: _Session, asked: int, shape: DraftShape, tokens: int) -> int:
+        """The forced nodes a chain may take: as asked, within this drafter's
+        depth limit and context (the rows it forwards)."""
+        if asked < 0:
+            raise InvalidRequest(f"forced_room must be >= 0, got {asked}")
+        if asked and s.constraint is None:
+            raise InvalidRequest("forced_room is for sessions with structured output")
+        if not asked or not shape.is_chain:
+            return 0
+        return max(
+            0, min(asked, self.config.max_draft_tokens - shape.depth, self.context_length - tokens - shape.depth)
+        )
 
     @staticmethod
     def _check_branch(s: _Session, rewind: bool, branch: int) -> None:
@@ -340,7 +357,7 @@ class Drafter(ModelCore):
         k = len(j.committed)
         # The committed tokens, an ahead call's guess, then the tree's rows
         # or the branches' (1 + n(k+1) branches, depth rows each: branches.py).
-        rows = known + k + j.ahead + max(j.shape.depth - 1, j.shape.forward_rows)
+        rows = known + k + j.ahead + max(j.shape.depth - 1, j.shape.forward_rows) + j.forced_room
         if j.ahead and j.alternatives:
             rows += (1 + j.alternatives * (k + 1)) * j.shape.depth
         j.session.cache.reserve(
@@ -362,6 +379,7 @@ class Drafter(ModelCore):
                     r[0],
                     j.shape.min_confidence,
                     j.session.constraint,
+                    j.forced_room,
                 )
                 for j, r in chains
             ],

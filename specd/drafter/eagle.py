@@ -260,7 +260,11 @@ class EagleDrafter(Drafter):
         hidden=None,
         alternatives: int = 0,
         branch: int = 0,
+        forced_room: int = 0,
     ) -> ProposeJob:
+        # forced_room is not taken: the head's forwards read one predicted
+        # feature per token, so a forced run would cost a level per token
+        # anyway; its masked q drafts forced positions (q = 1) as it goes.
         if ahead or rewind or alternatives or branch:
             raise InvalidRequest("method eagle does not draft ahead (pipelined drafting is for draft_model)")
         job = super().prepare(session_id, accepted_path, committed, shape)

@@ -36,6 +36,7 @@ def propose_response(proposal) -> pb.ProposeResponse:
         guessed_token_id=proposal.guess,
         draft_confidences=tree.confidences,
         confidence_pruned=tree.pruned,
+        forced_nodes=tree.forced,
         branches=[
             pb.AheadBranch(
                 kept=b.kept,
@@ -107,6 +108,7 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                 hidden_from_proto(request.hidden_states, request.HasField("hidden_states")),
                 request.ahead_alternatives,
                 request.ahead_branch,
+                request.forced_room,
             )
             proposal = self.batcher.submit(job)
         except Exception as exc:

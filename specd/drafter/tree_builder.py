@@ -52,6 +52,8 @@ class DraftTree:
     # Nodes left without the children their shape gave them, because their
     # confidence was under shape.min_confidence.
     pruned: int = 0
+    # Nodes the output constraint forced (q = 1 at each; grow_chains).
+    forced: list[int] = field(default_factory=list)
 
 
 def extends(confidence: float, threshold: float) -> bool:
@@ -207,15 +209,29 @@ def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen, th
 def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTree]:
     """Chains of several sessions with one batched forward per level (what
     _grow_static does for one chain): chains are (cache, params, generator,
-    depth, root logits, min_confidence); each level picks every session's
-    next token and forwards those still drafting together: a chain stops at
-    its depth or after its first token under its min_confidence, each on its
-    own. The caches must hold exactly the committed tokens. tops: ranked
-    choices kept per node (DraftTree.tops). A chain may carry a seventh item,
-    its output constraint (or None)."""
+    depth, root logits, min_confidence[, constraint, room]); each level picks
+    every session's next token and forwards those still drafting together: a
+    chain stops at its depth or after its first token under its
+    min_confidence, each on its own. The caches must hold exactly the
+    committed tokens. tops: ranked choices kept per node (DraftTree.tops).
+
+    With an output constraint, masked laws choose every token, and where the
+    constraint forces tokens (after the last committed token or after a
+    chosen one) up to `room` of them join the chain as forced nodes, q = 1
+    each: they ride in the forward of the token before them (the root's
+    in a forward of their own) and do not count towards the depth."""
     grown = [DraftTree() for _ in chains]
+    levels = [0] * len(chains)  # tokens chosen (not forced) per chain
     active = [(i, chains[i][4]) for i in range(len(chains))]
-    level = 0
+    # Forced at the root: one forward for those chains before the first level.
+    first = [(i, _force(chains[i], grown[i], tops > 0)) for i in range(len(chains))]
+    first = [(i, run) for i, run in first if run]
+    if first:
+        after = runner.forward_batch([(chains[i][0], run, None, None) for i, run in first])
+        ahead = {i: lg[-1] for (i, _), lg in zip(first, after)}
+        for i, run in first:
+            grown[i].forwarded += range(len(run))
+        active = [(i, ahead.get(i, lg)) for i, lg in active]
     while active:
         forward = []
         active = [
@@ -234,25 +250,46 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
             if dist:
                 tree.row_dists.append(dist)
             tree.tokens.append(token)
-            tree.parents.append(level - 1)
+            tree.parents.append(len(tree.tokens) - 2)
             tree.confidences.append(conf)
             if tops:
                 top = ranked[i][0] if i in ranked else torch.topk(logits, min(tops, logits.shape[-1])).indices.tolist()
                 tree.tops.append(top[:tops])
-            if level + 1 < depth and not extends(conf, threshold):
+            levels[i] += 1
+            node = len(tree.tokens) - 1
+            run = _force(chains[i], tree, tops > 0)
+            if levels[i] < depth and not extends(conf, threshold):
                 tree.pruned = 1
-            elif level + 1 < depth:
-                tree.forwarded.append(level)
-                forward.append(i)
-        level += 1
+            elif levels[i] < depth:
+                tree.forwarded += range(node, node + 1 + len(run))
+                forward.append((i, [token, *run]))
         if not forward:
             break
-        logits = runner.forward_batch([(chains[i][0], [grown[i].tokens[-1]], None, None) for i in forward])
-        active = [(i, lg[0]) for i, lg in zip(forward, logits)]
+        logits = runner.forward_batch([(chains[i][0], ids, None, None) for i, ids in forward])
+        active = [(i, lg[-1]) for (i, _), lg in zip(forward, logits)]
     for tree in grown:
         if tree.row_dists:  # the leaf's own row has no children
             tree.row_dists.append(([], []))
     return grown
+
+
+def _force(chain: tuple, tree: DraftTree, tops: bool) -> list[int]:
+    """Append the tokens the chain's constraint forces after its last node
+    (at most its room left), as forced nodes; the tokens."""
+    if len(chain) < 8 or chain[6] is None:
+        return []
+    constraint, room, params = chain[6], chain[7], chain[1]
+    run = constraint.forced(tree.tokens)[: max(0, room - len(tree.forced))]
+    for t in run:
+        if not params.greedy:
+            tree.row_dists.append(([t], [1.0]))  # the parent row's q: one point
+        tree.forced.append(len(tree.tokens))
+        tree.tokens.append(t)
+        tree.parents.append(len(tree.tokens) - 2)
+        tree.confidences.append(1.0)
+        if tops:
+            tree.tops.append([t])
+    return run
 
 
 def _ranked_greedy(chains: list, active: list, tops: int) -> dict[int, tuple[list[int], float]]:

@@ -268,6 +268,7 @@ class GrpcDrafter(_Client):
         hidden=None,
         alternatives=0,
         branch=0,
+        forced_room=0,
     ) -> Draft:
         r = await self._stream(
             pb.ProposeRequest(
@@ -280,6 +281,7 @@ class GrpcDrafter(_Client):
                 hidden_states=hidden_to_proto(hidden),
                 ahead_alternatives=alternatives,
                 ahead_branch=branch,
+                forced_room=forced_room,
             ),
             "specdec.draft",
             "ProposeStream",
@@ -294,6 +296,7 @@ class GrpcDrafter(_Client):
             branches=[(b.kept, b.token_id, _chain(b)) for b in r.branches],
             confidences=list(r.draft_confidences),
             pruned=r.confidence_pruned,
+            forced_nodes=list(r.forced_nodes),
         )
 
 

@@ -26,7 +26,7 @@ import time
 
 from specd.rules.draft_shape import DraftShape
 
-from .depth import DraftShaper
+from .depth import DraftShaper, draft_budget
 from .ports import DrafterClient
 from .records import Draft, Verdict
 from .session import CycleState, after_ahead
@@ -104,9 +104,11 @@ class PlainDrafting(Drafting):
     """A Propose per cycle, telling the drafter what the last verdict kept;
     sent as soon as the verdict is committed (prefetch)."""
 
-    def __init__(self, drafter: DrafterClient, session_id: str, shaper: DraftShaper):
+    def __init__(self, drafter: DrafterClient, session_id: str, shaper: DraftShaper, forced_room: int = 0):
         self.drafter, self.session_id, self.shaper = drafter, session_id, shaper
         self._next: asyncio.Future[Draft] | None = None  # the prefetched draft, in the making
+        # Structured output: draft depth forced tokens may fill (GenerationSpec.forced_room).
+        self.forced_room = forced_room
 
     async def draft(self, state: CycleState, remaining: int) -> Draft:
         if self._next is not None:
@@ -126,7 +128,13 @@ class PlainDrafting(Drafting):
         if shape is None:
             return _no_draft()
         args = (self.session_id, state.kept_path, state.unsent, shape)
-        propose = timed_propose(self.drafter, *args, **state.news())
+        more = state.news()
+        if self.forced_room and shape.is_chain:
+            s = self.shaper
+            budget = draft_budget(self.forced_room, remaining, state.committed, s.target_ctx, s.drafter_ctx)
+            if budget > shape.depth:
+                more["forced_room"] = budget - shape.depth
+        propose = timed_propose(self.drafter, *args, **more)
         state.heard()  # the call carries all of it
         return propose
 

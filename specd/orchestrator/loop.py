@@ -39,6 +39,7 @@ from .ports import NO_TRACE, DrafterClient, NoTrace, VerifierClient
 from .records import Chunk, CycleRecord, Draft, Stats, Verdict
 from .request import GenerationSpec
 from .session import CycleState, SessionReplicas
+from .spec_config import DRAFTER_METHODS
 from .structured import shape_draft
 
 # The loop's data and ports, importable from here as well as from their modules.
@@ -77,7 +78,7 @@ def drafting_for(
         return NoDrafting()
     if spec.pipeline:
         return PipelinedDrafting(drafter, session_id, shaper, spec.pipeline_alternatives)
-    return PlainDrafting(drafter, session_id, shaper)
+    return PlainDrafting(drafter, session_id, shaper, spec.forced_room if spec.method in DRAFTER_METHODS else 0)
 
 
 def stream(tracker: OutputTracker, stats: Stats, tokens: list[int]) -> Emit:

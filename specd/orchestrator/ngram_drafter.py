@@ -38,9 +38,12 @@ class NgramDrafter:
         hidden: HiddenStates | None = None,
         alternatives: int = 0,
         branch: int = 0,
+        forced_room: int = 0,
     ) -> Draft:
         # Never ahead / rewind / alternatives / branch: build_spec pipelines
-        # draft_model chains only; never hidden: features are eagle's.
+        # draft_model chains only; never hidden: features are eagle's. Never
+        # forced_room: the loop cuts and extends an n-gram draft itself
+        # (specd/orchestrator/structured.py).
         start = time.perf_counter()
         context = self.contexts[session_id]
         context += committed

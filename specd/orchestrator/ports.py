@@ -24,7 +24,8 @@ class VerifierClient(Protocol):
 class DrafterClient(Protocol):
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None: ...
     # alternatives (ahead calls) / branch (the call after one): ProposeRequest's
-    # ahead_alternatives / ahead_branch; sent only when not 0.
+    # ahead_alternatives / ahead_branch; forced_room: ProposeRequest's (structured
+    # output); each sent only when not 0.
     async def propose(
         self,
         session_id: str,
@@ -37,6 +38,7 @@ class DrafterClient(Protocol):
         hidden: HiddenStates | None = None,
         alternatives: int = 0,
         branch: int = 0,
+        forced_room: int = 0,
     ) -> Draft: ...
     async def close(self, session_id: str) -> None: ...
 

@@ -29,14 +29,16 @@ class Draft:
     confidences: list[float] = field(default_factory=list)  # per node: the drafter's probability of it
     min_confidence: float = 0.0  # the stopping threshold it was drafted with (0 = off)
     pruned: int = 0  # nodes the threshold left without the children the shape gave them
-    # Structured output: tokens the constraint forced, appended at the chain's
-    # end (the last `forced` nodes; no drafter made them: specd/orchestrator/structured.py).
-    forced: int = 0
+    # Structured output: the nodes the constraint forced (q = 1), by the
+    # drafter within its chain or by the orchestrator after it: the last
+    # `tail` nodes (specd/orchestrator/structured.py).
+    forced_nodes: list[int] = field(default_factory=list)
+    tail: int = 0
 
     @property
     def proposed(self) -> int:
-        """Nodes the drafter made (the rest were forced)."""
-        return len(self.tokens) - self.forced
+        """Nodes the drafter sent (the forced tail excluded)."""
+        return len(self.tokens) - self.tail
 
 
 @dataclass
@@ -78,12 +80,13 @@ class CycleRecord:
     @property
     def forced_accepted(self) -> int:
         """Forced nodes on the accepted path."""
-        return sum(n >= self.draft.proposed for n in self.verdict.path)
+        forced = set(self.draft.forced_nodes)
+        return sum(n in forced for n in self.verdict.path)
 
     def drafted(self) -> CycleRecord:
-        """The cycle as the drafter's part of the draft alone: what acceptance
-        learning reads (a forced token says nothing about the drafter)."""
-        if not self.draft.forced:
+        """The cycle as the drafter's proposal alone, without the forced tail:
+        what acceptance learning reads (a tail says nothing of the drafter)."""
+        if not self.draft.tail:
             return self
         n = self.draft.proposed
         d = self.draft
@@ -165,7 +168,7 @@ class Stats:
         self.draft_call_ms += draft.call_ms
         self.confidence_stops += draft.pruned > 0
         record = CycleRecord(self.cycles - 1, draft, verdict, wall_ms)
-        self.forced_tokens += draft.forced
+        self.forced_tokens += len(draft.forced_nodes)
         self.forced_accepted += record.forced_accepted
         self.cycle_overhead_ms.append(record.overhead_ms)
         return record

@@ -42,7 +42,7 @@ def cut_forbidden(draft: Draft, constraint: Constraint) -> None:
 
 def add_forced(draft: Draft, constraint: Constraint, room: int) -> int:
     """Append the tokens the constraint forces after a chain (at most `room`);
-    how many. They count in draft.forced, at the chain's end."""
+    how many (draft.tail: no drafter forwarded them)."""
     if room <= 0 or not is_chain(draft):
         return 0
     forced = constraint.forced(draft.tokens)[:room]
@@ -59,7 +59,8 @@ def add_forced(draft: Draft, constraint: Constraint, room: int) -> int:
         draft.confidences += [1.0] * len(forced)
     draft.tokens += forced
     draft.parents += list(range(n - 1, n - 1 + len(forced)))
-    draft.forced += len(forced)
+    draft.forced_nodes += range(n, n + len(forced))
+    draft.tail += len(forced)
     return len(forced)
 
 

@@ -101,7 +101,7 @@ class OpenDraftSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "accepted_path", "committed_token_ids", "num_draft_tokens", "shape", "request_id", "traceparent", "ahead", "rewind", "hidden_states", "ahead_alternatives", "ahead_branch")
+    __slots__ = ("session_id", "accepted_path", "committed_token_ids", "num_draft_tokens", "shape", "request_id", "traceparent", "ahead", "rewind", "hidden_states", "ahead_alternatives", "ahead_branch", "forced_room")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class ProposeRequest(_message.Message):
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     AHEAD_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     AHEAD_BRANCH_FIELD_NUMBER: _ClassVar[int]
+    FORCED_ROOM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -126,7 +127,8 @@ class ProposeRequest(_message.Message):
     hidden_states: HiddenStates
     ahead_alternatives: int
     ahead_branch: int
-    def __init__(self, session_id: _Optional[str] = ..., accepted_path: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., shape: _Optional[_Union[DraftShape, _Mapping]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ..., rewind: _Optional[bool] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ..., ahead_alternatives: _Optional[int] = ..., ahead_branch: _Optional[int] = ...) -> None: ...
+    forced_room: int
+    def __init__(self, session_id: _Optional[str] = ..., accepted_path: _Optional[_Iterable[int]] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., shape: _Optional[_Union[DraftShape, _Mapping]] = ..., request_id: _Optional[int] = ..., traceparent: _Optional[str] = ..., ahead: _Optional[bool] = ..., rewind: _Optional[bool] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ..., ahead_alternatives: _Optional[int] = ..., ahead_branch: _Optional[int] = ..., forced_room: _Optional[int] = ...) -> None: ...
 
 class AheadBranch(_message.Message):
     __slots__ = ("kept", "token_id", "draft_token_ids", "draft_distributions", "draft_confidences", "confidence_pruned")
@@ -145,7 +147,7 @@ class AheadBranch(_message.Message):
     def __init__(self, kept: _Optional[int] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_confidences: _Optional[_Iterable[float]] = ..., confidence_pruned: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_parents", "draft_distributions", "compute_ms", "request_id", "error", "batch_sessions", "batch_tokens", "guessed_token_id", "branches", "draft_confidences", "confidence_pruned")
+    __slots__ = ("draft_token_ids", "draft_parents", "draft_distributions", "compute_ms", "request_id", "error", "batch_sessions", "batch_tokens", "guessed_token_id", "branches", "draft_confidences", "confidence_pruned", "forced_nodes")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,7 @@ class ProposeResponse(_message.Message):
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_PRUNED_FIELD_NUMBER: _ClassVar[int]
+    FORCED_NODES_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
@@ -170,7 +173,8 @@ class ProposeResponse(_message.Message):
     branches: _containers.RepeatedCompositeFieldContainer[AheadBranch]
     draft_confidences: _containers.RepeatedScalarFieldContainer[float]
     confidence_pruned: int
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., guessed_token_id: _Optional[int] = ..., branches: _Optional[_Iterable[_Union[AheadBranch, _Mapping]]] = ..., draft_confidences: _Optional[_Iterable[float]] = ..., confidence_pruned: _Optional[int] = ...) -> None: ...
+    forced_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., compute_ms: _Optional[float] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., guessed_token_id: _Optional[int] = ..., branches: _Optional[_Iterable[_Union[AheadBranch, _Mapping]]] = ..., draft_confidences: _Optional[_Iterable[float]] = ..., confidence_pruned: _Optional[int] = ..., forced_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
