@@ -159,6 +159,30 @@ def test_eagle_greedy_equals_target_only(eagle_pair, eagle_stack):
     assert 0 < accepted < drafted
 
 
+def test_eagle_constrained_greedy_equals_target_only(eagle_pair, eagle_stack):
+    """Structured output with method eagle: the head's drafts are masked like a
+    draft model's, and the output is target-only constrained greedy."""
+    import llguidance.hf
+
+    from tests.test_structured_greedy import CONSTRAINTS, constrained_greedy, grammar_of
+
+    target_dir, _ = eagle_pair
+    model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
+    lltok = llguidance.hf.from_tokenizer(tok)
+    drafted = 0
+    for kind, field in CONSTRAINTS.items():
+        grammar = grammar_of(kind, next(iter(field.values())))
+        for p in prompts(tok, 2):
+            want, gaps = constrained_greedy(model, lltok, grammar, p, tok.eos_token_id, MAX_NEW)
+            for shape in (dict(num_speculative_tokens=3), dict(tree={"branching": [2, 2]})):
+                got, last = eagle_stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=MAX_NEW,
+                                                 structured_output=field, **shape)
+                assert_same_or_near_tie(got, want, gaps, f"eagle {kind} {shape}")
+                assert last.stats.method == "eagle"
+                drafted += last.stats.drafted_tokens
+    assert drafted > 0
+
+
 @torch.inference_mode()
 def head_joint(target_dir, head_dir, prompt, params: SamplingParams, eps=1e-7) -> dict:
     """The law of 3 tokens if every draft were kept: token 1 from the target,

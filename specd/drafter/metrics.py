@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import Gauge, Histogram
 
+from specd.runtime.grammar import live_matchers
 from specd.telemetry.metrics import COUNT_BUCKETS, SpecDecodeCounters, metric
 
 
@@ -13,6 +14,9 @@ class DrafterMetrics:
     def __init__(self, core):
         self.spec = SpecDecodeCounters(acceptance=False)
         metric(Gauge, "specdec:active_sessions", "Open sessions.").set_function(lambda: core.num_sessions)
+        metric(
+            Gauge, "specdec:grammar_matchers", "Structured-output matchers alive (one per constrained session)."
+        ).set_function(live_matchers)
         self.batch_size = metric(
             Histogram,
             "specdec:propose_batch_size",

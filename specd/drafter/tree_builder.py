@@ -276,7 +276,7 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
 def _force(chain: tuple, tree: DraftTree, tops: bool) -> list[int]:
     """Append the tokens the chain's constraint forces after its last node
     (at most its room left), as forced nodes; the tokens."""
-    if len(chain) < 8 or chain[6] is None:
+    if len(chain) < 8 or chain[6] is None or chain[7] <= len(tree.forced):
         return []
     constraint, room, params = chain[6], chain[7], chain[1]
     run = constraint.forced(tree.tokens)[: max(0, room - len(tree.forced))]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from specd.runtime.grammar import live_matchers
 from specd.telemetry.discovery import dumps, file_sd_targets, write_atomic
 from specd.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, SpecDecodeCounters, metric
 
@@ -38,6 +39,21 @@ class OrchestratorMetrics:
             buckets=ITL_BUCKETS,
         )
         self.active = metric(Gauge, "specdec:active_sessions", "Generate streams in progress.")
+        metric(
+            Gauge, "specdec:grammar_matchers", "Structured-output matchers alive (one per constrained session)."
+        ).set_function(live_matchers)
+        self.forced = metric(
+            Counter,
+            "specdec:forced_tokens",
+            "Draft tokens the output constraint forced (structured output); also in num_draft_tokens.",
+            ("method",),
+        )
+        self.forced_accepted = metric(
+            Counter,
+            "specdec:forced_accepted_tokens",
+            "Forced draft tokens the verifier kept; also in num_accepted_tokens.",
+            ("method",),
+        )
         self.prompt_tokens = metric(
             Counter, "specdec:prompt_tokens", "Prompt tokens of finished requests.", ("method",)
         )
@@ -90,6 +106,9 @@ class RequestMetrics:
         if chunk.cycle is not None:
             m.spec.observe(len(chunk.cycle.draft.tokens), chunk.cycle.accepted, (method,))
             m.cycle.labels(method).observe(chunk.cycle.wall_ms / 1000)
+            if chunk.cycle.draft.forced_nodes:
+                m.forced.labels(method).inc(len(chunk.cycle.draft.forced_nodes))
+                m.forced_accepted.labels(method).inc(chunk.cycle.forced_accepted)
         if n:
             m.generation_tokens.labels(method).inc(n)
         if chunk.emit.finish_reason:

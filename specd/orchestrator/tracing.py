@@ -46,6 +46,10 @@ def cycle_attributes(c: CycleRecord, method: str) -> dict:
         # it left without the children the shape gave them.
         "specdec.draft.min_confidence": c.draft.min_confidence,
         "specdec.draft.confidence_pruned": c.draft.pruned,
+        # Structured output: draft nodes the constraint forced (q = 1; no
+        # drafter level spent on them) and how many of them were kept.
+        "specdec.draft.forced_tokens": len(c.draft.forced_nodes),
+        "specdec.draft.forced_accepted": c.forced_accepted,
     }
 
 

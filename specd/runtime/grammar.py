@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -102,6 +103,16 @@ def eos_ids(model_config, tokenizer) -> list[int]:
     return sorted({int(i) for i in ids})
 
 
+# Every Constraint alive in this process: a matcher lives as long as its
+# session, and this count (a Prometheus gauge per service) shows one that
+# outlived it.
+_LIVE: weakref.WeakSet[Constraint] = weakref.WeakSet()
+
+
+def live_matchers() -> int:
+    return len(_LIVE)
+
+
 class GrammarEngine:
     """Compiles constraints for one tokenizer, each distinct one once (an LRU
     of `cache_size`), and makes the sessions' matchers. Thread-safe."""
@@ -148,6 +159,7 @@ class Constraint:
     def __init__(self, matcher, width: int):
         self._m, self.width = matcher, width
         self._path: list[int] = []  # tentative tokens past the committed state
+        _LIVE.add(self)
 
     def _goto(self, path: list[int]) -> bool:
         """Stand `path` tokens past the committed state; False (standing at the

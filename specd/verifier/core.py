@@ -116,7 +116,14 @@ class Verifier(ModelCore):
         # list(): a metrics scrape reads this from another thread while sessions open.
         return sum(s.cache.length for s in list(self._sessions.values()))
 
-    def open_session(
+    def open_session(self, *args, **kwargs):
+        """Prefill the prompt; return the first generated token (a plain decode
+        step). Takes prepare_open's arguments. The servicer sends prepare_open's
+        job through the batcher instead, so that prefills share forwards with
+        each other and with verifies."""
+        return self._alone(self.verify_batch([self.prepare_open(*args, **kwargs)]))
+
+    def prepare_open(
         self,
         session_id: str,
         prompt_ids: list[int],
@@ -124,8 +131,8 @@ class Verifier(ModelCore):
         resume: bool = False,
         hidden: bool = False,
         generated_from: int = 0,
-    ):
-        """Prefill the prompt; return the first generated token (a plain decode step).
+    ) -> OpenJob:
+        """Check an OpenSession call (no lock, no forward), like `prepare`.
 
         resume: the session moves here from a lost verifier (specd/orchestrator/failover.py):
         prompt_ids are all its committed tokens, the last one pending. Prefill all
@@ -139,23 +146,7 @@ class Verifier(ModelCore):
         resume (None, None) - the drafter has the earlier features already.
 
         params.constraint: structured output (specd/runtime/grammar.py); after
-        a resume it consumes prompt_ids[generated_from:], the generated tokens.
-
-        The servicer sends prepare_open's job through the batcher instead, so
-        that prefills share forwards with each other and with verifies."""
-        job = self.prepare_open(session_id, prompt_ids, params, resume, hidden, generated_from)
-        return self._alone(self.verify_batch([job]))
-
-    def prepare_open(
-        self,
-        session_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        resume: bool = False,
-        hidden: bool = False,
-        generated_from: int = 0,
-    ) -> OpenJob:
-        """Check an OpenSession call (no lock, no forward), like `prepare`."""
+        a resume it consumes prompt_ids[generated_from:], the generated tokens."""
         self._check_request(session_id, prompt_ids, params)
         if resume and len(prompt_ids) < 2:
             raise InvalidRequest(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import Gauge, Histogram
 
+from specd.runtime.grammar import live_matchers
 from specd.telemetry.metrics import COUNT_BUCKETS, SpecDecodeCounters, metric
 
 
@@ -25,6 +26,9 @@ class VerifierMetrics:
             buckets=COUNT_BUCKETS,
         )
         metric(Gauge, "specdec:active_sessions", "Open sessions.").set_function(lambda: core.num_sessions)
+        metric(
+            Gauge, "specdec:grammar_matchers", "Structured-output matchers alive (one per constrained session)."
+        ).set_function(live_matchers)
         metric(Gauge, "specdec:kv_cache_tokens", "KV cache tokens in use, over all sessions.").set_function(
             lambda: core.kv_tokens
         )
