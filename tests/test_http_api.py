@@ -179,7 +179,8 @@ BAD = [  # (endpoint, fields, extra_body, param, words)
     ("chat", dict(tool_choice="required"), None, "tool_choice", "not supported"),
     ("chat", dict(functions=[{"name": "f"}]), None, "functions", "not supported"),
     ("chat", dict(function_call="auto"), None, "function_call", "not supported"),
-    ("chat", dict(response_format={"type": "json_object"}), None, "response_format", "not supported yet"),
+    # Structured output's own refusals: tests/test_http_structured.py.
+    ("chat", dict(response_format={"type": "xml"}), None, "response_format.type", "json_schema"),
     ("completions", {}, {"frobnicate": 1}, "frobnicate", "unsupported field"),
     ("completions", dict(temperature=-1), None, "temperature", "temperature"),
     ("chat", dict(temperature=3), None, "temperature", "temperature"),

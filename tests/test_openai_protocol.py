@@ -5,6 +5,8 @@ and the SSE generator of specd/orchestrator/openai_api.py on a fake source
 (it closes the core's generator however the stream ends)."""
 
 import asyncio
+import json
+from pathlib import Path
 
 import grpc
 import pytest
@@ -26,10 +28,14 @@ from specd.orchestrator.openai_protocol import (
     validation_error,
 )
 from specd.orchestrator.records import Chunk, Stats
+from specd.rules.structured import OutputConstraint
+from specd.runtime.grammar import GrammarEngine
+from specd.runtime.models import load_tokenizer
 
 pytestmark = pytest.mark.unit
 
 USER = [{"role": "user", "content": "hi"}]
+DEMO_TARGET = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"  # a committed tokenizer
 
 
 def completion(**fields):
@@ -106,7 +112,22 @@ def test_draft_tree_is_the_proto_draft_shape():
     (chat, dict(tool_choice="auto"), "tool_choice", "function calling"),
     (chat, dict(functions=[{"name": "f"}]), "functions", "function calling"),
     (chat, dict(function_call="auto"), "function_call", "function calling"),
-    (chat, dict(response_format={"type": "json_object"}), "response_format", "not supported yet"),
+    (chat, dict(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}), "structured_outputs",
+     "both constrain"),
+    (completion, dict(prompt="x", structured_outputs={"regex": "a", "grammar": "b"}), "structured_outputs",
+     "gives 2 constraints (regex, grammar)"),
+    (completion, dict(prompt="x", structured_outputs={}), "structured_outputs", "names no constraint"),
+    (completion, dict(prompt="x", structured_outputs={"json_object": False}), "structured_outputs",
+     "names no constraint"),
+    (completion, dict(prompt="x", structured_outputs={"json": 3}), "structured_outputs.json", "got int"),
+    (completion, dict(prompt="x", structured_outputs={"choice": []}), "structured_outputs.choice", "at least one"),
+    (chat, dict(response_format={"type": "json_schema"}), "response_format.json_schema", "required"),
+    (chat, dict(response_format={"type": "json_schema", "json_schema": {"name": "n"}}),
+     "response_format.json_schema.schema", "required"),
+    (chat, dict(response_format={"type": "text", "json_schema": {"name": "n", "schema": {}}}),
+     "response_format.json_schema", "only for type json_schema"),
+    (chat, dict(forced_drafting=True), "forced_drafting", "constrained requests"),
+    (chat, dict(response_format={"type": "text"}, forced_drafting=False), "forced_drafting", "constrained requests"),
     (completion, dict(prompt="x", temperature=-1), "temperature", "[0, 2]"),
     (completion, dict(prompt="x", temperature=3), "temperature", "[0, 2]"),
     (completion, dict(prompt="x", temperature=float("nan")), "temperature", "[0, 2]"),
@@ -141,7 +162,14 @@ def test_unknown_and_mistyped_fields_are_pydantic_errors_naming_them():
                                 (dict(prompt="x", max_tokens=2**40), "max_tokens", None),
                                 (dict(prompt="x", draft_tree={"depth": 2}), "draft_tree.depth", "unsupported_parameter"),
                                 (dict(prompt="x", stream_options={"x": 1}), "stream_options.x",
-                                 "unsupported_parameter")):
+                                 "unsupported_parameter"),
+                                (dict(prompt="x", response_format={"type": "xml"}), "response_format.type", None),
+                                (dict(prompt="x", response_format={"type": "json_schema", "json_schema": {
+                                    "schema": {}}}), "response_format.json_schema.name", None),
+                                (dict(prompt="x", response_format={"type": "json_schema", "json_schema": {
+                                    "name": "has space", "schema": {}}}), "response_format.json_schema.name", None),
+                                (dict(prompt="x", structured_outputs={"whitespace_pattern": " "}),
+                                 "structured_outputs.whitespace_pattern", "unsupported_parameter")):
         with pytest.raises(ValidationError) as info:
             CompletionRequest(**fields)
         got_param, message, got_code = validation_error(info.value.errors())
@@ -168,6 +196,88 @@ def test_core_refusals_are_renamed_to_the_http_fields():
         assert got.param == param and words in str(got), (param, str(got))
 
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"]}
+
+
+def structured(req) -> tuple[str, str]:
+    """(the kind, its text) of a GenerateRequest's structured_output."""
+    kind = req.structured_output.WhichOneof("kind")
+    return kind, getattr(req.structured_output, kind)
+
+
+@pytest.mark.parametrize("endpoint", [completion, chat])
+def test_response_format_maps_to_structured_output(endpoint):
+    base = {} if endpoint is chat else {"prompt": "x"}
+    r = endpoint(**base, response_format={"type": "json_schema",
+                                          "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}})
+    kind, text = structured(r)
+    assert kind == "json_schema" and json.loads(text) == SCHEMA
+    assert structured(endpoint(**base, response_format={"type": "json_object"})) == ("json_object", True)
+    # type text is no constraint, as leaving response_format out.
+    assert not endpoint(**base, response_format={"type": "text"}).HasField("structured_output")
+    assert not endpoint(**base).HasField("structured_output") and not endpoint(**base).HasField("forced_drafting")
+
+
+@pytest.mark.parametrize("key, value, want", [
+    ("json", SCHEMA, ("json_schema", SCHEMA)),
+    ("json", json.dumps(SCHEMA), ("json_schema", SCHEMA)),
+    ("regex", "[a-z]+", ("regex", "[a-z]+")),
+    ("grammar", 'root ::= "yes" | "no"', ("ebnf", 'root ::= "yes" | "no"')),
+    ("json_object", True, ("json_object", True)),
+    ("choice", ["a.b", "c"], ("regex", r"(?:a\.b|c)")),
+])
+def test_structured_outputs_map_to_structured_output(key, value, want):
+    r = completion(prompt="x", structured_outputs={key: value}, forced_drafting=False)
+    kind, text = structured(r)
+    assert (kind, json.loads(text) if kind == "json_schema" else text) == want
+    assert r.HasField("forced_drafting") and r.forced_drafting is False
+    # The same constraint next to response_format text (no constraint of its own).
+    r2 = chat(response_format={"type": "text"}, structured_outputs={key: value})
+    assert r2.structured_output == r.structured_output
+
+
+def test_choice_matches_exactly_its_strings():
+    """The choices' regex (llguidance's syntax, as the core compiles it)
+    accepts each choice whole, metacharacters included, and nothing else."""
+    tok = load_tokenizer(str(DEMO_TARGET))
+    engine = GrammarEngine(tok, [tok.eos_token_id])
+    choices = ["a.b", "x|y", "(1+2)*[3]", "{$^}", "#&-~ ?", "back\\slash", "é"]
+    r = completion(prompt="x", structured_outputs={"choice": choices})
+    c = OutputConstraint("regex", r.structured_output.regex)
+
+    def allowed(text: str) -> bool:
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return engine.constraint(c, len(tok)).valid_prefix(ids) == len(ids)
+
+    assert all(allowed(t) for t in choices)
+    assert not any(allowed(t) for t in ("axb", "x", "y", "(1+2)*[3", "{$^}{$^}", "back", ""))
+
+
+def test_core_constraint_refusals_name_the_field_that_carried_it():
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "not": {}}}}
+    cases = [
+        (ChatCompletionRequest(messages=USER, response_format=fmt),
+         'structured_output.json_schema: Unimplemented keys: ["not"]', "response_format.json_schema.schema",
+         'response_format.json_schema.schema: Unimplemented keys: ["not"]'),
+        (ChatCompletionRequest(messages=USER, response_format={"type": "json_object"}),
+         "structured_output.json_object: bad", "response_format", "response_format: bad"),
+        (CompletionRequest(prompt="x", structured_outputs={"regex": "a["}),
+         "structured_output.regex: unclosed character class", "structured_outputs.regex",
+         "structured_outputs.regex: unclosed character class"),
+        (CompletionRequest(prompt="x", structured_outputs={"grammar": "root ::= "}),
+         "structured_output.ebnf is empty", "structured_outputs.grammar", "structured_outputs.grammar is empty"),
+        (CompletionRequest(prompt="x", structured_outputs={"json": "{"}),
+         "structured_output.json_schema is not valid JSON: x", "structured_outputs.json",
+         "structured_outputs.json is not valid JSON: x"),
+        (CompletionRequest(prompt="x", structured_outputs={"regex": "a"}, pipeline_drafting=True),
+         "pipeline_drafting is not available with structured_output", "pipeline_drafting",
+         "pipeline_drafting is not available with structured_outputs"),
+    ]
+    for req, core_message, param, message in cases:
+        got = field_error(InvalidRequest(core_message), req)
+        assert (got.param, str(got)) == (param, message)
+
+
 def test_errors_map_to_openai_statuses():
     assert exception_error(InvalidRequest("top_p must be in (0, 1], got 0"))[:3] == \
         (400, "top_p must be in (0, 1], got 0", "top_p")
@@ -189,11 +299,13 @@ def stats_of(**fields) -> Stats:
 
 def test_speculative_stats_follow_vllms_definitions():
     # 5 steps accepted 0, 1, 3, 3, 0 draft tokens: reached positions 0: 3 steps, 1: 2, 2: 2.
-    s = stats_of(cycles=6, drafts=5, drafted_tokens=15, accepted_tokens=7, accepted_per_position=[3, 2, 2])
+    s = stats_of(cycles=6, drafts=5, drafted_tokens=15, accepted_tokens=7, accepted_per_position=[3, 2, 2],
+                 forced_tokens=4, forced_accepted=3)
     got = speculative_decoding_stats(s)
     assert got == {"num_spec_steps": 5, "num_draft_tokens": 15, "num_accepted_draft_tokens": 7,
                    "mean_acceptance_length": 1 + 7 / 5, "draft_acceptance_rate": 7 / 15,
-                   "acceptance_histogram": {"0": 2, "1": 1, "3": 2}, "num_spec_tokens": 3, "method": "draft_model"}
+                   "acceptance_histogram": {"0": 2, "1": 1, "3": 2}, "num_spec_tokens": 3, "method": "draft_model",
+                   "forced_tokens": 4, "forced_accepted": 3}
     hist = {int(j): n for j, n in got["acceptance_histogram"].items()}
     assert sum(hist.values()) == got["num_spec_steps"]
     assert sum(j * n for j, n in hist.items()) == got["num_accepted_draft_tokens"]

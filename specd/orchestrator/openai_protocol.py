@@ -12,8 +12,9 @@ by `check_unsupported`.
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,6 +60,35 @@ class DraftTree(Strict):
     paths: list[list[Int32]] = []
 
 
+class JsonSchemaFormat(Strict):
+    """response_format.json_schema, as OpenAI defines it. `strict` is
+    accepted whatever its value: the schema is always enforced."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for the name
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute: the JSON key is an alias.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Strict):
+    """specd's extra for the constraints response_format cannot say (vLLM's
+    name and keys): exactly one of them."""
+
+    # A schema or its JSON text; typed by `schema_text`, whose one message
+    # beats a union's error per member.
+    json_: Any = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # GBNF or Lark
+    json_object: bool | None = None
+
+
 class ChatMessage(Strict):
     role: str
     content: Any = None  # checked by message_content (a string or a list of text parts)
@@ -92,6 +122,11 @@ class _Common(Strict):
     pipeline_drafting: bool | None = None
     pipeline_alternatives: Int32 | None = None
     confidence_threshold: float | None = None
+    # Structured output: OpenAI's response_format (a chat field; /v1/completions
+    # takes it too, as vLLM does), or specd's structured_outputs.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    forced_drafting: bool | None = None
 
 
 class CompletionRequest(_Common):
@@ -110,7 +145,6 @@ class ChatCompletionRequest(_Common):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
 
 
 # field -> (values that mean "not used", why it is refused)
@@ -129,7 +163,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "functions": ((None, []), "functions (function calling) is not supported"),
     "function_call": ((None, "none"), "function_call (function calling) is not supported"),
     "parallel_tool_calls": ((None,), "parallel_tool_calls (function calling) is not supported"),
-    "response_format": ((None, {"type": "text"}), "response_format (structured output) is not supported yet"),
 }
 
 
@@ -244,6 +277,109 @@ def _speculation(req: _Common, out: pb.GenerateRequest) -> None:
         )
 
 
+# The characters a regex literal must escape (the regex-syntax crate's
+# metacharacters, which llguidance's regexes are).
+REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def regex_literal(text: str) -> str:
+    return "".join("\\" + ch if ch in REGEX_META else ch for ch in text)
+
+
+def _from_response_format(fmt: ResponseFormat) -> tuple[str, pb.StructuredOutput]:
+    """type json_object or json_schema."""
+    if fmt.type == "json_object":
+        return "response_format", pb.StructuredOutput(json_object=True)
+    if fmt.json_schema is None:
+        raise InvalidField(
+            "response_format.json_schema",
+            "response_format.json_schema is required with type json_schema: {'name': ..., 'schema': {...}}",
+        )
+    if fmt.json_schema.schema_ is None:
+        # OpenAI's type leaves it optional; without it there is nothing to enforce.
+        raise InvalidField(
+            "response_format.json_schema.schema",
+            "response_format.json_schema.schema is required: the JSON Schema the output must match",
+        )
+    return "response_format.json_schema.schema", pb.StructuredOutput(json_schema=json.dumps(fmt.json_schema.schema_))
+
+
+def schema_text(schema: Any) -> str:
+    """structured_outputs.json as JSON text (the core parses and checks it)."""
+    if isinstance(schema, str):
+        return schema
+    if isinstance(schema, (dict, bool)):  # `true` is a schema too: any JSON value
+        return json.dumps(schema)
+    raise InvalidField(
+        "structured_outputs.json",
+        f"structured_outputs.json must be a JSON Schema (an object) or its JSON text, got {type(schema).__name__}",
+    )
+
+
+def _given(so: StructuredOutputs) -> list[str]:
+    """The keys of structured_outputs that ask for a constraint (json_object:
+    false asks for nothing, like leaving the key out)."""
+    values = (so.json_, so.regex, so.choice, so.grammar, so.json_object or None)
+    return [k for k, v in zip(("json", "regex", "choice", "grammar", "json_object"), values) if v is not None]
+
+
+def _from_structured_outputs(so: StructuredOutputs) -> tuple[str, pb.StructuredOutput]:
+    given = _given(so)
+    if len(given) != 1:
+        got = f"gives {len(given)} constraints ({', '.join(given)})" if given else "names no constraint"
+        raise InvalidField(
+            "structured_outputs",
+            f"structured_outputs {got}: give exactly one of json, regex, choice, grammar, json_object: true",
+        )
+    param = f"structured_outputs.{given[0]}"
+    if so.json_ is not None:
+        return param, pb.StructuredOutput(json_schema=schema_text(so.json_))
+    if so.regex is not None:
+        return param, pb.StructuredOutput(regex=so.regex)
+    if so.choice is not None:
+        if not so.choice:
+            raise InvalidField(param, "structured_outputs.choice must list at least one string")
+        return param, pb.StructuredOutput(regex="(?:" + "|".join(map(regex_literal, so.choice)) + ")")
+    if so.grammar is not None:
+        return param, pb.StructuredOutput(ebnf=so.grammar)
+    return param, pb.StructuredOutput(json_object=True)
+
+
+def output_constraint(req: _Common) -> tuple[str, pb.StructuredOutput] | None:
+    """The request's one output constraint, and the field (as the client spelt
+    it) that the core's messages about it are renamed to; None: unconstrained."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise InvalidField(
+            "response_format.json_schema",
+            f"response_format.json_schema is only for type json_schema (got type {fmt.type!r})",
+        )
+    if fmt is not None and fmt.type != "text":
+        if req.structured_outputs is not None:
+            raise InvalidField(
+                "structured_outputs",
+                f"response_format (type {fmt.type!r}) and structured_outputs both constrain the output: give one",
+            )
+        return _from_response_format(fmt)
+    if req.structured_outputs is not None:
+        return _from_structured_outputs(req.structured_outputs)
+    return None
+
+
+def _structured(req: _Common, out: pb.GenerateRequest) -> None:
+    constraint = output_constraint(req)
+    if constraint is not None:
+        out.structured_output.CopyFrom(constraint[1])
+    if req.forced_drafting is not None:
+        if constraint is None:
+            raise InvalidField(
+                "forced_drafting",
+                "forced_drafting is for constrained requests (response_format json_object or json_schema, "
+                "or structured_outputs)",
+            )
+        out.forced_drafting = req.forced_drafting
+
+
 def _max_tokens(req: _Common) -> tuple[str, int | None]:
     """(the field the client used, its value)."""
     newer = getattr(req, "max_completion_tokens", None)
@@ -282,6 +418,7 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest) -> pb.Ge
         raise InvalidField("stream_options", "stream_options is only allowed with stream: true")
     _sampling(req, out)
     _speculation(req, out)
+    _structured(req, out)
     return out
 
 
@@ -300,7 +437,29 @@ CORE_FIELDS = (
     "pipeline_drafting",
     "pipeline_alternatives",
     "confidence_threshold",
+    "forced_drafting",
 )
+
+
+def constraint_field(req: _Common | None) -> str | None:
+    """The HTTP field that carried the request's constraint (None: none)."""
+    try:
+        found = output_constraint(req) if req is not None else None
+    except InvalidRequest:  # not reached: the request was converted before the core saw it
+        return None
+    return found[0] if found else None
+
+
+def _constraint_error(message: str, word: str, field: str) -> InvalidField:
+    """A core message about `structured_output`, in the client's words: a
+    leading `structured_output.<kind>` becomes `field`, the one that carried
+    the constraint (response_format.json_schema.schema, structured_outputs.regex,
+    ...); a later mention becomes its top-level field."""
+    lead = re.match(r"structured_output(\.\w+)?", message)
+    if lead:
+        return InvalidField(field, field + message[lead.end() :])
+    top = field.split(".")[0]
+    return InvalidField(word if word in CORE_FIELDS else None, re.sub(r"\bstructured_output\b", top, message))
 
 
 def field_error(exc: InvalidRequest, req: CompletionRequest | ChatCompletionRequest | None) -> InvalidField:
@@ -311,6 +470,9 @@ def field_error(exc: InvalidRequest, req: CompletionRequest | ChatCompletionRequ
     message = str(exc)
     m = re.match(r"(\w+)", message)
     word = m.group(1) if m else ""
+    field = constraint_field(req) if "structured_output" in message else None
+    if field is not None:
+        return _constraint_error(message, word, field)
     if word in PROTO_TO_HTTP:
         http = PROTO_TO_HTTP[word]
         if word == "max_new_tokens" and req is not None:
@@ -369,7 +531,11 @@ def speculative_decoding_stats(stats: Stats) -> dict | None:
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "acceptance_histogram": acceptance_histogram(steps, stats.accepted_per_position),
         "num_spec_tokens": stats.num_speculative_tokens,
-        "method": stats.method,  # specd's extra: the method that ran
+        # specd's extras: the method that ran; the draft tokens the output
+        # constraint forced (counted in num_draft_tokens too) and those kept.
+        "method": stats.method,
+        "forced_tokens": stats.forced_tokens,
+        "forced_accepted": stats.forced_accepted,
     }
 
 
