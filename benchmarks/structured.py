@@ -7,9 +7,10 @@ Three systems on the same JSON-schema requests (benchmarks/json_schemas.py:
 ten schemas, each with its prompt; request j is schema j mod 10 with seed j):
 
 * forced-on: method draft_model, chain of --k, forced-token drafting on (the
-  default): after the drafter's K tokens, the tokens the schema forces (a
-  key's `": "`, the next key, closing brackets, an enum's tail) are appended
-  to the chain with q = 1, no drafter call made for them;
+  default): the tokens the schema forces (a key's `": "`, the next key,
+  closing brackets, an enum's tail) join the chain with q = 1 wherever they
+  fall, within the drafter's chain (riding in the forward of the token
+  before them) and after its last token, besides its K (docs/structured.md);
 * forced-off: the same with `forced_drafting=False`: the drafter drafts
   every position itself, forced ones included (its q masked to one token);
 * spec-off: `speculative_method="off"`, plain constrained decoding through

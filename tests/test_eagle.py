@@ -159,6 +159,7 @@ def test_eagle_greedy_equals_target_only(eagle_pair, eagle_stack):
     assert 0 < accepted < drafted
 
 
+@pytest.mark.services
 def test_eagle_constrained_greedy_equals_target_only(eagle_pair, eagle_stack):
     """Structured output with method eagle: the head's drafts are masked like a
     draft model's, and the output is target-only constrained greedy."""

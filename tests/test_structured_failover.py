@@ -99,7 +99,7 @@ def test_cancelled_constrained_streams_leave_no_matcher(stack, case):
     for call in calls:
         call.cancel()
     for call in calls:
-        with pytest.raises(grpc.RPCError):
+        with pytest.raises(grpc.RpcError):
             for _ in call:
                 pass
     deadline = time.monotonic() + 20

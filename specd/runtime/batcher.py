@@ -116,25 +116,31 @@ class Batcher:
             batch = self._take()
             if not batch:
                 return  # stopped and drained
-            started = time.monotonic()
-            try:
-                results = self.run_batch([job for job, _ in batch])
-                self._last_run_s = time.monotonic() - started
-            except Exception as exc:  # noqa: BLE001 - every caller of the batch gets the error
-                for _, future in batch:
-                    future.set_exception(exc)
-                self._run_deferred()
-                continue
-            for (_, future), result in zip(batch, results):
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-            # Only then what no caller waits for: every answer of the batch is
-            # on its way before any span or metric of it is recorded.
+            self._run_one(batch)
+            # Not held while the next _take waits: a closed session's jobs
+            # (its matcher, its results) must go with it, not with the next batch.
+            del batch
+
+    def _run_one(self, batch: list[tuple[Job, Future]]) -> None:
+        started = time.monotonic()
+        try:
+            results = self.run_batch([job for job, _ in batch])
+            self._last_run_s = time.monotonic() - started
+        except Exception as exc:  # noqa: BLE001 - every caller of the batch gets the error
+            for _, future in batch:
+                future.set_exception(exc)
             self._run_deferred()
-            if self.on_batch:
-                self.on_batch([job for job, _ in batch])
+            return
+        for (_, future), result in zip(batch, results):
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        # Only then what no caller waits for: every answer of the batch is
+        # on its way before any span or metric of it is recorded.
+        self._run_deferred()
+        if self.on_batch:
+            self.on_batch([job for job, _ in batch])
 
     def later(self, fn: Callable[[], None]) -> None:
         """Run fn once the current batch's results are all set (from a result's

@@ -218,12 +218,22 @@ class ModelCore:
         self._touched[session_id] = time.monotonic()
         self._expired.pop(session_id, None)
 
+    @staticmethod
+    def _free(session) -> None:
+        """What a closed session held, freed now: its KV blocks go back to the
+        pool, its structured-output matcher goes. A job of the session still in
+        a batch (or in a frame an exception kept) may outlive it by a while; what
+        it holds must not."""
+        session.cache.release()
+        if getattr(session, "constraint", None) is not None:
+            session.constraint = None
+
     def close_session(self, session_id: str) -> None:
         with self._lock:
             self._touched.pop(session_id, None)
             session = self._sessions.pop(session_id, None)
             if session is not None:
-                session.cache.release()  # its KV blocks go back to the pool
+                self._free(session)
             else:
                 if session_id not in self._expired:
                     self._closed_unopened[session_id] = None
@@ -242,7 +252,7 @@ class ModelCore:
         with self._lock:
             stale = [sid for sid in self._sessions if now - self._touched.get(sid, now) > timeout]
             for sid in stale:
-                self._sessions.pop(sid).cache.release()
+                self._free(self._sessions.pop(sid))
                 self._expired[sid] = now - self._touched.pop(sid)
             for sid in [sid for sid in list(self._touched) if sid not in self._sessions]:
                 self._touched.pop(sid, None)  # left by a call racing its session's close
