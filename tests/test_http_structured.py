@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from typing import Literal
 
 import jsonschema
@@ -28,10 +27,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from specd.api.v1 import specdec_pb2 as pb
-from specd.ops.local_stack import Stack
-from specd.runtime.models import load_tokenizer
 from tests.test_cancellation import live_state
-from tests.test_http_api import TEMPLATE, grpc_generate
+from tests.test_http_api import client, grpc_generate, stack  # noqa: F401 (fixtures: the same stack as test_http_api.py's, its own instance)
 
 pytestmark = pytest.mark.services
 
@@ -60,26 +57,6 @@ class Pet(BaseModel):
     kind: Literal["cat", "dog", "bird"]
     age: int = Field(ge=0, le=99)
     vaccinated: bool
-
-
-@pytest.fixture(scope="module")
-def stack(pairs, tmp_path_factory):
-    """The llama pair, its target with a chat template (as tests/test_http_api.py's)."""
-    target, drafter = pairs["llama"]
-    chat_target = tmp_path_factory.mktemp("http-structured") / "llama-chat"
-    shutil.copytree(target, chat_target)
-    tok = load_tokenizer(str(chat_target))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(chat_target))
-    s = Stack(str(chat_target), drafter, metrics=True, http=True)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    with openai.OpenAI(base_url=stack.openai_base_url, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
 
 
 MODEL = "llama-chat"  # the target directory's name
