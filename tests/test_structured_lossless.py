@@ -12,9 +12,10 @@ tokens depend on the state (letters counted per word) and one with forced
 tokens (`if` is followed by a forced space, drafted for free).
 
 Power: the unmasked joint is far outside the threshold (a verifier that
-ignored the constraint would fail), and two deliberately wrong systems run
-the same test and fail it (tests/wrong_variants/sitecustomize.py): a verifier
-that does not mask p, and matchers advanced on rejected draft tokens.
+ignored the constraint would fail; run as a real system, such a verifier
+measured 8.6 x the threshold once, tests/README.md), and a subtly wrong
+system runs the same test and must fail it (tests/wrong_variants/sitecustomize.py):
+matchers advanced on rejected draft tokens.
 """
 import os
 from pathlib import Path
@@ -103,8 +104,8 @@ def test_constrained_sampling_matches_the_constrained_target(regex, temperature,
         assert forced > N // 10, f"forced tokens were drafted in {forced} of {N} requests"
 
 
-@pytest.mark.parametrize("variant", ["p_unmasked", "advance_on_rejected"])
-def test_a_wrong_rule_fails_the_same_test(variant, pairs):
+def test_a_wrong_rule_fails_the_same_test(pairs):
+    variant = "advance_on_rejected"
     target_dir, drafter_dir = pairs["llama"]
     regex, temperature, top_p, top_k, draft = CASES[0]
     joint, threshold = law(pairs, regex, SamplingParams(temperature, top_p, top_k))

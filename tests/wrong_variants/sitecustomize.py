@@ -5,8 +5,6 @@ A Stack started with this folder on PYTHONPATH and SPECD_WRONG_VARIANT set
 runs every service process with one rule broken (Python imports
 `sitecustomize` at start-up). Never on the path of a real deployment.
 
-* p_unmasked: the verifier applies the acceptance rule to the target's
-  unmasked logits (the drafter still masks q), and commits whatever it drew.
 * advance_on_rejected: a matcher is never rolled back from a draft's
   tentative path: committed tokens are consumed on top of the last draft node
   it looked at, accepted or not.
@@ -17,23 +15,12 @@ import os
 VARIANT = os.environ.get("SPECD_WRONG_VARIANT", "")
 
 
-def _lenient_commit(self, tokens, what=""):
-    self._goto([])
-    self._m.try_consume_tokens(list(tokens))
-
-
 def _commit_on_tentative(self, tokens, what=""):
     self._m.try_consume_tokens(list(tokens))
     self._path = []  # believes it stands at the committed state
 
 
-if VARIANT == "p_unmasked":
-    from specd.runtime import grammar
-    from specd.verifier import core
-
-    core.Verifier._masked = staticmethod(lambda constraint, logits, tree: logits)
-    grammar.Constraint.commit = _lenient_commit
-elif VARIANT == "advance_on_rejected":
+if VARIANT == "advance_on_rejected":
     from specd.runtime import grammar
 
     grammar.Constraint.commit = _commit_on_tentative
