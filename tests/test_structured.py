@@ -118,9 +118,9 @@ def test_commit_moves_the_state_and_refuses_a_forbidden_token(tok, engine):
     bad = next(t for t in range(384) if not c.allowed([])[t])
     with pytest.raises(InvalidRequest, match="break the output constraint"):
         c.commit([bad])
-    c.commit(ids[3:])  # to the end, EOS included
-    assert c.finished
-    c.commit([5, 6])  # past the end (a bonus after EOS): ignored, not an error
+    c.commit(ids[3:-1])  # the whole object: only EOS is left
+    assert torch.nonzero(c.allowed([])).flatten().tolist() == [tok.eos_token_id]
+    c.commit(ids[-1:] + [5, 6])  # EOS, then a bonus past the end: ignored, not an error
 
 
 def test_tree_masks_are_the_masks_of_each_nodes_path(tok, engine):

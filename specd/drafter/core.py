@@ -120,11 +120,7 @@ class Drafter(ModelCore):
         generated tokens it consumes (a rebuilt session; 0 = none)."""
         target_vocab = self._target_vocab(target_vocab_size)
         self._check_request(session_id, prompt_ids, params, target_vocab)
-        constraint = params.constraint
-        if constraint is not None and not 0 <= generated_from <= len(prompt_ids):
-            raise InvalidRequest(f"generated_from {generated_from} is outside the {len(prompt_ids)} prompt_token_ids")
-        generated = list(prompt_ids[generated_from:]) if generated_from else []
-        matcher = self.constraint(constraint, generated)
+        matcher = self.constraint(params.constraint, prompt_ids, generated_from)
         with self._lock:
             self._check_room(session_id)
             s = self._new_session(prompt_ids, params, target_vocab)
@@ -217,13 +213,13 @@ class Drafter(ModelCore):
             )
         if alternatives and not ahead:
             raise InvalidRequest("ahead_alternatives is only for ahead calls")
-        if ahead and self._sessions.get(session_id) is not None and self._sessions[session_id].constraint is not None:
-            # The guess and its branches would advance the constraint on
-            # tokens nobody committed; constrained sessions draft after verdicts.
-            raise InvalidRequest("ahead drafting is not available to a session with structured output")
         if hidden is not None:
             raise InvalidRequest("hidden_states were sent to a draft_model drafter (they are for method eagle)")
         s = self._get(session_id)
+        if ahead and s.constraint is not None:
+            # The guess and its branches would advance the constraint on
+            # tokens nobody committed; constrained sessions draft after verdicts.
+            raise InvalidRequest("ahead drafting is not available to a session with structured output")
         shape.validate(self.config.max_tree_nodes, self.config.max_draft_tokens)
         if shape.dynamic and shape.top_k > min(s.logits_width, self.config.max_tree_nodes):
             # Refused here: torch.topk past the vocabulary would raise inside the

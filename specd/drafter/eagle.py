@@ -241,8 +241,7 @@ class EagleDrafter(Drafter):
                 f"(an EAGLE head drafts over its target's vocabulary)"
             )
         self._check_request(session_id, prompt_ids, params)
-        generated = list(prompt_ids[generated_from:]) if generated_from else []
-        matcher = self.constraint(params.constraint, generated)
+        matcher = self.constraint(params.constraint, prompt_ids, generated_from)
         with self._lock:
             self._check_room(session_id)
             s = self._new_session(prompt_ids, params)

@@ -103,7 +103,7 @@ class _Grower:
         """The logits of `node`'s children (-1: the root's) with what the
         output constraint forbids after its path at -inf (no constraint: as they are)."""
         if self.constraint is None:
-            return logits
+            return logits  # no path to build
         path = [] if node < 0 else [self.tree.tokens[a] for a in self.ancestors[node]] + [self.tree.tokens[node]]
         return masked_row(self.constraint, logits, path)
 
@@ -131,10 +131,13 @@ class _Grower:
         return logits
 
 
-def masked_row(constraint: Constraint, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
+def masked_row(constraint: Constraint | None, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
     """One row of draft logits under the output constraint, `path` draft tokens
     past the committed ones: q is then the masked law, and no draft token is
-    one the verifier's masked p would give probability 0."""
+    one the verifier's masked p would give probability 0. No constraint: the
+    logits as they are."""
+    if constraint is None:
+        return logits
     allowed = constraint.allowed(path)
     return logits if allowed is None else apply_masks(logits, allowed)
 
@@ -222,9 +225,11 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
     in a forward of their own) and do not count towards the depth."""
     grown = [DraftTree() for _ in chains]
     levels = [0] * len(chains)  # tokens chosen (not forced) per chain
+    constraints = [c[6] if len(c) > 6 else None for c in chains]
+    forcing = [(constraints[i], chains[i][7] if len(chains[i]) > 7 else 0, chains[i][1]) for i in range(len(chains))]
     active = [(i, chains[i][4]) for i in range(len(chains))]
     # Forced at the root: one forward for those chains before the first level.
-    first = [(i, _force(chains[i], grown[i], tops > 0)) for i in range(len(chains))]
+    first = [(i, _force(*forcing[i], grown[i], tops > 0)) for i in range(len(chains))]
     first = [(i, run) for i, run in first if run]
     if first:
         after = runner.forward_batch([(chains[i][0], run, None, None) for i, run in first])
@@ -234,10 +239,7 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
         active = [(i, ahead.get(i, lg)) for i, lg in active]
     while active:
         forward = []
-        active = [
-            (i, lg if len(chains[i]) < 7 or chains[i][6] is None else masked_row(chains[i][6], lg, grown[i].tokens))
-            for i, lg in active
-        ]
+        active = [(i, masked_row(constraints[i], lg, grown[i].tokens)) for i, lg in active]
         ranked = _ranked_greedy(chains, active, tops)
         for i, logits in active:
             cache, params, gen, depth, _, threshold = chains[i][:6]
@@ -257,7 +259,7 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
                 tree.tops.append(top[:tops])
             levels[i] += 1
             node = len(tree.tokens) - 1
-            run = _force(chains[i], tree, tops > 0)
+            run = _force(*forcing[i], tree, tops > 0)
             if levels[i] < depth and not extends(conf, threshold):
                 tree.pruned = 1
             elif levels[i] < depth:
@@ -273,13 +275,12 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
     return grown
 
 
-def _force(chain: tuple, tree: DraftTree, tops: bool) -> list[int]:
-    """Append the tokens the chain's constraint forces after its last node
-    (at most its room left), as forced nodes; the tokens."""
-    if len(chain) < 8 or chain[6] is None or chain[7] <= len(tree.forced):
+def _force(constraint: Constraint | None, room: int, params, tree: DraftTree, tops: bool) -> list[int]:
+    """Append the tokens the constraint forces after the chain's last node (at
+    most `room` forced nodes in all), as forced nodes; the tokens."""
+    if constraint is None or room <= len(tree.forced):
         return []
-    constraint, room, params = chain[6], chain[7], chain[1]
-    run = constraint.forced(tree.tokens)[: max(0, room - len(tree.forced))]
+    run = constraint.forced(tree.tokens)[: room - len(tree.forced)]
     for t in run:
         if not params.greedy:
             tree.row_dists.append(([t], [1.0]))  # the parent row's q: one point

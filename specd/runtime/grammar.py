@@ -217,12 +217,6 @@ class Constraint:
             # Committed tokens were all sampled under this constraint's masks.
             raise InvalidRequest(f"{what} break the output constraint: {self._m.get_error() or list(tokens)}")
 
-    @property
-    def finished(self) -> bool:
-        """The constraint allows nothing more (only EOS)."""
-        self._goto([])
-        return self._m.is_stopped()
-
     def tree_masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """(N+1, width) bool: row 0 the tokens allowed after the committed
         state (the root's children), row i+1 those allowed after node i's path.

@@ -181,10 +181,18 @@ class ModelCore:
                 self._grammar = GrammarEngine(tokenizer, eos_ids(self.model.config, tokenizer))
             return self._grammar
 
-    def constraint(self, c: OutputConstraint | None, committed: Sequence[int] = ()) -> Constraint | None:
+    def constraint(
+        self, c: OutputConstraint | None, prompt_ids: Sequence[int] = (), generated_from: int = 0
+    ) -> Constraint | None:
         """A new session's constraint (None: unconstrained), standing after
-        `committed` generated tokens; InvalidRequest for a bad constraint."""
-        return None if c is None else self.grammar.constraint(c, self.vocab_size, committed)
+        the generated tokens prompt_ids[generated_from:] (a rebuilt session's;
+        0 = none generated); InvalidRequest for a bad constraint."""
+        if c is None:
+            return None
+        if not 0 <= generated_from <= len(prompt_ids):
+            raise InvalidRequest(f"generated_from {generated_from} is outside the {len(prompt_ids)} prompt_token_ids")
+        generated = list(prompt_ids[generated_from:]) if generated_from else []
+        return self.grammar.constraint(c, self.vocab_size, generated)
 
     def _check_request(
         self, session_id: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int | None = None

@@ -161,8 +161,8 @@ class Verifier(ModelCore):
                 f"generated_from {generated_from} must point into the {len(prompt_ids)} prompt_token_ids "
                 "of a resumed constrained session (where its generated tokens start)"
             )
-        generated = list(prompt_ids[generated_from:]) if constraint is not None and resume else []
-        return OpenJob(session_id, list(prompt_ids), params, resume, hidden, self.constraint(constraint, generated))
+        matcher = self.constraint(constraint, prompt_ids, generated_from if resume else 0)
+        return OpenJob(session_id, list(prompt_ids), params, resume, hidden, matcher)
 
     def _admit(self, j: OpenJob, pending: int) -> _Session:
         """Under the lock: room for the session (beside `pending` sessions
@@ -193,7 +193,7 @@ class Verifier(ModelCore):
         if s.constraint is not None:
             allowed = s.constraint.allowed()
             assert allowed is not None  # the empty path is never forbidden
-            logits = self._masked(s.constraint, logits[None], allowed[None])[0]
+            logits = apply_masks(logits, allowed)
         first = sample(logits_to_probs(logits, params), s.generator) if not params.greedy else int(logits.argmax())
         s.tokens.append(first)
         if s.constraint is not None:
@@ -323,12 +323,11 @@ class Verifier(ModelCore):
             return self._in_order(jobs, done | refused, "verify")
 
     @staticmethod
-    def _masked(c: Constraint, logits: torch.Tensor, tree) -> torch.Tensor:
+    def _masked(c: Constraint, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
         """The rows (root + nodes) with what the constraint forbids at -inf:
         each row masked at its node's path, the matcher moved there
-        tentatively (specd/runtime/grammar.py). tree: a TokenTree, or the masks."""
-        masks = tree if isinstance(tree, torch.Tensor) else c.tree_masks(list(tree.tokens), list(tree.parents))
-        return apply_masks(logits, masks)
+        tentatively (specd/runtime/grammar.py)."""
+        return apply_masks(logits, c.tree_masks(list(tree.tokens), list(tree.parents)))
 
     @staticmethod
     def _argmaxes(logits: list[torch.Tensor]) -> list[list[int]]:
