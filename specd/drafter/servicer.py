@@ -150,6 +150,17 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
             self._propose, request_iterator, pb.ProposeResponse, self.core.config.max_queued_calls
         )
 
+    def ProposeSteps(self, request_iterator, context):
+        """As ProposeStream, a step of many sessions' messages per message."""
+        yield from concurrent_stream(
+            self._propose,
+            request_iterator,
+            pb.ProposeResponse,
+            self.core.config.max_queued_calls,
+            pb.ProposeStepResponse,
+            self.batcher.later,
+        )
+
     @grpc_errors
     def CloseSession(self, request, context):
         with tracing.server_span("drafter.close", grpc_context=context):

@@ -179,6 +179,7 @@ class CostModel:
     # run, so an early miss would steer every fresh start alike).
     explore_cycles: int = 4
     _forwards: int = field(default=0, repr=False)
+    last_forward: int = field(default=0, repr=False)  # the batch_id learned last (learn_costs)
     # Weighted sums x x^T and x y over forwards, x = (1, rows, sessions): plain
     # floats, since every cycle of every session updates them.
     _m: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)], repr=False)

@@ -3,7 +3,14 @@
 Open and close are unary calls; the per-cycle Propose and Verify go over one
 long-lived bidirectional stream per replica, shared by all sessions and matched
 by request_id (`StreamMux`): a message on an open stream costs about half a
-unary round trip, and the cycle makes two of them.
+unary round trip, and the cycle makes two of them. The stream carries steps:
+the calls that sessions make in one turn of the event loop leave as ONE message
+(ProposeStep / VerifyStep), and the replica answers a step's parts in as few
+messages as they finish in. Sessions woken by one reply all make their next
+call in the same turn, so sessions on the same replicas advance in lockstep,
+one message per replica per step, with no waiting added: a step is whatever is
+ready when the loop comes round. The per-message cost (grpc's write and read,
+the wake-ups) is then paid once per step rather than once per session.
 
 Tracing (specd.telemetry.tracing, a no-op unless configured): each call is a CLIENT
 span; unary calls carry its traceparent in metadata, stream messages in their
@@ -57,33 +64,61 @@ class StreamMux:
     caller's task: a caller cancelled in the middle of a write (its client
     left) would cancel the stream that every session shares."""
 
-    def __init__(self, open_stream: Callable[[AsyncIterator], Any]) -> None:
+    def __init__(self, open_stream: Callable[[AsyncIterator], Any], step_cls: Any = None) -> None:
         self._open_stream = open_stream
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._queue: asyncio.Queue | None = None
+        # step_cls (pb.ProposeStep / pb.VerifyStep): the stream carries steps;
+        # the calls of one loop turn gather in _step until the turn's end.
+        self._step_cls = step_cls
+        self._step: _Message | None = None
+        self.messages = self.calls = 0  # sent so far (calls / messages: sessions per step)
 
     async def call(self, request, timeout: float):
         queue = self._queue if self._queue is not None else self._start()
+        loop = asyncio.get_running_loop()
         request.request_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
+        future = loop.create_future()
         self._pending[request.request_id] = future
-        # The timeout fails the future itself; asyncio.wait_for would add a
-        # waiter and callbacks per message, and on Python 3.11 it can turn the
-        # caller's cancellation into a TimeoutError (a client's deadline, seen
-        # as an internal error).
-        expiry = asyncio.get_running_loop().call_later(timeout, _expire, future, timeout)
         mark("send", type(request).__name__)
-        queue.put_nowait(request)
+        if self._step_cls is None:
+            message = _Message([request], [future])
+            self._send(queue, message, None, timeout)
+        elif self._step is None:  # the first call of this turn: the step leaves once the turn is over
+            message = self._step = _Message([request], [future])
+            loop.call_soon(self._send, queue, message, self._step_cls, timeout)
+        else:
+            message = self._step
+            message.requests.append(request)
+            message.futures.append(future)
+            message.left += 1
         try:
             response = await future
             mark("woken")
         finally:
-            expiry.cancel()
+            message.left -= 1
+            if not message.left and message.expiry is not None:
+                message.expiry.cancel()
             self._pending.pop(request.request_id, None)
         if response.HasField("error"):
             raise ServiceError(_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN), response.error.message)
         return response
+
+    def _send(self, queue: asyncio.Queue, message: _Message, step_cls, timeout: float) -> None:
+        """A message on its way, one timer for all its calls. (Had the stream
+        broken since they were made, their futures have already failed.)"""
+        if message is self._step:
+            self._step = None
+        self.messages += 1
+        self.calls += len(message.requests)
+        queue.put_nowait(step_cls(requests=message.requests) if step_cls is not None else message.requests[0])
+        if message.left:
+            # The timeout fails the futures themselves; asyncio.wait_for would
+            # add a waiter and callbacks per call, and on Python 3.11 it can
+            # turn the caller's cancellation into a TimeoutError (a client's
+            # deadline, seen as an internal error).
+            message.expiry = asyncio.get_running_loop().call_later(timeout, _expire, message.futures, timeout)
 
     def _start(self) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -99,11 +134,12 @@ class StreamMux:
     async def _read(self, stream, queue) -> None:
         error: Exception = ServiceError(grpc.StatusCode.UNAVAILABLE, "stream to the replica ended")
         try:
-            async for response in stream:
+            async for message in stream:
                 mark("received")
-                future = self._pending.get(response.request_id)
-                if future is not None and not future.done():
-                    future.set_result(response)
+                for response in message.responses if self._step_cls is not None else (message,):
+                    future = self._pending.get(response.request_id)
+                    if future is not None and not future.done():
+                        future.set_result(response)
         except grpc.aio.AioRpcError as exc:
             error = ServiceError(exc.code(), exc.details() or str(exc.code()))
         except asyncio.CancelledError:
@@ -120,11 +156,23 @@ class StreamMux:
             self._queue = None
 
 
-def _expire(future: asyncio.Future, timeout: float) -> None:
-    if not future.done():
-        future.set_exception(
-            ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the replica did not answer within {timeout:g} s")
-        )
+class _Message:
+    """The calls one message carries (one call, or a step's), until answered."""
+
+    __slots__ = ("requests", "futures", "left", "expiry")
+
+    def __init__(self, requests: list, futures: list[asyncio.Future]) -> None:
+        self.requests, self.futures = requests, futures
+        self.left = len(futures)  # grows while a step gathers; calls not yet answered
+        self.expiry: asyncio.TimerHandle | None = None
+
+
+def _expire(futures: list[asyncio.Future], timeout: float) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(
+                ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the replica did not answer within {timeout:g} s")
+            )
 
 
 class _Client:
@@ -183,7 +231,7 @@ class GrpcVerifier(_Client):
 
     def __init__(self, address: str, timeout_s: float, **channel):
         super().__init__(address, timeout_s, **channel)
-        self.mux = StreamMux(self.stub.VerifyStream)
+        self.mux = StreamMux(self.stub.VerifySteps, pb.VerifyStep)
 
     async def open(self, session_id, prompt_ids, sampling, resume: bool = False, *, hidden=False, generated_from=0):
         """resume: re-prefill all committed tokens, sample nothing (returns None).
@@ -217,7 +265,7 @@ class GrpcVerifier(_Client):
                 draft_distributions=dists_to_proto(draft.row_dists),
             ),
             "specdec.verify",
-            "VerifyStream",
+            "VerifySteps",
         )
         return Verdict(
             list(r.accepted_path),
@@ -226,6 +274,7 @@ class GrpcVerifier(_Client):
             r.batch_sessions,
             r.batch_tokens,
             hidden_from_proto(r.hidden_states, r.HasField("hidden_states")),
+            r.batch_id,
         )
 
 
@@ -235,7 +284,7 @@ class GrpcDrafter(_Client):
 
     def __init__(self, address: str, timeout_s: float, target_vocab_size: int = 0, **channel):
         super().__init__(address, timeout_s, **channel)
-        self.mux = StreamMux(self.stub.ProposeStream)
+        self.mux = StreamMux(self.stub.ProposeSteps, pb.ProposeStep)
         # Every session tells the drafter the target's rows, so that it proposes
         # only ids the verifier has (padded pairs; specd/drafter/vocab.py).
         self.target_vocab_size = target_vocab_size
@@ -284,7 +333,7 @@ class GrpcDrafter(_Client):
                 forced_room=forced_room,
             ),
             "specdec.draft",
-            "ProposeStream",
+            "ProposeSteps",
         )
         return Draft(
             list(r.draft_token_ids),

@@ -8,7 +8,7 @@ policy's learned one: specd/orchestrator/confidence.py). Pure: no I/O."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from specd.rules.draft_shape import DraftShape
@@ -94,24 +94,43 @@ class DraftShaper:
     # The drafter's stopping threshold (DraftShape.min_confidence): fixed (0 =
     # off), or None = the depth policy's learned one for the chosen depth.
     confidence: float | None = 0.0
+    # Shapes made so far, by what decides them: a session asks for the same
+    # one cycle after cycle, and making one (cut, fit, checks) is a good part
+    # of a cycle's own work in the orchestrator.
+    _made: dict = field(default_factory=dict, repr=False)
 
     def next(self, committed: int, remaining: int) -> DraftShape | None:
         """None: no room for a draft (a plain decode step)."""
         k = self.depth.choose()
-        cut = self.shape.truncated(draft_budget(k, remaining, committed, self.target_ctx, self.drafter_ctx))
+        depth = draft_budget(k, remaining, committed, self.target_ctx, self.drafter_ctx)
+        # Room past the whole shape's nodes and rows changes nothing in fit().
+        enough = max(self.shape.max_nodes, self.shape.forward_rows)
+        rooms = min(self.target_ctx - committed, enough), min(self.drafter_ctx - committed, enough)
+        threshold = self.depth.threshold(k) if self.confidence is None else self.confidence
+        key = (depth, rooms, threshold)
+        shape = self._made.get(key, False)
+        if shape is False:
+            if len(self._made) >= 64:  # a learned threshold moves: keep only the recent ones
+                self._made.clear()
+            shape = self._made[key] = self._make(depth, rooms, threshold)
+        return shape
+
+    def _make(self, depth: int, rooms: tuple[int, int], threshold: float) -> DraftShape | None:
+        cut = self.shape.truncated(depth)
         # A wide tree's nodes are rows too: fewer levels near the context's end.
-        fitted = cut.fit(self.target_ctx - committed, self.drafter_ctx - committed) if cut is not None else None
-        if fitted is None:
-            return None
-        return fitted.with_confidence(self.depth.threshold(k) if self.confidence is None else self.confidence)
+        fitted = cut.fit(*rooms) if cut is not None else None
+        return None if fitted is None else fitted.with_confidence(threshold)
 
 
 def learn_costs(costs: CostModel, cycle: CycleRecord) -> None:
-    """What one cycle measured: its verify forward, its drafter batch, the
-    tokens it committed and the rest of its wall time."""
+    """What one cycle measured: its verify forward (once per forward: the
+    sessions batched in it all report it), its drafter batch, the tokens it
+    committed and the rest of its wall time."""
     draft, verdict = cycle.draft, cycle.verdict
-    rows = len(draft.tokens) + 1
-    costs.observe_verify(verdict.batch_tokens or rows, verdict.batch_sessions or 1, verdict.compute_ms)
+    if not verdict.batch_id or verdict.batch_id != costs.last_forward:
+        costs.last_forward = verdict.batch_id
+        rows = len(draft.tokens) + 1
+        costs.observe_verify(verdict.batch_tokens or rows, verdict.batch_sessions or 1, verdict.compute_ms)
     costs.observe_draft(draft.batch_tokens or len(draft.tokens), draft.compute_ms)
     costs.observe_tokens(len(verdict.tokens))
     costs.confidence.observe(draft.parents, draft.confidences, verdict.path)

@@ -9,6 +9,8 @@ the start of a stop string is held back until it is known not to be one.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -19,9 +21,23 @@ class Emit:
     finish_reason: str | None = None  # "stop" | "length" | None (go on)
 
 
+def decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> text without special tokens, as tokenizer.decode gives it. A
+    fast (Rust) tokenizer's own decode when transformers would add nothing to
+    it: its wrapper converts and checks the ids on every call, which is most of
+    the cost of a window of a few ids, paid twice per token. transformers
+    applies clean_up_tokenization only to non-BPE models."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    bpe = backend is not None and type(backend.model).__name__ == "BPE"
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    if backend is not None and (not getattr(tokenizer, "clean_up_tokenization_spaces", False) or (bpe and not forced)):
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)
+
+
 class OutputTracker:
     def __init__(self, tokenizer, eos_ids: set[int], max_new_tokens: int, room: int, stop: tuple[str, ...] = ()):
-        self.tokenizer = tokenizer
+        self.decode = decoder(tokenizer)
         self.max_new_tokens = min(max_new_tokens, room)  # room: context positions left
         self.stop = stop
         self.eos_ids = eos_ids
@@ -64,9 +80,8 @@ class OutputTracker:
         return out
 
     def _decode(self, final: bool) -> None:
-        dec = self.tokenizer.decode
-        before = dec(self.ids[self._prefix : self._read], skip_special_tokens=True)
-        after = dec(self.ids[self._prefix :], skip_special_tokens=True)
+        before = self.decode(self.ids[self._prefix : self._read])
+        after = self.decode(self.ids[self._prefix :])
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             self.text += after[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)

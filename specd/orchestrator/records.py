@@ -49,6 +49,7 @@ class Verdict:
     batch_sessions: int = 1  # sessions in the verify forward it ran in
     batch_tokens: int = 0  # rows of that forward (0: unknown)
     hidden: HiddenStates | None = None  # spec.features: the target's features of the committed tokens
+    batch_id: int = 0  # the forward's id: the same for every session in it (0: unknown)
 
 
 @dataclass

@@ -11,6 +11,8 @@ the accepted path's rows, moved in place (specd/rules/tree.py). No grpc here.
 
 from __future__ import annotations
 
+import itertools
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ class VerifyResult:
     phases: list = field(default_factory=list)  # (name, start_ns, end_ns): forward, accept, compact
     batch_sessions: int = 1  # sessions in the same forward (verified or prefilled)
     batch_tokens: int = 0  # rows of that forward (every session's pending token + nodes)
+    batch_id: int = 0  # the forward's id (Verifier._batch_ids; 0 = none)
     hidden: HiddenStates | None = None  # sessions that asked: features of the root and the kept path
 
     @property
@@ -100,6 +103,8 @@ class Verifier(ModelCore):
 
     def __init__(self, config: VerifierConfig, model=None):
         super().__init__(config, model)
+        # Forward ids from a random start: ids of two replicas do not meet.
+        self._batch_ids = itertools.count(random.getrandbits(62) + 1)
 
     def _warm_up(self, ids: list[str], prompt: list[int], depths: list[int], timings: dict[str, float]) -> None:
         """Prefills, a verify of each depth, and one of two sessions in one forward."""
@@ -317,8 +322,10 @@ class Verifier(ModelCore):
                     j.session.constraint.commit(r.tokens)
             phases.mark("compact")
             ms, rows = (time.perf_counter() - start) * 1e3, sum(len(ids) for _, ids, _, _ in items)
+            batch_id = next(self._batch_ids)
             for r in accepted:
                 r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases.spans, len(items), rows
+                r.batch_id = batch_id
             done |= {id(j): r for j, r in zip(live, accepted)}
             return self._in_order(jobs, done | refused, "verify")
 

@@ -26,6 +26,7 @@ def verify_response(result) -> pb.VerifyResponse:
         compute_ms=result.compute_ms,
         batch_sessions=result.batch_sessions,
         batch_tokens=result.batch_tokens,
+        batch_id=result.batch_id,
         hidden_states=hidden_to_proto(result.hidden),
     )
 
@@ -114,6 +115,17 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
         """Messages of many sessions, answered as they finish (by request_id)."""
         yield from concurrent_stream(
             self._verify, request_iterator, pb.VerifyResponse, self.core.config.max_queued_calls
+        )
+
+    def VerifySteps(self, request_iterator, context):
+        """As VerifyStream, a step of many sessions' messages per message."""
+        yield from concurrent_stream(
+            self._verify,
+            request_iterator,
+            pb.VerifyResponse,
+            self.core.config.max_queued_calls,
+            pb.VerifyStepResponse,
+            self.batcher.later,
         )
 
     @grpc_errors

@@ -49,6 +49,11 @@ class DrafterServiceStub:
                 request_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeSteps = channel.stream_stream(
+                '/specdec.v1.DrafterService/ProposeSteps',
+                request_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.ProposeStep.SerializeToString,
+                response_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.ProposeStepResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specdec.v1.DrafterService/CloseSession',
                 request_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionRequest.SerializeToString,
@@ -85,6 +90,14 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeSteps(self, request_iterator, context):
+        """The same stream with a step of many sessions' messages per message (what
+        the orchestrator uses).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -114,6 +127,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.ProposeStream,
                     request_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.ProposeRequest.FromString,
                     response_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeSteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeSteps,
+                    request_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.ProposeStep.FromString,
+                    response_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.ProposeStepResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -218,6 +236,33 @@ class DrafterService:
             _registered_method=True)
 
     @staticmethod
+    def ProposeSteps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.DrafterService/ProposeSteps',
+            specd_dot_api_dot_v1_dot_specdec__pb2.ProposeStep.SerializeToString,
+            specd_dot_api_dot_v1_dot_specdec__pb2.ProposeStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def CloseSession(request,
             target,
             options=(),
@@ -296,6 +341,11 @@ class VerifierServiceStub:
                 request_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifySteps = channel.stream_stream(
+                '/specdec.v1.VerifierService/VerifySteps',
+                request_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.VerifyStep.SerializeToString,
+                response_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.VerifyStepResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specdec.v1.VerifierService/CloseSession',
                 request_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.CloseSessionRequest.SerializeToString,
@@ -324,6 +374,12 @@ class VerifierServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def VerifyStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifySteps(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -358,6 +414,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.VerifyStream,
                     request_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.VerifyRequest.FromString,
                     response_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifySteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifySteps,
+                    request_deserializer=specd_dot_api_dot_v1_dot_specdec__pb2.VerifyStep.FromString,
+                    response_serializer=specd_dot_api_dot_v1_dot_specdec__pb2.VerifyStepResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -451,6 +512,33 @@ class VerifierService:
             '/specdec.v1.VerifierService/VerifyStream',
             specd_dot_api_dot_v1_dot_specdec__pb2.VerifyRequest.SerializeToString,
             specd_dot_api_dot_v1_dot_specdec__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifySteps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.VerifierService/VerifySteps',
+            specd_dot_api_dot_v1_dot_specdec__pb2.VerifyStep.SerializeToString,
+            specd_dot_api_dot_v1_dot_specdec__pb2.VerifyStepResponse.FromString,
             options,
             channel_credentials,
             insecure,
