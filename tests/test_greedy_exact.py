@@ -74,6 +74,39 @@ def test_concurrent_streams_share_the_replicas_exactly(pairs, stacks):
         assert_same_or_near_tie(got, want, gaps, f"concurrent stream {i}")
 
 
+# What each of 32 concurrent streams asks for: every way a session drafts.
+MIXED = [
+    dict(speculative_method="off"),
+    dict(num_speculative_tokens=1),
+    dict(num_speculative_tokens=3),
+    dict(num_speculative_tokens=5, adaptive_speculation=True),
+    dict(speculative_method="ngram", num_speculative_tokens=3),
+    dict(tree={"branching": [2, 2, 1]}),
+    dict(tree={"node_budget": 8, "max_depth": 4, "top_k": 3}),
+    dict(num_speculative_tokens=3, pipeline_drafting=True, pipeline_alternatives=2),
+]
+
+
+def test_32_mixed_streams_advancing_in_steps_equal_target_only(pairs, stacks):
+    """32 streams at once over one drafter and one verifier, mixing plain
+    decoding, chains, adaptive depth, n-grams, static and dynamic trees and
+    pipelined drafting: their calls ride in shared per-step messages, and each
+    output still equals its target-only greedy output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target_dir, _ = pairs["llama"]
+    model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
+    ps = prompts(tok, 32)
+    wants = [reference(model, p) for p in ps]
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda i: stacks["llama"].generate(
+            prompt_token_ids={"ids": ps[i]}, max_new_tokens=MAX_NEW, **MIXED[i % len(MIXED)]), range(32)))
+    for i, ((got, last), (want, gaps)) in enumerate(zip(results, wants)):
+        assert_same_or_near_tie(got, want, gaps, f"stream {i} {MIXED[i % len(MIXED)]}")
+        assert last.stats.method == MIXED[i % len(MIXED)].get("speculative_method", "draft_model")
+    assert sum(last.stats.accepted_tokens for _, last in results) > 0
+
+
 TREES = [{"branching": [3, 2, 1]}, {"branching": [2, 2, 2, 1]},
          {"paths": [{"ranks": r} for r in ([0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0])]},
          {"node_budget": 8, "max_depth": 4, "top_k": 3}, {"node_budget": 16, "max_depth": 6, "top_k": 4}]

@@ -61,3 +61,84 @@ def test_messages_over_the_in_flight_limit_are_refused_alone():
         f.set_result(None)
     rest = list(out)
     assert sorted(r.request_id for r in rest) == [1, 2] and all(r.num_accepted == 1 for r in rest)
+
+
+def test_a_step_in_and_a_batch_of_answers_out_are_one_message_each():
+    """Steps (VerifyStep in, VerifyStepResponse out): every part of a step is
+    started, and the answers a batch completes together, deferred to its end
+    by `later` as the Batcher does, leave as one message."""
+    futures: dict[int, Future] = {}
+    deferred: list = []
+
+    def start(request):
+        futures[request.request_id] = Future()
+        return then(futures[request.request_id], lambda tokens: pb.VerifyResponse(token_ids=tokens))
+
+    step = pb.VerifyStep(requests=[pb.VerifyRequest(session_id=f"s{i}", request_id=i) for i in range(1, 6)])
+    out = concurrent_stream(start, iter([step]), pb.VerifyResponse, step_cls=pb.VerifyStepResponse,
+                            later=deferred.append)
+    import queue
+
+    sent: queue.Queue = queue.Queue()
+    consumer = threading.Thread(target=lambda: [sent.put(m) for m in out] and sent.put(None), daemon=True)
+    consumer.start()  # the generator's first next() starts its reader thread
+    wait = threading.Event()
+    for _ in range(100):  # the reader thread starts every part
+        if len(futures) == 5:
+            break
+        wait.wait(0.05)
+    assert len(futures) == 5
+    for i in (3, 1, 5, 2):  # one batch completes four of them...
+        futures[i].set_result([i])
+    assert len(deferred) == 1 and sent.empty()  # ...and their message waits for the batch's end
+    deferred.pop()()
+    first = sent.get(timeout=5)
+    assert sorted(r.request_id for r in first.responses) == [1, 2, 3, 5]
+    assert all(list(r.token_ids) == [r.request_id] for r in first.responses)
+    futures[4].set_result([4])
+    deferred.pop()()
+    assert [r.request_id for r in sent.get(timeout=5).responses] == [4]
+    consumer.join(5)
+    assert sent.get(timeout=5) is None  # all answered, the client done: the stream ends
+
+
+def test_calls_made_in_one_loop_turn_leave_as_one_step():
+    """The orchestrator's side (StreamMux): calls made by many tasks in the same
+    turn of the event loop go out as ONE ProposeStep; a later call opens the
+    next step; a step not answered in time fails every call in it."""
+    import asyncio
+
+    from specd.orchestrator.clients import ServiceError, StreamMux
+
+    sent: list = []
+
+    async def main():
+        replies: asyncio.Queue = asyncio.Queue()
+
+        def open_stream(requests):
+            async def responses():
+                async for step in requests:
+                    sent.append(step)
+                    if step.requests[0].session_id != "silent":
+                        await replies.put(pb.ProposeStepResponse(responses=[
+                            pb.ProposeResponse(request_id=r.request_id, draft_token_ids=[len(r.session_id)])
+                            for r in step.requests]))
+                    while not replies.empty():
+                        yield await replies.get()
+            return responses()
+
+        mux = StreamMux(open_stream, pb.ProposeStep)
+        seen: list[int] = []
+        mux.on_send = seen.append
+        first = await asyncio.gather(*(mux.call(pb.ProposeRequest(session_id="s" * n), 5.0) for n in range(1, 9)))
+        assert [list(r.draft_token_ids) for r in first] == [[n] for n in range(1, 9)]
+        second = await mux.call(pb.ProposeRequest(session_id="t"), 5.0)
+        assert list(second.draft_token_ids) == [1]
+        with pytest.raises(ServiceError) as err:
+            await asyncio.gather(*(mux.call(pb.ProposeRequest(session_id="silent"), 0.2) for _ in range(3)))
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert seen == [8, 1, 3]
+        mux.close()
+
+    asyncio.run(main())
+    assert [len(step.requests) for step in sent] == [8, 1, 3]

@@ -73,7 +73,7 @@ class StreamMux:
         # the calls of one loop turn gather in _step until the turn's end.
         self._step_cls = step_cls
         self._step: _Message | None = None
-        self.messages = self.calls = 0  # sent so far (calls / messages: sessions per step)
+        self.on_send: Callable[[int], None] | None = None  # each message's number of calls (a metric)
 
     async def call(self, request, timeout: float):
         queue = self._queue if self._queue is not None else self._start()
@@ -110,8 +110,8 @@ class StreamMux:
         broken since they were made, their futures have already failed.)"""
         if message is self._step:
             self._step = None
-        self.messages += 1
-        self.calls += len(message.requests)
+        if self.on_send is not None:
+            self.on_send(len(message.requests))
         queue.put_nowait(step_cls(requests=message.requests) if step_cls is not None else message.requests[0])
         if message.left:
             # The timeout fails the futures themselves; asyncio.wait_for would

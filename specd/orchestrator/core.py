@@ -98,6 +98,7 @@ class Orchestrator:
             # drafter proposes only ids the target has (specd/drafter/vocab.py).
             check_pair(config.target_dir, config.drafter_dir, self.tokenizer)
             self.drafter_ctx = context_length(AutoConfig.from_pretrained(config.drafter_dir))
+        self.metrics = OrchestratorMetrics()
         self.pools = {"verifier": Pool("verifier"), "drafter": Pool("drafter")}
         for spec in specs:
             self.pools[spec.kind].add(spec, self.client_for(spec))
@@ -129,7 +130,6 @@ class Orchestrator:
             else None
         )
         self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
-        self.metrics = OrchestratorMetrics()
         self.active_requests = 0
         self.draining = False  # set on shutdown: new requests refused, running ones finish
         # Verify / draft costs and acceptance per level, learnt from every cycle
@@ -146,8 +146,13 @@ class Orchestrator:
     def client_for(self, spec: ReplicaSpec):
         tls, limit = self.config.tls, self.config.max_message_bytes
         if spec.kind == "verifier":
-            return GrpcVerifier(spec.address, self.config.rpc_timeout_s, tls=tls, max_message_bytes=limit)
-        return GrpcDrafter(spec.address, self.config.rpc_timeout_s, self.vocab_size, tls=tls, max_message_bytes=limit)
+            client = GrpcVerifier(spec.address, self.config.rpc_timeout_s, tls=tls, max_message_bytes=limit)
+        else:
+            client = GrpcDrafter(
+                spec.address, self.config.rpc_timeout_s, self.vocab_size, tls=tls, max_message_bytes=limit
+            )
+        client.mux.on_send = self.metrics.step_sessions.labels(spec.kind).observe
+        return client
 
     async def generate(self, request, trace_context=None) -> AsyncGenerator[Chunk, None]:
         """Run one request; trace_context: the caller's (from its gRPC metadata)."""

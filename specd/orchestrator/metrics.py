@@ -80,6 +80,16 @@ class OrchestratorMetrics:
             ("kind",),
         )
 
+        # Sessions per Propose / Verify message: how well the sessions on one
+        # replica advance in step (specd/orchestrator/clients.py StreamMux).
+        self.step_sessions = metric(
+            Histogram,
+            "specdec:step_sessions",
+            "Sessions whose calls one Propose or Verify message carried (kind: the replica's pool).",
+            ("kind",),
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
+
     def request(self) -> RequestMetrics:
         return RequestMetrics(self)
 
