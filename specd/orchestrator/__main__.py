@@ -1,8 +1,10 @@
 """`python -m specd.orchestrator --target DIR [--drafter DIR] --verifier-address ADDR [--drafter-address ADDR] --port N
-[--metrics-port M] [--http-port H]`
+[--metrics-port M] [--http-port H] [--share-ports first|join]`
 
 Runs the orchestrator against already running services, without Ray (useful for
 debugging one machine); `specd up` is the normal way, with replicas on Ray.
+Several can serve one port (--share-ports; specd.ops.local_stack.Stack starts
+them so); off Ray each reports and admits on its own.
 """
 
 import argparse

@@ -31,6 +31,12 @@ from .servicer import ADMIN_SERVICE_NAME, SERVICE_NAME, AdminServicer, Orchestra
 log = logging.getLogger(__name__)
 
 
+# An orchestrator scaled down lets its running streams finish; one still
+# running after this long (far longer than max_new_tokens_limit tokens take)
+# is cancelled.
+RETIRE_GRACE_S = 3600.0
+
+
 class _Uvicorn(uvicorn.Server):
     def capture_signals(self):
         # The process's owner handles SIGTERM (`python -m specd.orchestrator`,
@@ -134,10 +140,26 @@ class Serving:
             return ""
         return f"{self.http.scheme}://{self.core.config.host}:{self.http.port}"
 
+    async def retire(self, grace_s: float = RETIRE_GRACE_S) -> None:
+        """Leave the orchestrators sharing this address: stop listening at once
+        (the kernel hands new connections to the others), tell connected
+        clients (HTTP/2 GOAWAY: their channels open a new connection for their
+        next call, which reaches another; idle HTTP keep-alive connections are
+        closed), let running streams run to their end (at most grace_s), then stop."""
+        self.health.enter_graceful_shutdown()
+        self.core.retiring = True
+        await asyncio.gather(self.server.stop(grace_s), *([self.http.stop(grace_s)] if self.http else []))
+        await self.core.aclose()
+
     async def drain_and_stop(self, grace_s: float) -> None:
         """Graceful shutdown: health NOT_SERVING (balancers stop sending), new
         Generate calls refused with UNAVAILABLE (the core's `draining`), running
-        streams given up to grace_s to finish; then the server stops."""
+        streams given up to grace_s to finish; then the server stops. One of
+        several sharing the address retires instead: its clients' next calls
+        go to the others rather than being refused."""
+        if self.core.config.share_ports:
+            await self.retire(grace_s)
+            return
         self.health.enter_graceful_shutdown()
         self.core.draining = True
         loop = asyncio.get_running_loop()
@@ -153,9 +175,10 @@ class Serving:
         await asyncio.gather(self.server.stop(left), *([self.http.stop(left)] if self.http else []))
 
 
-async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
+async def start_async(config: OrchestratorConfig, launcher=None, peers=None) -> Serving:
     """Start the aio server on the running loop.
-    launcher: starts and stops replicas (on Ray), which makes the pools scalable."""
+    launcher: starts and stops replicas (on Ray), which makes the pools scalable;
+    peers: the other orchestrators of the deployment (specd/orchestrator/peers.py)."""
     if config.tls:
         config.tls.check(server=True)  # before loading anything, naming the bad file
     tokens = tokens_from_env_and_file(config.auth_tokens_file)
@@ -169,7 +192,7 @@ async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
         options=server_options(config.max_message_bytes, reuse_port=bool(config.share_ports)),
         interceptors=[BearerTokenInterceptor(tokens)] if tokens else None,
     )
-    core = Orchestrator(config, launcher)
+    core = Orchestrator(config, launcher, peers)
     pb_grpc.add_OrchestratorServiceServicer_to_server(OrchestratorServicer(core), server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminServicer(core), server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME, ADMIN_SERVICE_NAME])
@@ -184,6 +207,9 @@ async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
     await server.start()
     if http:
         await http.start()
+    host = config.public_host or config.host
+    core.address = f"{host}:{port}"
+    core.http_address = f"{http.scheme}://{host}:{http.port}" if http else ""
     if core.scaler:
         core.scaler.start()
     return Serving(server, port, core, health_servicer, http)
@@ -192,30 +218,40 @@ async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
 class BackgroundServer:
     """Runs the aio server on its own thread and loop; `port` once started."""
 
-    def __init__(self, config: OrchestratorConfig, launcher=None, startup_timeout_s: float = 120.0):
+    def __init__(self, config: OrchestratorConfig, launcher=None, peers=None, startup_timeout_s: float = 120.0):
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(config, launcher), daemon=True, name="orchestrator")
+        self.thread = threading.Thread(
+            target=self._run, args=(config, launcher, peers), daemon=True, name="orchestrator"
+        )
         self.thread.start()
         if not self._ready.wait(startup_timeout_s):
             raise TimeoutError("orchestrator server did not start")
         if self._error:
             raise self._error
 
-    def _run(self, config, launcher):
+    def _run(self, config, launcher, peers):
         asyncio.set_event_loop(self.loop)
         try:
-            self.serving = self.loop.run_until_complete(start_async(config, launcher))
+            self.serving = self.loop.run_until_complete(start_async(config, launcher, peers))
             self.server, self.port = self.serving.server, self.serving.port
         except BaseException as exc:  # noqa: BLE001 - reported to the constructor
             self._error = exc
             self._ready.set()
             return
         self._ready.set()
-        self.loop.run_until_complete(self.server.wait_for_termination())
+        # Until stop(): the loop outlives the gRPC server while a retiring
+        # orchestrator's HTTP streams and closing calls finish.
+        self.loop.run_forever()
+
+    def call(self, coro, timeout_s: float | None = None):
+        """Run a coroutine on the server's loop (from another thread: a Ray
+        actor's method) and return its result: the core is the loop's alone."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        asyncio.run_coroutine_threadsafe(self.serving.drain_and_stop(grace_s), self.loop).result(grace_s + 5)
+        self.call(self.serving.drain_and_stop(grace_s), grace_s + 5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(grace_s + 5)
         tracing.flush()  # the process may live on (a Ray actor): flush, do not shut down
