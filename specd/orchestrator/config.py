@@ -53,7 +53,7 @@ class OrchestratorConfig:
     metrics_address: str = ""
     # Orchestrators of one deployment serve one address: each binds the gRPC and
     # HTTP ports with SO_REUSEPORT and the kernel spreads new connections over
-    # them (docs/operations.md#several-orchestrators). "": alone (a port in use
+    # them (docs/operations.md#several-orchestrators-one-address). "": alone (a port in use
     # fails the start); "first": the group's first, which checks that the ports
     # are free (so an unrelated server is never joined) and binds them so that
     # others can; "join": binds the ports the group's first holds.

@@ -188,6 +188,8 @@ async def start_async(config: OrchestratorConfig, launcher=None, peers=None) -> 
         )
     if config.share_ports not in SHARE_PORTS:
         raise ValueError(f"share_ports must be one of {SHARE_PORTS}, got {config.share_ports!r}")
+    if config.share_ports == "join" and (config.port == 0 or config.http_port < 0):
+        raise ValueError("joining a group needs its ports: --port and --http-port as its first bound them")
     server = grpc.aio.server(
         options=server_options(config.max_message_bytes, reuse_port=bool(config.share_ports)),
         interceptors=[BearerTokenInterceptor(tokens)] if tokens else None,
