@@ -211,6 +211,7 @@ class Group:
         """No other orchestrator has a session on replica `name`, by the reports
         of this tick, all made on the current view (so none can open one there
         while it drains). One that did not answer keeps the replica."""
+        self.view()  # a drain since the reports were read makes them all out of date
         return all(
             r is not None and r.view_version == self.version and r.sessions.get(name, 0) == 0
             for r in self.reports.values()
