@@ -5,7 +5,7 @@ that hold real Pools; the real thing on Ray is tests/test_orchestrators_ray.py):
 a drained replica is handed back only once no orchestrator can still use it, a
 loss a follower found is located by the owner and handed back revived, the
 number of orchestrators scales with the shares re-split, autoscaling counts
-every orchestrator's sessions."""
+every orchestrator's sessions; `specd status` prints a line per orchestrator."""
 import asyncio
 
 import pytest
@@ -237,3 +237,25 @@ def test_autoscaling_counts_every_orchestrators_sessions():
         assert len(pools["drafter"].serving()) == 3
         assert len(f.pools["drafter"].serving()) == 3    # and the follower routes over them at once
     asyncio.run(run())
+
+
+def test_specd_status_prints_a_line_per_orchestrator(capsys):
+    from specd.api.v1 import specdec_pb2 as pb
+    from specd.ops.cli import print_status
+
+    status = pb.ClusterStatus(
+        replicas=[pb.ReplicaStatus(kind="verifier", name="specd-verifier-0", sessions=16)],
+        active_requests=16, scalable=True, max_active_requests=40, answered_by="specd-orchestrator-1",
+        orchestrators=[
+            pb.OrchestratorStatus(name="specd-orchestrator", address="10.0.0.5:50051", pid=11, active_requests=7,
+                                  max_active_requests=40, owner=True, metrics_address="10.0.0.5:9000"),
+            pb.OrchestratorStatus(name="specd-orchestrator-1", address="10.0.0.5:50051", pid=12, active_requests=9,
+                                  max_active_requests=20, draining=True)])
+    print_status(status)
+    out = capsys.readouterr().out.splitlines()
+    assert "active requests: 16 of 40" in out
+    first = next(line for line in out if line.startswith("specd-orchestrator (owner)"))
+    second = next(line for line in out if line.startswith("specd-orchestrator-1 "))
+    assert "7/40" in first and "serving" in first and "10.0.0.5:9000" in first
+    assert "9/20" in second and "draining" in second and " 12 " in second
+    assert "answered by specd-orchestrator-1" in out[-1]

@@ -299,7 +299,8 @@ class Orchestrator:
                 if kind in counts:
                     await self.scaler.scale(kind, counts[kind])
             if "orchestrator" in counts:
-                assert self.group is not None  # an owner on Ray has peers
+                if self.group is None:
+                    raise NotScalable("scaling the orchestrators needs them deployed on Ray (`specd up`)")
                 await self.group.scale(counts["orchestrator"])
         finally:
             if self.group:  # the others route over the new pools at once
