@@ -136,3 +136,13 @@ def test_specd_up_targets_file_default_and_check(tmp_path, monkeypatch):
     args = cli.build_parser().parse_args(["up", "--metrics-targets-file", str(tmp_path / "taken.json")])
     with pytest.raises(OSError, match="--metrics-targets-file .*taken.json: is a directory"):
         cli._check_up_flags(args)
+
+
+def test_every_orchestrator_of_several_is_a_target():
+    """Several orchestrators (each its own /metrics) come first, under their
+    actor names, from the owner's list or from a Status reply's orchestrators."""
+    orchestrators = [("specd-orchestrator", "10.0.0.9:9000"), ("specd-orchestrator-1", "10.0.0.9:9001")]
+    got = file_sd_targets(SPECS, "ignored:1", orchestrators)
+    assert got[0] == WANT[0] and got[2:] == WANT[1:]
+    assert got[1] == {"targets": ["10.0.0.9:9001"],
+                      "labels": {"job": "specd", "specd_kind": "orchestrator", "specd_replica": "specd-orchestrator-1"}}

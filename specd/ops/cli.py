@@ -94,6 +94,11 @@ def _check_up_flags(args) -> _UpFlags:
     from specd.runtime.kv_budget import parse_memory
 
     parse_memory(args.kv_cache_memory)  # a ValueError naming the value, before Ray starts
+    if not 1 <= args.orchestrators <= args.max_active_requests:
+        raise ValueError(
+            f"--orchestrators must be in [1, --max-active-requests ({args.max_active_requests})], "
+            f"got {args.orchestrators}"
+        )
     sc = speculative_config_from_args(args)
     autoscale = {
         kind: AutoscalePolicy.parse(text)
@@ -194,6 +199,8 @@ def _deploy_on_ray(args, flags: _UpFlags, ray_address: str, ray_pid: int | None)
                 served_model_name=getattr(args, "served_model_name", None),  # `specd demo` has no such flag
                 num_verifiers=args.verifiers,
                 num_drafters=args.drafters,
+                num_orchestrators=args.orchestrators,
+                max_active_requests=args.max_active_requests,
                 device=args.device,
                 dtype=args.dtype,
                 replica_gpus=args.replica_gpus,
@@ -341,7 +348,7 @@ def _client_channel(args, address: str):
     tls = tls_from_args(args)
     if tls:
         tls.check(server=False)
-    return open_channel(address, tls)
+    return open_channel(address, tls, retry_unavailable=True)
 
 
 def _auth(args):
@@ -391,8 +398,13 @@ def print_status(status) -> None:
         serving = sum(1 for r in status.replicas if r.kind == kind and not r.draining and not r.lost)
         policy = status.autoscale.get(kind)
         print(f"{kind}s: {serving} serving" + (f", autoscaling min:max:target_sessions {policy}" if policy else ""))
-    print(f"active requests: {status.active_requests}" + ("" if status.scalable else "  (fixed pools: not on Ray)"))
-    if status.metrics_address:
+    limit = f" of {status.max_active_requests}" if status.max_active_requests else ""
+    print(
+        f"active requests: {status.active_requests}{limit}" + ("" if status.scalable else "  (fixed pools: not on Ray)")
+    )
+    if len(status.orchestrators) > 1:
+        print_orchestrators(status)
+    elif status.metrics_address:
         print(f"orchestrator metrics: {status.metrics_address}  (all targets: specd metrics-targets)")
     for r in status.replicas:
         if r.engine == "hf":
@@ -400,6 +412,28 @@ def print_status(status) -> None:
                 f"note: {r.name} runs the Hugging Face fallback engine for {r.model_type or r.architecture} "
                 "(slower than lean; docs/models.md)"
             )
+
+
+def print_orchestrators(status) -> None:
+    """A line per orchestrator: all serve one address, each takes the
+    connections the kernel hands it and admits up to its share of the limit."""
+    rows = [("ORCHESTRATOR", "ADDRESS", "NODE", "PID", "REQUESTS", "STATE", "METRICS")]
+    for o in status.orchestrators:
+        rows.append(
+            (
+                o.name + (" (owner)" if o.owner else ""),
+                o.address,
+                o.node[:12] or "-",
+                str(o.pid),
+                f"{o.active_requests}/{o.max_active_requests}",
+                "draining" if o.draining else "serving",
+                o.metrics_address or "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print(f"answered by {status.answered_by}  (all Prometheus targets: specd metrics-targets)")
 
 
 def _admin(args, method: str, request, show) -> int:
@@ -428,14 +462,16 @@ def cmd_status(args) -> int:
 def cmd_scale(args) -> int:
     from specd.api.v1 import specdec_pb2 as pb
 
-    if args.drafters is None and args.verifiers is None:
-        print("specd scale: give --drafters N and/or --verifiers M", file=sys.stderr)
+    if args.drafters is None and args.verifiers is None and args.orchestrators is None:
+        print("specd scale: give --drafters N, --verifiers M and/or --orchestrators K", file=sys.stderr)
         return 2
     req = pb.ScaleRequest()
     if args.drafters is not None:
         req.drafters = args.drafters
     if args.verifiers is not None:
         req.verifiers = args.verifiers
+    if args.orchestrators is not None:
+        req.orchestrators = args.orchestrators
     return _admin(args, "Scale", req, print_status)
 
 
@@ -449,7 +485,15 @@ def cmd_metrics_targets(args) -> int:
         args,
         "Status",
         pb.StatusRequest(),
-        lambda status: sys.stdout.write(dumps(file_sd_targets(status.replicas, status.metrics_address))),
+        lambda status: sys.stdout.write(
+            dumps(
+                file_sd_targets(
+                    status.replicas,
+                    status.metrics_address,
+                    [(o.name, o.metrics_address) for o in status.orchestrators if len(status.orchestrators) > 1],
+                )
+            )
+        ),
     )
 
 
@@ -554,6 +598,20 @@ def _add_deploy_flags(p) -> None:
     )
     p.add_argument("--verifiers", type=int, default=1, help="verifier replicas")
     p.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    p.add_argument(
+        "--orchestrators",
+        type=int,
+        default=1,
+        help="orchestrator processes serving the one Generate / HTTP address on this node (SO_REUSEPORT: "
+        "the kernel spreads client connections over them; a connection stays on one)",
+    )
+    p.add_argument(
+        "--max-active-requests",
+        type=int,
+        default=1024,
+        help="concurrent Generate streams of the deployment, split evenly over the orchestrators; "
+        "past its share an orchestrator answers RESOURCE_EXHAUSTED",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument(
         "--dtype",
@@ -697,14 +755,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
     add_draft_shape_flags(g)
     gen.set_defaults(func=cmd_generate)
-    status = sub.add_parser("status", help="pools, replicas, their nodes, addresses, sessions")
+    status = sub.add_parser(
+        "status", help="pools, replicas, orchestrators, their nodes, addresses, sessions (of every orchestrator)"
+    )
     status.add_argument("--address", help="orchestrator address (default: the one `specd up` printed)")
     status.add_argument("--timeout", type=float, default=10.0)
     _add_client_flags(status)
     status.set_defaults(func=cmd_status)
-    scale = sub.add_parser("scale", help="resize the drafter and/or verifier pool live (down = drain)")
+    scale = sub.add_parser(
+        "scale", help="resize the drafter and/or verifier pool, or the orchestrators, live (down = drain)"
+    )
     scale.add_argument("--drafters", type=int, help="serving drafter replicas wanted")
     scale.add_argument("--verifiers", type=int, help="serving verifier replicas wanted")
+    scale.add_argument(
+        "--orchestrators",
+        type=int,
+        help="orchestrators serving the one address (down: the removed ones stop listening and leave "
+        "when their running streams have ended)",
+    )
     scale.add_argument("--address", help="orchestrator address (default: the one `specd up` printed)")
     scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for new replicas")
     _add_client_flags(scale)

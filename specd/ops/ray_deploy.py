@@ -15,8 +15,10 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -26,6 +28,7 @@ from specd.net.auth import TOKENS_ENV
 from specd.net.grpc_util import MAX_MESSAGE_BYTES, prefer_latency
 from specd.net.security import TlsConfig
 from specd.orchestrator.config import OrchestratorConfig
+from specd.orchestrator.peers import OrchestratorReport, PoolView
 from specd.orchestrator.pool import ReplicaSpec
 from specd.orchestrator.scaling import AutoscalePolicy, ReplicaGone
 from specd.orchestrator.spec_config import SpeculativeConfig
@@ -99,6 +102,11 @@ class DeploymentConfig:
     verifier_resource: str = "verifier"  # Ray custom resource of the verifier pool
     drafter_resource: str = "drafter"  # Ray custom resource of the drafter pool
     replica_gpus: float = 0.0  # GPUs each replica asks Ray for (1 on GPU pools)
+    # Orchestrators serving the one address (SO_REUSEPORT), all on the node
+    # that runs `specd up`; the first scales the pools (specd/orchestrator/peers.py).
+    num_orchestrators: int = 1
+    # Concurrent Generate streams of the whole deployment, split over the orchestrators.
+    max_active_requests: int = 1024
     ready_timeout_s: float = 300.0  # a replica that does not serve by then is an error
     replica_max_restarts: int = 3  # Ray restarts a dead replica this often (then it is gone)
     locate_timeout_s: float = 2.0  # per scaler tick, asking a lost replica where it serves
@@ -182,9 +190,33 @@ class ModelServiceActor:
         return self._info()
 
 
+def orchestrator_name(index: int) -> str:
+    """The first orchestrator keeps the name a deployment of one always had."""
+    return ORCHESTRATOR_NAME if index == 0 else f"{ORCHESTRATOR_NAME}-{index}"
+
+
+def _is_orchestrator(name: str) -> bool:
+    return name == ORCHESTRATOR_NAME or re.fullmatch(rf"{ORCHESTRATOR_NAME}-\d+", name) is not None
+
+
+async def _on_loop(fn, *args):
+    return fn(*args)
+
+
+# Threads serving an orchestrator actor's Ray calls (`max_concurrency`): a
+# peer's report or a new replica list must get through while a long call (a
+# Scale, a drain) waits on another.
+ORCHESTRATOR_CONCURRENCY = 16
+
+
 @ray.remote(num_cpus=0, max_restarts=3)
 class OrchestratorActor:
-    def __init__(self, config: OrchestratorConfig, deployment: DeploymentConfig):
+    """One orchestrator of the deployment (specd/orchestrator/peers.py): the
+    first (index 0) scales the pools and the number of orchestrators; every
+    one serves the deployment's one address (SO_REUSEPORT). Its Ray methods
+    are how the others reach it; each runs on the server's event loop."""
+
+    def __init__(self, config: OrchestratorConfig, deployment: DeploymentConfig, view: PoolView | None = None):
         from specd.orchestrator.server import BackgroundServer
 
         with _starting():
@@ -192,13 +224,57 @@ class OrchestratorActor:
             tracing.setup("orchestrator")
             prefer_latency()
             self.host = ray.util.get_node_ip_address()
+            context = ray.get_runtime_context()
+            name = orchestrator_name(config.index)
+            # A first orchestrator restarted by Ray finds its port held by the
+            # others: it joins them (the check that the port is free was made
+            # when the deployment started).
+            share = "join" if config.index > 0 or context.was_current_actor_reconstructed else "first"
             # Served before the core starts: it reports the address (Status, the targets file).
             self._metrics = f"{self.host}:{metrics.serve(deployment.metrics_port, self.host)}"
-            config = dataclasses.replace(config, metrics_address=self._metrics)
-            self.server = BackgroundServer(config, RayLauncher(deployment))
+            config = dataclasses.replace(
+                config,
+                name=name,
+                node=context.get_node_id(),
+                public_host=self.host,
+                share_ports=share,
+                metrics_address=self._metrics,
+            )
+            self.peers = RayPeers(deployment, name, context.get_node_id())
+            launcher = RayLauncher(deployment) if config.index == 0 else None
+            self.server = BackgroundServer(config, launcher, self.peers)
+            http = self.server.serving.http
+            # What a new orchestrator is given: these ports, to join.
+            self.peers.template = dataclasses.replace(
+                config,
+                port=self.server.port,
+                http_port=http.port if http else 0,
+                share_ports="join",
+                metrics_targets_file=None,  # the first one writes it
+                verifier_addresses=[],
+                drafter_addresses=[],
+            )
+            if view is not None:  # a follower: the owner's list as it is now
+                self.server.call(self.server.serving.core.follow(view, config.max_active_requests))
 
     def address(self) -> str:
         return f"{self.host}:{self.server.port}"
+
+    def report(self) -> OrchestratorReport:
+        """How it stands (peers' Status, the owner's tick)."""
+        return self.server.call(_on_loop(self.server.serving.core.report))
+
+    def follow(self, view: PoolView, max_active_requests: int) -> None:
+        """The owner's replica list and this one's share of the admission limit."""
+        self.server.call(self.server.serving.core.follow(view, max_active_requests))
+
+    def scale(self, counts: dict) -> None:
+        """A Scale another orchestrator received (this is the first one)."""
+        self.server.call(self.server.serving.core.scale(counts))
+
+    def retire(self) -> None:
+        """Stop listening, let the running streams end, stop (scaled down)."""
+        self.server.call(self.server.serving.retire())
 
     def metrics_address(self) -> str:
         """Its Prometheus /metrics endpoint (host:port)."""
@@ -329,6 +405,83 @@ def _wait(ref):
     return asyncio.wrap_future(ref.future())
 
 
+class RayPeers:
+    """The other orchestrators of the deployment, as named Ray actors
+    (specd/orchestrator/peers.py: Peers). Runs inside an orchestrator actor."""
+
+    def __init__(self, cfg: DeploymentConfig, own_name: str, node_id: str, report_timeout_s: float = 2.0):
+        self.cfg, self.own, self.node_id = cfg, own_name, node_id
+        self.report_timeout_s = report_timeout_s
+        self.template: OrchestratorConfig | None = None  # a new orchestrator's config, less its index
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, name: str):
+        if name not in self._handles:
+            self._handles[name] = ray.get_actor(name, namespace=NAMESPACE)
+        return self._handles[name]
+
+    async def reports(self) -> dict[str, OrchestratorReport | None]:
+        names = [n for n in await asyncio.to_thread(_named_actors) if _is_orchestrator(n) and n != self.own]
+
+        async def report(name: str) -> OrchestratorReport | None:
+            try:
+                return await asyncio.wait_for(_wait(self._handle(name).report.remote()), self.report_timeout_s)
+            except Exception:  # noqa: BLE001 - starting, restarting or gone: no answer this time
+                self._handles.pop(name, None)  # a new actor may take the name
+                return None
+
+        return dict(zip(names, await asyncio.gather(*(report(n) for n in names))))
+
+    async def follow(self, name: str, view: PoolView, max_active_requests: int) -> None:
+        await asyncio.wait_for(_wait(self._handle(name).follow.remote(view, max_active_requests)), 30)
+
+    async def scale(self, counts: dict[str, int]) -> None:
+        try:
+            await _wait(self._handle(ORCHESTRATOR_NAME).scale.remote(counts))
+        except ray.exceptions.RayTaskError as exc:  # the owner's own error (InvalidRequest, TimeoutError, ...)
+            cause = getattr(exc, "cause", None)
+            raise (cause if isinstance(cause, Exception) else exc) from None
+
+    async def start(self, index: int, view: PoolView, max_active_requests: int) -> None:
+        assert self.template is not None, "set once this orchestrator serves"
+        name = orchestrator_name(index)
+        config = dataclasses.replace(
+            self.template,
+            index=index,
+            max_active_requests=max_active_requests,
+            replicas=[e.spec for e in view.replicas],
+        )
+        # Beside this one, on the node clients reach (the ports are this node's).
+        actor = OrchestratorActor.options(  # type: ignore[attr-defined]  # an ActorClass at run time (see _replica)
+            name=name,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False),
+            max_concurrency=ORCHESTRATOR_CONCURRENCY,
+            **_actor_env((TOKENS_ENV,)),
+        ).remote(config, self.cfg, view)
+        try:
+            await asyncio.wait_for(_wait(actor.address.remote()), self.cfg.ready_timeout_s)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            if isinstance(exc, ray.exceptions.RayActorError):
+                raise DeployError(f"orchestrator {name} failed to start: {startup_error(exc)}") from None
+            if isinstance(exc, asyncio.TimeoutError):
+                raise TimeoutError(f"orchestrator {name} did not serve within {self.cfg.ready_timeout_s}s") from None
+            raise
+        log.info("orchestrator %s serving", name)
+
+    async def retire(self, name: str) -> None:
+        actor = self._handle(name)
+        try:
+            await _wait(actor.retire.remote())
+        finally:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            self._handles.pop(name, None)
+
+
 def _where(actor):
     """(gRPC address, node, metrics address) of a replica actor, once it serves."""
     return asyncio.gather(
@@ -406,6 +559,8 @@ def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | 
         for line in fallback_warnings(infos):
             warn(line)
     orch_config = OrchestratorConfig(
+        max_active_requests=cfg.max_active_requests,
+        admission_total=cfg.max_active_requests,
         target_dir=cfg.target_dir,
         drafter_dir=cfg.drafter_dir,
         port=cfg.port,
@@ -428,11 +583,25 @@ def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | 
         namespace=NAMESPACE,
         lifetime="detached",
         scheduling_strategy=here,
+        max_concurrency=ORCHESTRATOR_CONCURRENCY,
         **_actor_env((TOKENS_ENV,)),
     ).remote(orch_config, cfg)
     handles.append(orch)
     not_ready = TimeoutError(f"the orchestrator did not start within {cfg.ready_timeout_s}s")
-    return _ready([orch.address.remote()], cfg.ready_timeout_s, "the orchestrator", not_ready)[0]
+    address = _ready([orch.address.remote()], cfg.ready_timeout_s, "the orchestrator", not_ready)[0]
+    if cfg.num_orchestrators > 1:
+        # The first starts the others (on its ports) as for `specd scale`.
+        not_ready = TimeoutError(f"the orchestrators did not start within {cfg.ready_timeout_s}s")
+        try:
+            _ready(
+                [orch.scale.remote({"orchestrator": cfg.num_orchestrators})],
+                2 * cfg.ready_timeout_s,
+                "the orchestrators",
+                not_ready,
+            )
+        except ray.exceptions.RayTaskError as exc:
+            raise DeployError(f"the orchestrators failed to start: {one_line(getattr(exc, 'cause', exc))}") from None
+    return address
 
 
 def orchestrator_http_address(timeout_s: float = 30.0) -> str:

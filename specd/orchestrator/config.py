@@ -43,10 +43,27 @@ class OrchestratorConfig:
     shutdown_grace_s: float = 30.0  # after SIGTERM: running streams get this long to finish
     # Generate streams at once; past it a new one is RESOURCE_EXHAUSTED at once
     # (admission control: each stream holds sessions and a slot in every forward).
+    # With several orchestrators this is its share of the deployment's limit,
+    # `admission_total` (0: this one alone), which the owner splits anew when
+    # their number changes (peers.admission_shares).
     max_active_requests: int = 1024
+    admission_total: int = 0
     # Where this orchestrator's own Prometheus /metrics is served (host:port),
     # reported by Status; "" when unknown (`specd up` sets it).
     metrics_address: str = ""
+    # Orchestrators of one deployment serve one address: each binds the gRPC and
+    # HTTP ports with SO_REUSEPORT and the kernel spreads new connections over
+    # them (docs/operations.md#several-orchestrators-one-address). "": alone (a port in use
+    # fails the start); "first": the group's first, which checks that the ports
+    # are free (so an unrelated server is never joined) and binds them so that
+    # others can; "join": binds the ports the group's first holds.
+    share_ports: str = ""
+    # Several orchestrators of one deployment (on Ray; specd/orchestrator/peers.py):
+    # the first (index 0) scales the pools, the others follow its replica list.
+    name: str = "orchestrator"  # as Status lists it (on Ray its actor's name)
+    index: int = 0
+    node: str = ""  # where it runs (the Ray node), for Status
+    public_host: str = ""  # the host Status reports it at ("": `host`)
     # Prometheus file_sd JSON listing every /metrics endpoint of the deployment,
     # rewritten on every pool change (specd/telemetry/discovery.py); None = none.
     metrics_targets_file: str | None = None

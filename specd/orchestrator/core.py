@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
+import os
 import uuid
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -27,6 +29,7 @@ from .loop import run_generation
 from .metrics import OrchestratorMetrics, TargetsFile
 from .ngram_drafter import NgramDrafter
 from .pair import check_pair
+from .peers import Group, OrchestratorReport, Peers, PoolView, follow, merge_status
 from .pool import Pool, ReplicaSpec
 from .ports import DrafterClient, NoTrace
 from .records import Chunk
@@ -71,7 +74,11 @@ def initial_replicas(config: OrchestratorConfig) -> list[ReplicaSpec]:
 
 
 class Orchestrator:
-    def __init__(self, config: OrchestratorConfig, launcher: Launcher | None = None):
+    def __init__(self, config: OrchestratorConfig, launcher: Launcher | None = None, peers: Peers | None = None):
+        """launcher: starts and stops replicas (on Ray), which makes the pools
+        scalable; peers: the other orchestrators of the deployment (on Ray), of
+        which the first (config.index 0) scales and the others follow it
+        (specd/orchestrator/peers.py)."""
         specs = initial_replicas(config)
         if not any(s.kind == "verifier" for s in specs):
             raise ValueError("at least one verifier address is needed")
@@ -116,7 +123,30 @@ class Orchestrator:
             if config.metrics_targets_file
             else None
         )
-        # Scaling needs a launcher (on Ray); without one the pools are fixed.
+        self.peers = peers
+        self.max_active_requests = config.max_active_requests  # this orchestrator's share (admission)
+        # Where clients reach it (all orchestrators of a deployment share it) and
+        # its HTTP API's base URL: set once the servers are bound (server.py).
+        self.address, self.http_address = "", ""
+        self.view_version = 0  # the owner's replica list it follows (peers.PoolView)
+        self._replaced: list = []  # clients of replicas the owner revived or dropped, closed when unused
+        # The owner of a deployment of several: the others' reports, views and shares.
+        self.group = (
+            Group(
+                peers,
+                self.pools,
+                self.report,
+                config.admission_total or config.max_active_requests,
+                self._set_share,
+                on_change=self.targets.update if self.targets else None,
+            )
+            if peers is not None and config.index == 0
+            else None
+        )
+        if self.targets and self.group:
+            self.targets.orchestrators = self._orchestrator_metrics
+        # Scaling needs a launcher (on Ray) and is the owner's alone; without
+        # one the pools are fixed (or follow the owner's).
         self.scaler = (
             Scaler(
                 self.pools,
@@ -125,13 +155,15 @@ class Orchestrator:
                 config.max_replicas,
                 config.autoscale,
                 on_change=self.targets.update if self.targets else None,
+                group=self.group,
             )
-            if launcher
+            if launcher and config.index == 0
             else None
         )
         self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
         self.active_requests = 0
         self.draining = False  # set on shutdown: new requests refused, running ones finish
+        self.retiring = False  # leaving a group: no longer listening, running streams finish
         # Verify / draft costs and acceptance per level, learnt from every cycle
         # (adaptive depth); per method, since ngram and a drafter differ.
         self.costs: collections.defaultdict[str, CostModel] = collections.defaultdict(CostModel)
@@ -197,9 +229,9 @@ class Orchestrator:
         """Refuse a request when shutting down or at the concurrency limit."""
         if self.draining:
             raise ShuttingDown("the orchestrator is shutting down and takes no new requests; retry on another instance")
-        if self.active_requests >= self.config.max_active_requests:
+        if self.active_requests >= self.max_active_requests:
             raise CapacityExceeded(
-                f"orchestrator is at its limit of {self.config.max_active_requests} concurrent requests; retry later"
+                f"orchestrator is at its limit of {self.max_active_requests} concurrent requests; retry later"
             )
 
     def _spec(self, request) -> GenerationSpec:
@@ -256,21 +288,84 @@ class Orchestrator:
         )
 
     async def scale(self, counts: dict[str, int]) -> None:
-        """Bring each named pool to that many serving replicas (admin API)."""
+        """Bring each named pool ("verifier", "drafter") to that many serving
+        replicas, and ("orchestrator") the orchestrators taking new streams
+        (admin API). A follower hands the call to the owner."""
+        if self.scaler is None and self.peers is not None:
+            await self.peers.scale(counts)
+            return
         if self.scaler is None:
             raise NotScalable(
                 "scaling needs the orchestrator deployed on Ray (`specd up`); this one serves "
                 "a fixed list of replica addresses"
             )
-        for kind, n in counts.items():  # verifiers first: they hold what makes output
-            await self.scaler.scale(kind, n)
+        try:
+            for kind in ("verifier", "drafter"):  # verifiers first: they hold what makes output
+                if kind in counts:
+                    await self.scaler.scale(kind, counts[kind])
+            if "orchestrator" in counts:
+                if self.group is None:
+                    raise NotScalable("scaling the orchestrators needs them deployed on Ray (`specd up`)")
+                await self.group.scale(counts["orchestrator"])
+        finally:
+            if self.group:  # the others route over the new pools at once
+                await self.group.publish()
+
+    def report(self) -> OrchestratorReport:
+        """This orchestrator as Status lists it and its peers read it."""
+        return OrchestratorReport(
+            name=self.config.name,
+            index=self.config.index,
+            address=self.address,
+            http_address=self.http_address,
+            metrics_address=self.config.metrics_address,
+            node=self.config.node,
+            pid=os.getpid(),
+            active_requests=self.active_requests,
+            max_active_requests=self.max_active_requests,
+            draining=self.retiring or self.draining,
+            view_version=self.view_version,
+            sessions={r.spec.name: r.sessions for p in self.pools.values() for r in p.replicas.values()},
+            lost={r.spec.name: r.revision for p in self.pools.values() for r in p.lost()},
+        )
+
+    async def follow(self, view: PoolView, max_active_requests: int) -> None:
+        """A follower takes the owner's replica list and its share of the limit;
+        clients earlier lists replaced are closed once no session holds them."""
+        self._replaced += follow(self.pools, view, self.client_for)
+        self.view_version, self.max_active_requests = view.version, max_active_requests
+        for client in [c for c in self._replaced if c.active <= 0]:
+            self._replaced.remove(client)
+            await client.aclose()
+
+    def _set_share(self, n: int) -> None:
+        self.max_active_requests = n
+
+    def _orchestrator_metrics(self) -> list[tuple[str, str]]:
+        """(name, /metrics address) of every orchestrator (the targets file's)."""
+        assert self.group is not None
+        return [(self.config.name, self.config.metrics_address)] + [
+            (r.name, r.metrics_address) for r in sorted(self.group.known.values(), key=lambda r: r.index)
+        ]
 
     async def status(self) -> dict:
         """Pools, replicas and what each replica reports of itself (its Info,
         asked of all at once; one that does not answer within
-        INFO_TIMEOUT_S, or is lost, shows no engine and no KV figures)."""
+        INFO_TIMEOUT_S, or is lost, shows no engine and no KV figures), and
+        every orchestrator of the deployment (asked at the same time)."""
         replicas = [r for pool in self.pools.values() for r in pool.replicas.values()]
-        infos = await asyncio.gather(*(self._info(r) for r in replicas))
+        reports: dict[str, OrchestratorReport | None] = {}
+        if self.peers is not None:
+            reports, *infos = await asyncio.gather(self.peers.reports(), *(self._info(r) for r in replicas))
+        else:
+            infos = list(await asyncio.gather(*(self._info(r) for r in replicas)))
+        retiring = self.group.retiring() if self.group else set()
+        others = [
+            dataclasses.replace(r, draining=r.draining or r.name in retiring) for r in reports.values() if r is not None
+        ]
+        return merge_status(self._own_status(replicas, infos), [self.report(), *others], self.config.name)
+
+    def _own_status(self, replicas: list, infos: list[dict]) -> dict:
         return {
             "replicas": [
                 {
@@ -288,10 +383,10 @@ class Orchestrator:
             ],
             "active_requests": self.active_requests,
             "metrics_address": self.config.metrics_address,
-            "scalable": self.scaler is not None,
-            "autoscale": {
+            "scalable": self.scaler is not None or self.peers is not None,
+            "autoscale": {  # the owner applies them; every orchestrator of the deployment has them
                 k: f"{p.min_replicas}:{p.max_replicas}:{p.target_sessions}"
-                for k, p in (self.scaler.policies.items() if self.scaler else ())
+                for k, p in (self.config.autoscale.items() if self.scaler or self.peers else ())
             },
         }
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -138,18 +138,22 @@ class RequestMetrics:
 
 class TargetsFile:
     """The deployment's Prometheus file_sd JSON (specd/telemetry/discovery.py),
-    kept in step with the pools: rewritten (atomically) when a replica comes,
-    goes or moves; unchanged lists are not rewritten."""
+    kept in step with the pools and the orchestrators: rewritten (atomically)
+    when a replica or an orchestrator comes, goes or moves; unchanged lists
+    are not rewritten."""
 
     def __init__(self, path: str, pools: dict, own_address: str):
         """Writes the file now: a path that cannot be written fails the start."""
         self.path, self.pools, self.own = Path(path), pools, own_address
+        # (name, metrics address) of every orchestrator when there are several
+        # (set by the owner, which writes the file; None: this one alone).
+        self.orchestrators: Callable[[], list[tuple[str, str]]] | None = None
         self._written = ""
         self._write(self._text())
 
     def _text(self) -> str:
         replicas = [r.spec for pool in self.pools.values() for r in pool.replicas.values()]
-        return dumps(file_sd_targets(replicas, self.own))
+        return dumps(file_sd_targets(replicas, self.own, self.orchestrators() if self.orchestrators else ()))
 
     def _write(self, text: str) -> None:
         write_atomic(self.path, text)

@@ -13,6 +13,7 @@ and stops the replicas.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,9 @@ class Replica:
     draining: bool = False
     lost: bool = False  # a call failed with UNAVAILABLE; not routed to until revived
     added: int = 0  # order of arrival: ties drain the newest first
+    # Bumped each time it is revived (a new client, maybe a new address): other
+    # orchestrators follow the owner's list by it (specd/orchestrator/peers.py).
+    revision: int = 0
 
     @property
     def sessions(self) -> int:
@@ -95,7 +99,18 @@ class Pool:
         then it can be closed)."""
         r = self.replicas[name]
         old, r.spec, r.client, r.lost = r.client, spec, client, False
+        r.revision += 1
         return old
+
+    def mark_lost_at(self, name: str, revision: int) -> bool:
+        """Another orchestrator found this replica lost at `revision`: stop
+        routing to it unless it has been revived since. Returns whether it was
+        newly marked."""
+        r = self.replicas.get(name)
+        if r is None or r.revision != revision or r.lost:
+            return False
+        r.lost = True
+        return True
 
     def remove(self, name: str) -> Replica:
         """A replica gone for good (on Ray: out of restarts)."""
@@ -116,9 +131,10 @@ class Pool:
             r.draining = False
         return chosen
 
-    def reap(self) -> list[Replica]:
-        """Remove and return the draining replicas whose sessions have all ended."""
-        done = [r for r in self.replicas.values() if r.draining and r.sessions == 0]
+    def reap(self, idle_elsewhere: Callable[[str], bool] = lambda name: True) -> list[Replica]:
+        """Remove and return the draining replicas whose sessions have all ended
+        (idle_elsewhere: also those of the other orchestrators, by replica name)."""
+        done = [r for r in self.replicas.values() if r.draining and r.sessions == 0 and idle_elsewhere(r.spec.name)]
         for r in done:
             del self.replicas[r.spec.name]
         return done

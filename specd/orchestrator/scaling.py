@@ -8,6 +8,8 @@ draining. A background task hands drained replicas back to the launcher once
 their last session has ended, re-discovers lost replicas (Ray restarts a dead
 replica's actor, whose server then listens on a new port: the launcher asks the
 actor where it serves now), and applies the optional autoscaling policy.
+With several orchestrators only the first has a Scaler; the others follow its
+pools, and their sessions count in reaping and autoscaling (peers.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Protocol
 
 from specd.errors import InvalidRequest
 
+from .peers import Group
 from .pool import Pool, ReplicaSpec
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class Scaler:
         policies: dict[str, AutoscalePolicy] | None = None,
         interval_s: float = 1.0,
         on_change: Callable[[], None] | None = None,
+        group: Group | None = None,
     ):
         self.pools, self.launcher, self.make_client = pools, launcher, make_client
         self.max_replicas = max_replicas
@@ -80,6 +84,9 @@ class Scaler:
         # Told (synchronously, right after the pools change) whenever a replica
         # comes, goes or moves: the Prometheus targets file follows the pools.
         self.on_change = on_change or (lambda: None)
+        # The other orchestrators of the deployment, if any: their sessions
+        # count too, and they follow every change (specd/orchestrator/peers.py).
+        self.group = group
         self._lock = asyncio.Lock()  # one scale at a time: counts stay consistent
         self._task: asyncio.Task | None = None
         self._retired: list = []  # clients of lost replicas, closed when unused
@@ -115,8 +122,9 @@ class Scaler:
                     raise errors[0]
 
     async def reap(self) -> None:
+        idle_elsewhere = self.group.idle if self.group else (lambda name: True)
         for pool in self.pools.values():
-            for r in pool.reap():
+            for r in pool.reap(idle_elsewhere):
                 log.info("%s drained: handing it back", r.spec.name)
                 self.on_change()
                 await r.client.aclose()
@@ -147,9 +155,23 @@ class Scaler:
     async def autoscale(self) -> None:
         for kind, policy in self.policies.items():
             pool = self.pools[kind]
-            want = max(self.min_replicas(kind), policy.desired(sum(r.sessions for r in pool.replicas.values())))
+            sessions = sum(r.sessions for r in pool.replicas.values())
+            if self.group:  # the other orchestrators' sessions load the pool too
+                sessions += self.group.sessions(kind)
+            want = max(self.min_replicas(kind), policy.desired(sessions))
             if want != len(pool.serving()) and not self._lock.locked():
                 await self.scale(kind, want)
+
+    async def tick(self) -> None:
+        """One round of the background work: the other orchestrators' reports
+        first (their sessions and losses), the changes then handed to them."""
+        if self.group:
+            await self.group.refresh()
+        await self.reap()
+        await self.rediscover()
+        await self.autoscale()
+        if self.group:
+            await self.group.publish()
 
     def start(self) -> None:
         """Run reaping and autoscaling in the background, on the running loop."""
@@ -158,9 +180,7 @@ class Scaler:
             while True:
                 await asyncio.sleep(self.interval_s)
                 try:
-                    await self.reap()
-                    await self.rediscover()
-                    await self.autoscale()
+                    await self.tick()
                 except Exception:  # noqa: BLE001 - keep the loop alive; the next tick retries
                     log.exception("scaling tick failed")
 

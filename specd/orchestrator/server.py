@@ -20,7 +20,7 @@ from grpc_health.v1.health import HealthServicer
 
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd.net.auth import BearerTokenInterceptor, tokens_from_env_and_file
-from specd.net.grpc_util import add_health_and_reflection, bind, channel_options
+from specd.net.grpc_util import add_health_and_reflection, bind, server_options
 from specd.telemetry import tracing
 
 from .config import OrchestratorConfig
@@ -31,11 +31,38 @@ from .servicer import ADMIN_SERVICE_NAME, SERVICE_NAME, AdminServicer, Orchestra
 log = logging.getLogger(__name__)
 
 
+# An orchestrator scaled down lets its running streams finish; one still
+# running after this long (far longer than max_new_tokens_limit tokens take)
+# is cancelled.
+RETIRE_GRACE_S = 3600.0
+
+
 class _Uvicorn(uvicorn.Server):
     def capture_signals(self):
         # The process's owner handles SIGTERM (`python -m specd.orchestrator`,
         # a Ray actor): it drains gRPC and HTTP together (Serving.drain_and_stop).
         return contextlib.nullcontext()
+
+
+SHARE_PORTS = ("", "first", "join")  # OrchestratorConfig.share_ports
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def claim_port(host: str, port: int, what: str) -> int:
+    """The port a group's first orchestrator is to share, checked free: bound
+    for a moment WITHOUT SO_REUSEPORT, which fails while any server listens
+    there (sharing or not), so a group never joins an unrelated server. Port
+    0: a free one. Returns the port."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # old connections' TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve {what} on {host}:{port}: {exc.strerror}") from None
+        return probe.getsockname()[1]
 
 
 class HttpServer:
@@ -45,9 +72,13 @@ class HttpServer:
     def __init__(self, app, config: OrchestratorConfig):
         # Bound here, not by uvicorn: the port is known at once (port -1: any
         # free one) and a port in use fails the start with its OSError.
-        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        port = max(config.http_port, 0)
         try:
-            self.sock = socket.create_server((config.host, max(config.http_port, 0)), family=family)
+            if config.share_ports == "first":
+                port = claim_port(config.host, port, "the HTTP API")
+            self.sock = socket.create_server(
+                (config.host, port), family=_family(config.host), reuse_port=bool(config.share_ports)
+            )
         except OSError as exc:
             raise OSError(
                 exc.errno,
@@ -109,10 +140,26 @@ class Serving:
             return ""
         return f"{self.http.scheme}://{self.core.config.host}:{self.http.port}"
 
+    async def retire(self, grace_s: float = RETIRE_GRACE_S) -> None:
+        """Leave the orchestrators sharing this address: stop listening at once
+        (the kernel hands new connections to the others), tell connected
+        clients (HTTP/2 GOAWAY: their channels open a new connection for their
+        next call, which reaches another; idle HTTP keep-alive connections are
+        closed), let running streams run to their end (at most grace_s), then stop."""
+        self.health.enter_graceful_shutdown()
+        self.core.retiring = True
+        await asyncio.gather(self.server.stop(grace_s), *([self.http.stop(grace_s)] if self.http else []))
+        await self.core.aclose()
+
     async def drain_and_stop(self, grace_s: float) -> None:
         """Graceful shutdown: health NOT_SERVING (balancers stop sending), new
         Generate calls refused with UNAVAILABLE (the core's `draining`), running
-        streams given up to grace_s to finish; then the server stops."""
+        streams given up to grace_s to finish; then the server stops. One of
+        several sharing the address retires instead: its clients' next calls
+        go to the others rather than being refused."""
+        if self.core.config.share_ports:
+            await self.retire(grace_s)
+            return
         self.health.enter_graceful_shutdown()
         self.core.draining = True
         loop = asyncio.get_running_loop()
@@ -128,9 +175,10 @@ class Serving:
         await asyncio.gather(self.server.stop(left), *([self.http.stop(left)] if self.http else []))
 
 
-async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
+async def start_async(config: OrchestratorConfig, launcher=None, peers=None) -> Serving:
     """Start the aio server on the running loop.
-    launcher: starts and stops replicas (on Ray), which makes the pools scalable."""
+    launcher: starts and stops replicas (on Ray), which makes the pools scalable;
+    peers: the other orchestrators of the deployment (specd/orchestrator/peers.py)."""
     if config.tls:
         config.tls.check(server=True)  # before loading anything, naming the bad file
     tokens = tokens_from_env_and_file(config.auth_tokens_file)
@@ -138,15 +186,22 @@ async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
         log.warning(
             "no auth tokens configured: anyone who reaches %s:%s can generate and scale", config.host, config.port
         )
+    if config.share_ports not in SHARE_PORTS:
+        raise ValueError(f"share_ports must be one of {SHARE_PORTS}, got {config.share_ports!r}")
+    if config.share_ports == "join" and (config.port == 0 or config.http_port < 0):
+        raise ValueError("joining a group needs its ports: --port and --http-port as its first bound them")
     server = grpc.aio.server(
-        options=channel_options(config.max_message_bytes),
+        options=server_options(config.max_message_bytes, reuse_port=bool(config.share_ports)),
         interceptors=[BearerTokenInterceptor(tokens)] if tokens else None,
     )
-    core = Orchestrator(config, launcher)
+    core = Orchestrator(config, launcher, peers)
     pb_grpc.add_OrchestratorServiceServicer_to_server(OrchestratorServicer(core), server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminServicer(core), server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME, ADMIN_SERVICE_NAME])
-    port = bind(server, config.host, config.port, config.tls)
+    port = config.port
+    if config.share_ports == "first":
+        port = claim_port(config.host, port, "Generate")
+    port = bind(server, config.host, port, config.tls)
     http = None
     if config.http_port:
         name = config.served_model_name or Path(config.target_dir).name
@@ -154,6 +209,9 @@ async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
     await server.start()
     if http:
         await http.start()
+    host = config.public_host or config.host
+    core.address = f"{host}:{port}"
+    core.http_address = f"{http.scheme}://{host}:{http.port}" if http else ""
     if core.scaler:
         core.scaler.start()
     return Serving(server, port, core, health_servicer, http)
@@ -162,30 +220,40 @@ async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
 class BackgroundServer:
     """Runs the aio server on its own thread and loop; `port` once started."""
 
-    def __init__(self, config: OrchestratorConfig, launcher=None, startup_timeout_s: float = 120.0):
+    def __init__(self, config: OrchestratorConfig, launcher=None, peers=None, startup_timeout_s: float = 120.0):
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(config, launcher), daemon=True, name="orchestrator")
+        self.thread = threading.Thread(
+            target=self._run, args=(config, launcher, peers), daemon=True, name="orchestrator"
+        )
         self.thread.start()
         if not self._ready.wait(startup_timeout_s):
             raise TimeoutError("orchestrator server did not start")
         if self._error:
             raise self._error
 
-    def _run(self, config, launcher):
+    def _run(self, config, launcher, peers):
         asyncio.set_event_loop(self.loop)
         try:
-            self.serving = self.loop.run_until_complete(start_async(config, launcher))
+            self.serving = self.loop.run_until_complete(start_async(config, launcher, peers))
             self.server, self.port = self.serving.server, self.serving.port
         except BaseException as exc:  # noqa: BLE001 - reported to the constructor
             self._error = exc
             self._ready.set()
             return
         self._ready.set()
-        self.loop.run_until_complete(self.server.wait_for_termination())
+        # Until stop(): the loop outlives the gRPC server while a retiring
+        # orchestrator's HTTP streams and closing calls finish.
+        self.loop.run_forever()
+
+    def call(self, coro, timeout_s: float | None = None):
+        """Run a coroutine on the server's loop (from another thread: a Ray
+        actor's method) and return its result: the core is the loop's alone."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        asyncio.run_coroutine_threadsafe(self.serving.drain_and_stop(grace_s), self.loop).result(grace_s + 5)
+        self.call(self.serving.drain_and_stop(grace_s), grace_s + 5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(grace_s + 5)
         tracing.flush()  # the process may live on (a Ray actor): flush, do not shut down

@@ -78,6 +78,9 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
             scalable=s["scalable"],
             autoscale=s["autoscale"],
             metrics_address=s["metrics_address"],
+            orchestrators=[pb.OrchestratorStatus(**o) for o in s["orchestrators"]],
+            max_active_requests=s["max_active_requests"],
+            answered_by=s["answered_by"],
         )
 
     async def Status(self, request, context):
@@ -85,7 +88,9 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
 
     async def Scale(self, request, context):
         counts = {
-            kind: getattr(request, f"{kind}s") for kind in ("verifier", "drafter") if request.HasField(f"{kind}s")
+            kind: getattr(request, f"{kind}s")
+            for kind in ("verifier", "drafter", "orchestrator")
+            if request.HasField(f"{kind}s")
         }
         try:
             await self.core.scale(counts)

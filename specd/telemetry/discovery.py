@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Protocol
 
 JOB = "specd"
-# The orchestrator's `specd_replica` label: its Ray actor's name under `specd up`.
+# The (first) orchestrator's `specd_replica` label: its Ray actor's name under
+# `specd up`; others are named specd-orchestrator-1, -2, ...
 ORCHESTRATOR_REPLICA = "specd-orchestrator"
 KIND_ORDER = ("orchestrator", "verifier", "drafter")
 
@@ -32,11 +33,19 @@ class HasMetrics(Protocol):
     metrics_address: str
 
 
-def file_sd_targets(replicas: Iterable[HasMetrics], orchestrator_metrics: str = "") -> list[dict]:
-    """One target group per endpoint, orchestrator first, then verifiers and
+def file_sd_targets(
+    replicas: Iterable[HasMetrics],
+    orchestrator_metrics: str = "",
+    orchestrators: Iterable[tuple[str, str]] = (),
+) -> list[dict]:
+    """One target group per endpoint, orchestrators first, then verifiers and
     drafters by name; labels `job`, `specd_kind`, `specd_replica`. A replica
-    with no metrics address (a stack started by hand) is left out."""
-    found = [("orchestrator", ORCHESTRATOR_REPLICA, orchestrator_metrics)]
+    with no metrics address (a stack started by hand) is left out.
+    orchestrators: (name, metrics address) of each of several; else the one
+    orchestrator's `orchestrator_metrics`."""
+    found = [("orchestrator", name, address) for name, address in orchestrators] or [
+        ("orchestrator", ORCHESTRATOR_REPLICA, orchestrator_metrics)
+    ]
     found += [(r.kind, r.name, r.metrics_address) for r in replicas]
     ordered = sorted(
         (f for f in found if f[2]),

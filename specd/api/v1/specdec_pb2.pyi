@@ -425,12 +425,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
-    __slots__ = ("drafters", "verifiers")
+    __slots__ = ("drafters", "verifiers", "orchestrators")
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     VERIFIERS_FIELD_NUMBER: _ClassVar[int]
+    ORCHESTRATORS_FIELD_NUMBER: _ClassVar[int]
     drafters: int
     verifiers: int
-    def __init__(self, drafters: _Optional[int] = ..., verifiers: _Optional[int] = ...) -> None: ...
+    orchestrators: int
+    def __init__(self, drafters: _Optional[int] = ..., verifiers: _Optional[int] = ..., orchestrators: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -472,8 +474,32 @@ class ReplicaStatus(_message.Message):
     metrics_address: str
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., lost: _Optional[bool] = ..., engine: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model_type: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
+class OrchestratorStatus(_message.Message):
+    __slots__ = ("name", "address", "node", "pid", "active_requests", "max_active_requests", "draining", "metrics_address", "http_address", "owner")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    node: str
+    pid: int
+    active_requests: int
+    max_active_requests: int
+    draining: bool
+    metrics_address: str
+    http_address: str
+    owner: bool
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., active_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ..., owner: _Optional[bool] = ...) -> None: ...
+
 class ClusterStatus(_message.Message):
-    __slots__ = ("replicas", "active_requests", "scalable", "autoscale", "metrics_address")
+    __slots__ = ("replicas", "active_requests", "scalable", "autoscale", "metrics_address", "orchestrators", "max_active_requests", "answered_by")
     class AutoscaleEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -486,9 +512,15 @@ class ClusterStatus(_message.Message):
     SCALABLE_FIELD_NUMBER: _ClassVar[int]
     AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ORCHESTRATORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_BY_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     active_requests: int
     scalable: bool
     autoscale: _containers.ScalarMap[str, str]
     metrics_address: str
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., scalable: _Optional[bool] = ..., autoscale: _Optional[_Mapping[str, str]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    orchestrators: _containers.RepeatedCompositeFieldContainer[OrchestratorStatus]
+    max_active_requests: int
+    answered_by: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., scalable: _Optional[bool] = ..., autoscale: _Optional[_Mapping[str, str]] = ..., metrics_address: _Optional[str] = ..., orchestrators: _Optional[_Iterable[_Union[OrchestratorStatus, _Mapping]]] = ..., max_active_requests: _Optional[int] = ..., answered_by: _Optional[str] = ...) -> None: ...
