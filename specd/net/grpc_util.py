@@ -49,6 +49,14 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
 
 
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, reuse_port: bool = False) -> list[tuple[str, int]]:
+    """A server's options. gRPC core sets SO_REUSEPORT on its listeners unless
+    told not to, so a second server on a port already served would bind it
+    without an error and take part of its connections; only orchestrators of
+    one deployment share a port on purpose (reuse_port; specd/orchestrator/server.py)."""
+    return channel_options(max_message_bytes) + [("grpc.so_reuseport", int(reuse_port))]
+
+
 def bind(server, host: str, port: int, tls: TlsConfig | None) -> int:
     """Add the server's port (TLS when configured); return the bound port."""
     address = f"{host}:{port}"
@@ -59,11 +67,21 @@ def bind(server, host: str, port: int, tls: TlsConfig | None) -> int:
 
 
 def open_channel(
-    address: str, tls: TlsConfig | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES, aio: bool = False
+    address: str,
+    tls: TlsConfig | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    aio: bool = False,
+    own_connection: bool = False,
 ):
-    """A channel to `address` (TLS when configured); grpc.aio's with aio=True."""
+    """A channel to `address` (TLS when configured); grpc.aio's with aio=True.
+    own_connection: a TCP connection of its own; by default channels to one
+    address in a process share one (gRPC's global subchannel pool), which
+    would put every such channel on the one orchestrator that connection
+    reached when several share the address."""
     mod = grpc.aio if aio else grpc
-    options = channel_options(max_message_bytes)
+    options: list = channel_options(max_message_bytes)
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     if tls is None:
         return mod.insecure_channel(address, options=options)
     return mod.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
@@ -265,7 +283,7 @@ def start_sync_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
 ):
     """Start a thread-pool gRPC server for one servicer; return (server, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=channel_options(max_message_bytes))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=server_options(max_message_bytes))
     add_fn(servicer, server)
     health_servicer = add_health_and_reflection(server, [service_name])
     bound = bind(server, host, port, tls)

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServiceProcess:
-    """`python -m MODULE ARGS --port 0`, waiting for its 'listening on H:P' line.
+    """`python -m MODULE ARGS --port PORT` (0: any free port), waiting for its
+    'listening on H:P' line.
 
     env: extra environment variables (e.g. OTEL_*). A 'metrics on H:P' line
     (printed before it with --metrics-port) sets `metrics_address`; an
@@ -32,12 +33,12 @@ class ServiceProcess:
     no HTTP API unless --http-port is given: several run at once here, and
     its default port would be taken by the first."""
 
-    def __init__(self, module: str, *args: str, timeout_s: float = 120.0, env: dict | None = None):
+    def __init__(self, module: str, *args: str, timeout_s: float = 120.0, env: dict | None = None, port: int = 0):
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         if module == "specd.orchestrator" and "--http-port" not in args:
             args = (*args, "--http-port", "0")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args, "--port", "0"],
+            [sys.executable, "-m", module, *args, "--port", str(port)],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -92,10 +93,17 @@ class Stack:
     verifier_args: flags for the verifier only (e.g. --max-batch-sessions 1);
     verifiers / drafters: replicas of each, one process each (`verifiers`,
     `drafters`; `verifier` and `drafter_proc` are the first), started in parallel;
-    orchestrator_args: flags for the orchestrator only (e.g. --auth-tokens-file F);
+    orchestrator_args: flags for the orchestrators only (e.g. --auth-tokens-file F);
     client_tls: how `channel` reaches the orchestrator (None: plaintext);
     http: serve the OpenAI-compatible HTTP API on a free port (`http_url`,
-    `openai_base_url`); off by default."""
+    `openai_base_url`); off by default;
+    orchestrators: processes serving Generate (and the HTTP API) on ONE port
+    (SO_REUSEPORT, --share-ports: the kernel gives each new connection to one
+    of them), all on the same replicas: the first picks a free port, the others
+    are given it. `orchestrators` lists them, `orchestrator` is the first.
+    `channel` is one connection, so it reaches one of them; `connect()` opens a
+    channel with a connection of its own. Off Ray each reports and admits on
+    its own (Status lists only itself; --max-active-requests is per process)."""
 
     def __init__(
         self,
@@ -110,6 +118,7 @@ class Stack:
         orchestrator_args: tuple[str, ...] = (),
         client_tls: TlsConfig | None = None,
         http: bool = False,
+        orchestrators: int = 1,
     ):
         self.target, self.drafter = target, drafter
         # A pair that cannot draft together is refused before any process starts.
@@ -137,11 +146,45 @@ class Stack:
             args += ["--drafter", drafter]
             for d in self.drafters:
                 args += ["--drafter-address", d.address]
-        self.orchestrator = ServiceProcess("specd.orchestrator", *args, env=env)
+        try:
+            self.orchestrators = self._start_orchestrators(args, orchestrators, env)
+        except Exception:
+            for p in (*self.drafters, *self.verifiers):
+                p.stop()
+            raise
+        self.orchestrator = self.orchestrators[0]
         self.http_url = self.orchestrator.http_url  # None unless http
         self.http_address = self.http_url.split("://")[1] if self.http_url else None  # 127.0.0.1:port
+        self.client_tls = client_tls
         self.channel = open_channel(self.orchestrator.address, client_tls)
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
+
+    @staticmethod
+    def _start_orchestrators(args: list[str], n: int, env: dict | None) -> list[ServiceProcess]:
+        """One orchestrator, or n on one port: the first claims free ports, then
+        the others join them (in parallel)."""
+        if n == 1:
+            return [ServiceProcess("specd.orchestrator", *args, env=env)]
+        first = ServiceProcess("specd.orchestrator", *args, "--share-ports", "first", env=env)
+        port = int(first.address.rsplit(":", 1)[1])
+        http_port = first.http_url.rsplit(":", 1)[1] if first.http_url else "0"
+        joining = [*args, "--share-ports", "join", "--http-port", http_port]
+        with ThreadPoolExecutor(n - 1) as pool:
+            futures = [
+                pool.submit(ServiceProcess, "specd.orchestrator", *joining, env=env, port=port) for _ in range(n - 1)
+            ]
+        started = [first] + [f.result() for f in futures if f.exception() is None]
+        errors = [e for f in futures if (e := f.exception()) is not None]
+        if errors:
+            for p in started:
+                p.stop()
+            raise errors[0]
+        return started
+
+    def connect(self):
+        """A channel to the shared address over a TCP connection of its own:
+        the kernel hands it to one of the orchestrators (the caller closes it)."""
+        return open_channel(self.orchestrator.address, self.client_tls, own_connection=True)
 
     @property
     def openai_base_url(self) -> str:
@@ -160,5 +203,7 @@ class Stack:
 
     def stop(self) -> None:
         self.channel.close()
-        for p in (self.orchestrator, *self.drafters, *self.verifiers):
+        with ThreadPoolExecutor(len(self.orchestrators)) as pool:  # each waits for its streams to drain
+            list(pool.map(ServiceProcess.stop, self.orchestrators))
+        for p in (*self.drafters, *self.verifiers):
             p.stop()

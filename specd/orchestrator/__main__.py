@@ -28,6 +28,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-address", action="append", default=[])
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument(
+        "--share-ports",
+        choices=["first", "join"],
+        default="",
+        help="serve --port and --http-port together with other orchestrators of this deployment "
+        "(SO_REUSEPORT: the kernel spreads connections over them): first = the group's first, "
+        "which checks the ports are free; join = one more on the ports the first holds",
+    )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = any free port; default: off)")
     add_http_flags(p)
     p.add_argument(
@@ -71,6 +79,7 @@ def config_from_args(args: argparse.Namespace, tls: TlsConfig | None) -> Orchest
         max_message_bytes=args.max_message_bytes,
         shutdown_grace_s=args.shutdown_grace,
         max_active_requests=args.max_active_requests,
+        share_ports=args.share_ports,
     )
 
 

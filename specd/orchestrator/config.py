@@ -47,6 +47,13 @@ class OrchestratorConfig:
     # Where this orchestrator's own Prometheus /metrics is served (host:port),
     # reported by Status; "" when unknown (`specd up` sets it).
     metrics_address: str = ""
+    # Orchestrators of one deployment serve one address: each binds the gRPC and
+    # HTTP ports with SO_REUSEPORT and the kernel spreads new connections over
+    # them (docs/operations.md#several-orchestrators). "": alone (a port in use
+    # fails the start); "first": the group's first, which checks that the ports
+    # are free (so an unrelated server is never joined) and binds them so that
+    # others can; "join": binds the ports the group's first holds.
+    share_ports: str = ""
     # Prometheus file_sd JSON listing every /metrics endpoint of the deployment,
     # rewritten on every pool change (specd/telemetry/discovery.py); None = none.
     metrics_targets_file: str | None = None

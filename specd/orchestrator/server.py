@@ -20,7 +20,7 @@ from grpc_health.v1.health import HealthServicer
 
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd.net.auth import BearerTokenInterceptor, tokens_from_env_and_file
-from specd.net.grpc_util import add_health_and_reflection, bind, channel_options
+from specd.net.grpc_util import add_health_and_reflection, bind, server_options
 from specd.telemetry import tracing
 
 from .config import OrchestratorConfig
@@ -38,6 +38,27 @@ class _Uvicorn(uvicorn.Server):
         return contextlib.nullcontext()
 
 
+SHARE_PORTS = ("", "first", "join")  # OrchestratorConfig.share_ports
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def claim_port(host: str, port: int, what: str) -> int:
+    """The port a group's first orchestrator is to share, checked free: bound
+    for a moment WITHOUT SO_REUSEPORT, which fails while any server listens
+    there (sharing or not), so a group never joins an unrelated server. Port
+    0: a free one. Returns the port."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # old connections' TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve {what} on {host}:{port}: {exc.strerror}") from None
+        return probe.getsockname()[1]
+
+
 class HttpServer:
     """uvicorn serving the OpenAI-compatible API as a task on the running loop,
     the gRPC server's: one process, one loop, one generation core."""
@@ -45,9 +66,13 @@ class HttpServer:
     def __init__(self, app, config: OrchestratorConfig):
         # Bound here, not by uvicorn: the port is known at once (port -1: any
         # free one) and a port in use fails the start with its OSError.
-        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        port = max(config.http_port, 0)
         try:
-            self.sock = socket.create_server((config.host, max(config.http_port, 0)), family=family)
+            if config.share_ports == "first":
+                port = claim_port(config.host, port, "the HTTP API")
+            self.sock = socket.create_server(
+                (config.host, port), family=_family(config.host), reuse_port=bool(config.share_ports)
+            )
         except OSError as exc:
             raise OSError(
                 exc.errno,
@@ -138,15 +163,20 @@ async def start_async(config: OrchestratorConfig, launcher=None) -> Serving:
         log.warning(
             "no auth tokens configured: anyone who reaches %s:%s can generate and scale", config.host, config.port
         )
+    if config.share_ports not in SHARE_PORTS:
+        raise ValueError(f"share_ports must be one of {SHARE_PORTS}, got {config.share_ports!r}")
     server = grpc.aio.server(
-        options=channel_options(config.max_message_bytes),
+        options=server_options(config.max_message_bytes, reuse_port=bool(config.share_ports)),
         interceptors=[BearerTokenInterceptor(tokens)] if tokens else None,
     )
     core = Orchestrator(config, launcher)
     pb_grpc.add_OrchestratorServiceServicer_to_server(OrchestratorServicer(core), server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminServicer(core), server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME, ADMIN_SERVICE_NAME])
-    port = bind(server, config.host, config.port, config.tls)
+    port = config.port
+    if config.share_ports == "first":
+        port = claim_port(config.host, port, "Generate")
+    port = bind(server, config.host, port, config.tls)
     http = None
     if config.http_port:
         name = config.served_model_name or Path(config.target_dir).name
