@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import simpy
 
-EPS = 1e-12  # seconds of work below which a job counts as done (floating point)
+from .processor_sharing import Machine
 
 
 @dataclass(frozen=True)
@@ -102,58 +102,6 @@ class SimResult:
     bottleneck: str
 
 
-class Machine:
-    """`cores` shared by the busy processes on it: k busy processes each run at
-    min(1, cores / k) (egalitarian processor sharing, a process on one core)."""
-
-    def __init__(self, env: simpy.Environment, cores: float):
-        self.env, self.cores = env, cores
-        self._jobs: list[list] = []  # [work left, done event]
-        self._last = 0.0
-        self._version = 0  # a wake-up planned before the last change of jobs is stale
-        self.busy_core_s = 0.0  # integral of the cores in use
-
-    def rate(self) -> float:
-        return min(1.0, self.cores / len(self._jobs)) if self._jobs else 0.0
-
-    def run(self, work_s: float) -> simpy.Event:
-        """An event that fires when `work_s` seconds of one core's work are done."""
-        done = self.env.event()
-        if work_s <= EPS:
-            return done.succeed()
-        self.advance()
-        self._jobs.append([work_s, done])
-        self._plan()
-        return done
-
-    def advance(self) -> None:
-        """Bring the jobs' work left (and the busy integral) up to now."""
-        dt = self.env.now - self._last
-        if dt > 0 and self._jobs:
-            rate = self.rate()
-            for job in self._jobs:
-                job[0] -= rate * dt
-            self.busy_core_s += rate * dt * len(self._jobs)
-        self._last = self.env.now
-
-    def _plan(self) -> None:
-        self._version += 1
-        if self._jobs:
-            version = self._version
-            delay = max(0.0, min(j[0] for j in self._jobs) / self.rate())
-            self.env.timeout(delay).callbacks.append(lambda _: self._wake(version))
-
-    def _wake(self, version: int) -> None:
-        if version != self._version:
-            return
-        self.advance()
-        done = [j for j in self._jobs if j[0] <= EPS]
-        self._jobs = [j for j in self._jobs if j[0] > EPS]
-        for job in done:
-            job[1].succeed()
-        self._plan()
-
-
 @dataclass(eq=False)
 class Session:
     index: int
@@ -170,7 +118,8 @@ class Server:
         self.sim, self.env, self.machine = sim, sim.env, machine
         self.inbox: list = []
         self._signal = self.env.event()
-        self.cpu_s = 0.0  # work done
+        self.cpu_s = 0.0  # work of the steps done
+        self._running: tuple[simpy.Event, float] | None = None  # the step in progress and its work
         self.steps = 0
         self.sessions = 0  # sessions over all steps
         self.env.process(self._loop())
@@ -188,8 +137,19 @@ class Server:
             yield from self.step()
 
     def work(self, seconds: float):
-        yield self.machine.run(seconds)
+        done = self.machine.run(seconds)
+        self._running = (done, seconds)
+        yield done
+        self._running = None
         self.cpu_s += seconds
+
+    def consumed(self) -> float:
+        """Work done so far, the step in progress's part included (its
+        machine advanced to now): a window counts what ran inside it."""
+        if self._running is None:
+            return self.cpu_s
+        done, seconds = self._running
+        return self.cpu_s + seconds - max(0.0, done.job[0])  # type: ignore[attr-defined]
 
     def step(self):
         raise NotImplementedError
@@ -407,12 +367,13 @@ class Simulation:
 
     # Measurement.
     def snapshot(self) -> dict:
-        self.head.advance()
+        for p in self._processes():
+            p.machine.advance()
         return {
             "t": self.env.now,
             "cycles": self.cycles,
             "head_busy": self.head.busy_core_s,
-            "procs": {id(p): (p.cpu_s, p.steps, p.sessions) for p in self._processes()},
+            "procs": {id(p): (p.consumed(), p.steps, p.sessions) for p in self._processes()},
         }
 
     def _processes(self) -> list[Server]:

@@ -3,7 +3,7 @@ what one orchestrator process can feed, and the figures the capacity model
 (benchmarks/simulate.py, docs/capacity.md) is fitted from.
 
     python -m benchmarks.orchestrator                          # off, ngram, draft_model K=3 at 1, 8, 32, 64 streams
-    python -m benchmarks.orchestrator --orchestrators 1 2      # the same with one, then two orchestrators
+    python -m benchmarks.orchestrator --orchestrators 1 2      # stacks of one and of two orchestrators, in turns
     python -m benchmarks.orchestrator --quick                  # smoke run: 1 and 8 streams, 16 requests
 
 A local stack of a tiny random pair (tests/tiny_models.py, Llama-shaped,
@@ -39,9 +39,12 @@ The services run with one torch thread (`--torch-threads`): each process is
 then one core's worth of work at most, as the model has it, and no thread
 spins waiting for another on a machine this small.
 
-No ratio between systems is claimed here, so there are no alternating
-rounds; `--rounds` repeats each setting and the table gives the median and
-the range. Writes benchmarks/results/orchestrator.json.
+No ratio between systems is claimed here; `--rounds` repeats each setting
+and the table gives the median and the range. With several `--orchestrators`
+the stacks are all up at once and take turns in every round (the order
+rotating), because the capacity model is fitted on one stack's rows and
+checked on another's, and this machine's speed drifts within minutes.
+Writes benchmarks/results/orchestrator.json.
 """
 
 from __future__ import annotations
@@ -53,9 +56,8 @@ import platform
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-
-import grpc
 
 from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
@@ -92,12 +94,7 @@ def tiny_pair() -> tuple[str, str]:
 
 def start_stack(target: str, drafter: str, orchestrators: int, torch_threads: int) -> Stack:
     service_args = ("--torch-threads", str(torch_threads)) if torch_threads else ()
-    if orchestrators == 1:
-        return Stack(target, drafter, service_args=service_args, metrics=True)
-    try:
-        return Stack(target, drafter, service_args=service_args, metrics=True, orchestrators=orchestrators)
-    except TypeError as e:  # a Stack without replicas of the orchestrator
-        raise SystemExit(f"--orchestrators {orchestrators} needs Stack(..., orchestrators=N): {e}") from e
+    return Stack(target, drafter, service_args=service_args, metrics=True, orchestrators=orchestrators)
 
 
 def generate(stub, fields: dict, n: int, tokens: int) -> pb.GenerateResponse:
@@ -185,49 +182,84 @@ def idle_shares(probe: StackProbe, seconds: float = 5.0) -> dict[str, list[float
     return {k: [(cpu_seconds(p) - c) / seconds for p, c in zip(ps, before[k])] for k, ps in pids.items()}
 
 
-def measure(args, orchestrators: int) -> tuple[list[dict], dict]:
-    """Every method × stream count on one stack of `orchestrators` orchestrators."""
+@dataclass
+class Driven:
+    """One stack under test: its probe and one connection per stream."""
+
+    orchestrators: int
+    stack: Stack
+    probe: StackProbe
+    channels: list
+    stubs: list
+    where: list[int]  # per connection, the orchestrator it reached
+    idle: dict[str, list[float]]
+
+
+def drive(args, orchestrators: int) -> Driven:
     stack = start_stack(args.target, args.drafter, orchestrators, args.torch_threads)
-    rows = []
-    channels: list[grpc.Channel] = []
+    probe = StackProbe(stack)
+    # A connection each (channels to one address share one by default).
+    channels = [stack.connect() for _ in range(max(args.streams))]
+    stubs = [pb_grpc.OrchestratorServiceStub(c) for c in channels]
+    where = assign(stubs, probe) if orchestrators > 1 else [0] * len(stubs)
+    for method in args.methods:  # warm every path once: first calls pay one-off costs
+        run(stubs[:2], probe, METHODS[method], 4, args.tokens)
+    return Driven(orchestrators, stack, probe, channels, stubs, where, {})
+
+
+def row_of(d: Driven, method: str, n: int, runs: list[dict]) -> dict:
+    split = [d.where[:n].count(i) for i in range(d.orchestrators)]
+    row = {
+        "method": method,
+        "streams": n,
+        "orchestrators": d.orchestrators,
+        "streams_per_orchestrator": split,
+        **summarise(runs),
+    }
+    by = row["cpu_ms_per_session_cycle_by_process"]
+    print(
+        f"{d.orchestrators} orch. {method:12s} {n:3d} streams: {row['session_cycles_per_wall_s']:.0f} "
+        "session-cycles/s; CPU ms per session-cycle: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in by.items())
+        + f"; mean verify batch {row['mean_verify_batch']:.1f}; streams per orchestrator {split}; "
+        f"other processes kept {row['others_cores']:.2f} cores busy",
+        flush=True,
+    )
+    return row
+
+
+def measure(args) -> tuple[list[dict], dict]:
+    """Every method × stream count on a stack of each number of orchestrators.
+    The stacks are up together and take turns, round by round, in an order
+    that rotates: this machine's speed drifts by 10-40 % within minutes, and
+    the model is fitted on one stack's rows to predict the others'."""
+    driven: list[Driven] = []
     try:
-        probe = StackProbe(stack)
-        idle = idle_shares(probe)
-        print(f"{orchestrators} orchestrator(s); idle: " + ", ".join(f"{k} {max(v):.1%}" for k, v in idle.items()))
-        channels = [grpc.insecure_channel(stack.orchestrator.address) for _ in range(max(args.streams))]
-        stubs = [pb_grpc.OrchestratorServiceStub(c) for c in channels]
-        where = assign(stubs, probe) if orchestrators > 1 else [0] * len(stubs)
-        for method in args.methods:  # warm every path once: first calls pay one-off costs
-            run(stubs[:2], probe, METHODS[method], 4, args.tokens)
+        for n in args.orchestrators:
+            driven.append(drive(args, n))
+        for d in driven:  # with every stack up: each one's idle cost beside the others
+            d.idle = idle_shares(d.probe)
+            print(
+                f"{d.orchestrators} orchestrator(s); idle: " + ", ".join(f"{k} {max(v):.1%}" for k, v in d.idle.items())
+            )
+        rows = []
+        turn = 0
         for method in args.methods:
             for n in args.streams:
-                runs = [
-                    run(stubs[:n], probe, METHODS[method], max(args.requests, n), args.tokens)
-                    for _ in range(args.rounds)
-                ]
-                split = [where[:n].count(i) for i in range(orchestrators)]
-                row = {
-                    "method": method,
-                    "streams": n,
-                    "orchestrators": orchestrators,
-                    "streams_per_orchestrator": split,
-                    **summarise(runs),
-                }
-                rows.append(row)
-                by = row["cpu_ms_per_session_cycle_by_process"]
-                print(
-                    f"{method:12s} {n:3d} streams: {row['session_cycles_per_wall_s']:.0f} session-cycles/s; "
-                    "CPU ms per session-cycle: "
-                    + ", ".join(f"{k} {v:.3f}" for k, v in by.items())
-                    + f"; mean verify batch {row['mean_verify_batch']:.1f}; streams per orchestrator {split}; "
-                    f"other processes kept {row['others_cores']:.2f} cores busy",
-                    flush=True,
-                )
+                runs: dict[int, list[dict]] = {d.orchestrators: [] for d in driven}
+                for _ in range(args.rounds):
+                    for d in driven[turn % len(driven) :] + driven[: turn % len(driven)]:
+                        runs[d.orchestrators].append(
+                            run(d.stubs[:n], d.probe, METHODS[method], max(args.requests, n), args.tokens)
+                        )
+                    turn += 1
+                rows += [row_of(d, method, n, runs[d.orchestrators]) for d in driven]
     finally:
-        for c in channels:
-            c.close()
-        stack.stop()
-    return rows, idle
+        for d in driven:
+            for c in d.channels:
+                c.close()
+            d.stack.stop()
+    return rows, {d.orchestrators: d.idle for d in driven}
 
 
 def print_table(rows: list[dict], rounds: int) -> None:
@@ -258,7 +290,7 @@ def main(argv=None) -> int:
         nargs="+",
         type=int,
         default=[1],
-        help="run the whole sweep on a stack of each many orchestrators (one port), in turn",
+        help="run the sweep on a stack of each many orchestrators (one port each), the stacks taking turns",
     )
     ap.add_argument("--requests", type=int, default=64, help="requests per setting (all streams together)")
     ap.add_argument("--tokens", type=int, default=64, help="max_new_tokens per request")
@@ -273,10 +305,9 @@ def main(argv=None) -> int:
         args.streams, args.requests, args.rounds = [1, 8], 16, 1
     if not args.target:
         args.target, args.drafter = tiny_pair()
-    rows, idle = [], {}
-    for n in args.orchestrators:
-        got, idle[n] = measure(args, n)
-        rows += got
+    if len(set(args.orchestrators)) != len(args.orchestrators):
+        ap.error("--orchestrators: each number once")
+    rows, idle = measure(args)
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.processor() or platform.machine(),

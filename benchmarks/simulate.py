@@ -57,7 +57,12 @@ class Prediction:
     predicted: float
     in_sample: bool
     result: SimResult
-    others_cores: float  # measured: what the machine's other processes kept busy
+    row: dict  # the measured row
+
+    @property
+    def others_cores(self) -> float:
+        """Measured: the cores the machine's other processes kept busy."""
+        return self.row.get("others_cores", 0.0)
 
     @property
     def error(self) -> float:
@@ -109,7 +114,7 @@ def check(doc: dict, transport: str, background: bool = False) -> list[Predictio
                     res.session_cycles_per_s,
                     row in base,
                     res,
-                    row.get("others_cores", 0.0),
+                    row,
                 )
             )
     return out
@@ -128,18 +133,25 @@ def print_fits(doc: dict) -> None:
             )
 
 
+def shares(values: list[float]) -> str:
+    return " + ".join(f"{v:.0%}" for v in values)
+
+
 def print_check(predictions: list[Prediction], goal: float) -> bool:
     print(
-        "\n| method | streams | orchestrators | measured session-cycles/s | predicted | error | "
-        "predicted orchestrators' busy share (each) | predicted bottleneck | other processes' cores |"
+        "\n| method | streams | orchestrators | session-cycles/s measured | predicted | error | "
+        "orchestrators' busy share measured | predicted | verify batch measured | predicted | "
+        "predicted bottleneck | other processes' cores |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in predictions:
-        shares = " + ".join(f"{b:.0%}" for b in p.result.busy["orchestrator"])
         mark = " (in-sample)" if p.in_sample else ""
+        measured_shares = shares(p.row["core_share_by_process"]["orchestrator"])
         print(
             f"| {p.method} | {p.streams} | {p.orchestrators}{mark} | {p.measured:.0f} | {p.predicted:.0f} | "
-            f"{p.error:+.1%} | {shares} | {p.result.bottleneck} | {p.others_cores:.2f} |"
+            f"{p.error:+.1%} | {measured_shares} | {shares(p.result.busy['orchestrator'])} | "
+            f"{p.row['mean_verify_batch']:.1f} | {p.result.mean_batch['verifier']:.1f} | {p.result.bottleneck} | "
+            f"{p.others_cores:.2f} |"
         )
     held_out = [p for p in predictions if not p.in_sample]
     if not held_out:

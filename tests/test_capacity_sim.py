@@ -9,7 +9,8 @@ import pytest
 import simpy
 
 from benchmarks.capacity_fit import Window, fit_costs, fit_step_cost
-from benchmarks.capacity_sim import Costs, Deployment, Machine, StepCost, Workload, request_cycles, simulate
+from benchmarks.capacity_sim import Costs, Deployment, StepCost, Workload, request_cycles, simulate
+from benchmarks.processor_sharing import Machine
 
 pytestmark = pytest.mark.unit
 
@@ -203,3 +204,19 @@ def test_gather_window_keeps_sessions_together():
         dep = isolated(cores=1, max_batch=64, wait_fraction=wait)
         batch[wait] = simulate(costs, dep, Workload(16, 20, 1.0)).mean_batch["verifier"]
     assert batch[0.5] > 14 and batch[0.0] < batch[0.5]
+
+
+def test_per_session_transport_handles_sessions_one_at_a_time():
+    """A message per session: the orchestrator handles one at a time, and a
+    free verifier answers each at once in a step of its own, so every pass
+    pays the fixed cost twice (the answer, the message on): 1 / (2a + b)
+    session-cycles per second, where batched messages share it: S / (2a + bS)."""
+    a, b, s = 0.1e-3, 0.5e-3, 8
+    costs = Costs(orchestrator=StepCost(a, b), verifier=StepCost())
+    rates = {
+        t: simulate(costs, isolated(cores=1, max_batch=100, transport=t), Workload(s, ENDLESS, 1.0))
+        for t in ("per_session", "batched")
+    }
+    assert rates["per_session"].session_cycles_per_s == pytest.approx(1 / (2 * a + b), rel=1e-6)
+    assert rates["per_session"].mean_batch["verifier"] == pytest.approx(1.0)
+    assert rates["batched"].session_cycles_per_s == pytest.approx(s / (2 * a + b * s), rel=1e-6)
