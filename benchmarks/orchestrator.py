@@ -78,7 +78,6 @@ PROMPTS = [
     "import os\n\n\ndef walk(root):",
     "for i in range(10):",
 ]
-__all__ = ["cpu_seconds", "main"]
 
 
 def tiny_pair() -> tuple[str, str]:

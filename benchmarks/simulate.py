@@ -309,8 +309,12 @@ def main(argv=None) -> int:
 
     if args.check:
         doc = json.loads(Path(args.check).read_text())
-        print_fits(doc)
-        return 0 if print_check(check(doc, args.transport, args.background), args.goal) else 1
+        try:
+            print_fits(doc)
+            predictions = check(doc, args.transport, args.background)
+        except ValueError as e:
+            raise SystemExit(f"{args.check}: {e}") from None
+        return 0 if print_check(predictions, args.goal) else 1
 
     gpu = GpuServices(
         verify=StepCost(args.verify_ms[0] / 1e3, args.verify_ms[1] / 1e3),
