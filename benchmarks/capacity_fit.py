@@ -1,0 +1,127 @@
+"""The model's costs (benchmarks/capacity_sim.py) fitted from measured
+windows (benchmarks/orchestrator.py's JSON).
+
+For one process and one measured window: CPU = fixed × steps + per_session ×
+session-cycles. Divided by the session-cycles this is a line in
+x = steps per session-cycle (1 / the mean batch), y = CPU per session-cycle:
+the stream sweep moves x from 1 (one stream) to 1/32 or less, which is what
+separates a step's fixed cost from a session's. Least squares over every
+window (each round of each stream count), each weighted alike; a coefficient
+that comes out negative is held at 0 and the other refitted (a cost is not
+negative; a negative one means the noise outweighs it).
+
+Steps per process: a verifier's and a drafter's are their forwards (the
+`specdec:*_batch_size` histograms' counts); the orchestrator's are messages,
+in and out: two per service step (the step's call and its answer). The load
+generator has no steps: its cost is per session-cycle only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .capacity_sim import Costs, StepCost
+
+
+@dataclass(frozen=True)
+class Fit:
+    cost: StepCost
+    windows: int
+    rms_rel: float  # root mean square of the residuals / the mean CPU per session-cycle
+
+
+@dataclass(frozen=True)
+class Window:
+    """One measured window of one process."""
+
+    session_cycles: float
+    steps: float
+    cpu_s: float
+
+
+def fit_step_cost(windows: Sequence[Window]) -> Fit:
+    """fixed and per-session cost by least squares on CPU per session-cycle
+    against steps per session-cycle. With fewer than two distinct x values the
+    two cannot be told apart: all goes to the per-session cost."""
+    x = np.array([w.steps / w.session_cycles for w in windows])
+    y = np.array([w.cpu_s / w.session_cycles for w in windows])
+    if len(set(np.round(x, 12))) < 2:
+        fixed, per = 0.0, float(y.mean())
+    else:
+        (fixed, per), *_ = np.linalg.lstsq(np.column_stack([x, np.ones_like(x)]), y, rcond=None)
+        if fixed < 0:
+            fixed, per = 0.0, float(y.mean())
+        elif per < 0:
+            fixed, per = float(x @ y / (x @ x)), 0.0
+    residual = y - (fixed * x + per)
+    rms = float(np.sqrt(np.mean(residual**2)) / y.mean()) if y.mean() > 0 else 0.0
+    return Fit(StepCost(float(fixed), float(per)), len(windows), rms)
+
+
+def has_processes(run: dict) -> bool:
+    """A window measured with every process's CPU and the services' steps."""
+    return "cpu" in run and "steps" in run
+
+
+def windows(rows: Sequence[dict], process: str) -> list[Window]:
+    """Every window of `rows` for one kind of process (all its replicas summed)."""
+    out = []
+    for row in rows:
+        for run in row["runs"]:
+            cycles = run["cycles"]
+            if process == "orchestrator" and not has_processes(run):
+                out.append(Window(cycles, 0.0, run["cpu_s"]))  # earlier JSON: the orchestrator's CPU only
+                continue
+            steps = {
+                "orchestrator": 2 * (sum(run["steps"]["verifier"]) + sum(run["steps"].get("drafter", []))),
+                "verifier": sum(run["steps"]["verifier"]),
+                "drafter": sum(run["steps"].get("drafter", [])),
+                "client": 0.0,
+            }[process]
+            cpu = run["cpu"][process]
+            out.append(Window(cycles, steps, sum(cpu) if isinstance(cpu, list) else cpu))
+    return out
+
+
+@dataclass(frozen=True)
+class Fitted:
+    costs: Costs
+    fits: dict[str, Fit]  # per kind of process
+
+
+def fit_costs(rows: Sequence[dict], with_drafter: bool, orchestrator_only: bool = False) -> Fitted:
+    """Costs of every process from one method's rows (one orchestrator).
+    orchestrator_only: the services' costs are left at 0 (given apart, e.g.
+    a GPU's forward times) and earlier JSON without them is accepted."""
+    kinds = ["orchestrator"]
+    if not orchestrator_only:
+        if not all(has_processes(run) for row in rows for run in row["runs"]):
+            raise ValueError("these rows have no per-process CPU or step counts: re-run benchmarks.orchestrator")
+        kinds += ["verifier", "client"] + (["drafter"] if with_drafter else [])
+    fits = {kind: fit_step_cost(windows(rows, kind)) for kind in kinds}
+    zero = StepCost()
+    costs = Costs(
+        orchestrator=fits["orchestrator"].cost,
+        verifier=fits["verifier"].cost if "verifier" in fits else zero,
+        drafter=(fits["drafter"].cost if "drafter" in fits else zero) if with_drafter else None,
+        client_per_cycle_s=fits["client"].cost.per_session_s if "client" in fits else 0.0,
+    )
+    return Fitted(costs, fits)
+
+
+def workload_figures(row: dict, default_tokens: int) -> tuple[float, float]:
+    """(cycles per request, tokens per cycle) a row ran: its own workload."""
+    runs = row["runs"]
+    cycles = sum(r["cycles"] for r in runs)
+    requests = sum(r["requests"] for r in runs)
+    tokens = sum(r.get("tokens", default_tokens * r["requests"]) for r in runs)
+    return cycles / requests, tokens / cycles
+
+
+def median_rate(row: dict) -> float:
+    """The row's session-cycles per wall second (median over its rounds)."""
+    return statistics.median(r["cycles"] / r["wall_s"] for r in row["runs"])
