@@ -177,6 +177,7 @@ class Orchestrator:
 
     def client_for(self, spec: ReplicaSpec):
         tls, limit = self.config.tls, self.config.max_message_bytes
+        client: GrpcVerifier | GrpcDrafter
         if spec.kind == "verifier":
             client = GrpcVerifier(spec.address, self.config.rpc_timeout_s, tls=tls, max_message_bytes=limit)
         else:
