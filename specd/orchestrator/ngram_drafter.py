@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from specd.rules.ngram import propose_ngram
+from specd.rules.ngram import NgramIndex
 from specd.runtime.features import HiddenStates
 from specd.telemetry import tracing
 
@@ -20,11 +20,11 @@ from .records import Draft
 class NgramDrafter:
     def __init__(self, n_max: int, n_min: int):
         self.n_max, self.n_min = n_max, n_min
-        self.contexts: dict[str, list[int]] = {}
+        self.contexts: dict[str, NgramIndex] = {}
         self.active = 0
 
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None:
-        self.contexts[session_id] = list(prompt_ids)
+        self.contexts[session_id] = NgramIndex(self.n_max, self.n_min, list(prompt_ids))
 
     async def propose(
         self,
@@ -45,10 +45,10 @@ class NgramDrafter:
         # forced_room: the loop cuts and extends an n-gram draft itself
         # (specd/orchestrator/structured.py).
         start = time.perf_counter()
-        context = self.contexts[session_id]
-        context += committed
+        index = self.contexts[session_id]
+        index.extend(committed)
         with tracing.span("specdec.draft"):  # in-process: an INTERNAL span, no server side
-            tokens = propose_ngram(context, shape.depth, self.n_max, self.n_min)
+            tokens = index.propose(shape.depth)
         # A chain; children chosen without sampling, so no q travels and the
         # verifier applies the deterministic rule (lossless at any temperature).
         return Draft(tokens, list(range(-1, len(tokens) - 1)), [], (time.perf_counter() - start) * 1e3)
