@@ -85,8 +85,10 @@ class StreamMux:
         if self._step_cls is None:
             message = _Message([request], [future])
             self._send(queue, message, None, timeout)
-        elif self._step is None:  # the first call of this turn: the step leaves once the turn is over
-            message = self._step = _Message([request], [future])
+        elif self._step is None or self._step.queue is not queue:
+            # The first call of this turn (or on a stream reopened during it):
+            # the step leaves once the turn is over.
+            message = self._step = _Message([request], [future], queue)
             loop.call_soon(self._send, queue, message, self._step_cls, timeout)
         else:
             message = self._step
@@ -159,10 +161,10 @@ class StreamMux:
 class _Message:
     """The calls one message carries (one call, or a step's), until answered."""
 
-    __slots__ = ("requests", "futures", "left", "expiry")
+    __slots__ = ("requests", "futures", "queue", "left", "expiry")
 
-    def __init__(self, requests: list, futures: list[asyncio.Future]) -> None:
-        self.requests, self.futures = requests, futures
+    def __init__(self, requests: list, futures: list[asyncio.Future], queue: asyncio.Queue | None = None) -> None:
+        self.requests, self.futures, self.queue = requests, futures, queue  # queue: the stream a step is for
         self.left = len(futures)  # grows while a step gathers; calls not yet answered
         self.expiry: asyncio.TimerHandle | None = None
 
