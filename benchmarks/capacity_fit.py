@@ -12,7 +12,9 @@ negative; a negative one means the noise outweighs it).
 
 Steps per process: a verifier's and a drafter's are their forwards (the
 `specdec:*_batch_size` histograms' counts); the orchestrator's are messages,
-in and out: two per service step (the step's call and its answer). The load
+in and out: two per service step (the step's call and its answer), and four
+per request per service (a unary OpenSession and CloseSession, each sent and
+answered). The load
 generator has no steps: its cost is per session-cycle only.
 """
 
@@ -76,8 +78,12 @@ def windows(rows: Sequence[dict], process: str) -> list[Window]:
             if process == "orchestrator" and not has_processes(run):
                 out.append(Window(cycles, 0.0, run["cpu_s"]))  # earlier JSON: the orchestrator's CPU only
                 continue
+            drafter_steps = sum(run["steps"].get("drafter", []))
+            # Per request: a unary OpenSession and CloseSession to each service
+            # replica, each a message out and its answer in.
+            unary = 4 * (1 + (drafter_steps > 0)) * run["requests"]
             steps = {
-                "orchestrator": 2 * (sum(run["steps"]["verifier"]) + sum(run["steps"].get("drafter", []))),
+                "orchestrator": 2 * (sum(run["steps"]["verifier"]) + drafter_steps) + unary,
                 "verifier": sum(run["steps"]["verifier"]),
                 "drafter": sum(run["steps"].get("drafter", [])),
                 "client": 0.0,

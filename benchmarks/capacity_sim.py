@@ -9,8 +9,13 @@ up and works on it as ONE step, whose work is `fixed + per_session × sessions`:
   calls at most `wait_fraction` of its last step's time: the services'
   batcher and its gather window (specd/runtime/batcher.py); it answers with
   one message per orchestrator whose sessions were in the step;
-- an orchestrator takes every message that arrived (service replies, new
-  requests), handles their sessions (a pass each: two per cycle with a
+- a new request opens its session with a unary OpenSession per replica: the
+  verifier's prefill joins its next forward, the drafter answers at once; the
+  session's first call leaves when both have answered, at its own phase, so
+  sessions form groups that take turns and merge only through the gather
+  window; at the last verdict a unary CloseSession goes to each replica;
+- an orchestrator takes every batched message that arrived (service replies),
+  handles their sessions (a pass each: two per cycle with a
   drafter service, one without) and sends one message per replica that has
   sessions to go to it: sessions ready at the same moment ride in one message.
   Its fixed cost is per message in or out. `transport="per_session"` models
@@ -25,8 +30,9 @@ Processes run on machines: each machine's cores are shared by its busy
 processes (egalitarian processor sharing, at most one core each: a step is
 serial work). On one CPU box everything shares its cores; in a GPU deployment
 each service replica has its own device and only the orchestrators share the
-head node's cores. Prefill and session open/close are not modelled apart:
-their cost is in the per-cycle figures the costs are fitted from.
+head node's cores. A request opens its session (a prefill in the verifier's forward)
+before its first call and joins the group it lands in; the prefill's extra
+cost is in the per-cycle figures the costs are fitted from.
 
 Why simpy: the model is a handful of interacting queues whose batches form
 from timing (who is queued when a server frees up), which closed forms do not
@@ -109,6 +115,10 @@ class Session:
     verifier: Service
     drafter: Service | None
     cycles_left: int = 0
+    opens_left: int = 0  # OpenSession answers the session still waits for
+
+    def services(self) -> list[Service]:
+        return [self.verifier] + ([self.drafter] if self.drafter is not None else [])
 
 
 class Server:
@@ -137,6 +147,11 @@ class Server:
             yield from self.step()
 
     def work(self, seconds: float):
+        if seconds <= 0:
+            # No work (a cost not modelled): done at once, before any other
+            # process sees the moment (a free orchestrator sends a burst of new
+            # requests' opens together).
+            return
         done = self.machine.run(seconds)
         self._running = (done, seconds)
         yield done
@@ -167,6 +182,10 @@ class Service(Server):
     def step(self):
         dep = self.sim.deployment
         if dep.wait_fraction > 0 and dep.max_batch > 1:
+            # The gather window (specd/runtime/batcher.py `_gather`): wait while
+            # fewer sessions are queued than are open here and calling (a new
+            # session's open is queued but not yet one of them), at most
+            # wait_fraction of the last forward's run time.
             deadline = self.env.now + dep.wait_fraction * self._last_run_s
             while len(self.inbox) < min(dep.max_batch, self.active) and self.env.now < deadline:
                 self._signal = self.env.event()
@@ -175,21 +194,30 @@ class Service(Server):
         start = self.env.now
         yield from self.work(self.cost(len(batch)))
         self._last_run_s = self.env.now - start
-        self.steps += 1
-        self.sessions += len(batch)
+        calls = [s for s, kind in batch if kind == "call"]
+        opens = [s for s, kind in batch if kind == "open"]
+        if calls:  # as the services' batch-size histograms count: forwards with calls, and their calls
+            self.steps += 1
+            self.sessions += len(calls)
+        for s in opens:  # admitted: one of the sessions the gather window waits for from now on
+            self.active += 1
+            s.orchestrator.put(("opened", [s], 1))  # a unary OpenSession: its own answer
         if self.sim.deployment.transport == "per_session":
             # A message per session; the fixed cost rides on the first answer
             # each orchestrator gets from the step (below).
             first: set[Orchestrator] = set()
-            for s in batch:
+            for s in calls:
                 s.orchestrator.put((self.kind, [s], 2 if s.orchestrator not in first else 0))
                 first.add(s.orchestrator)
             return
         replies: dict[Orchestrator, list[Session]] = defaultdict(list)
-        for s in batch:
+        for s in calls:
             replies[s.orchestrator].append(s)
         for orch, sessions in replies.items():  # one message per orchestrator
             orch.put((self.kind, sessions, 1))
+
+
+UNARY = ("start", "opened")  # messages of one session each, handled one at a time
 
 
 class Orchestrator(Server):
@@ -211,36 +239,64 @@ class Orchestrator(Server):
         self.messages = 0
 
     def step(self):
-        if self.sim.deployment.transport == "per_session":
-            messages = [self.inbox.pop(0)]  # one at a time, in arrival order
+        # A new request and a session's open are unary messages, each handled
+        # on its own as it comes (so a burst of new requests reaches the
+        # verifier one open at a time); the services' batched answers that
+        # arrived meanwhile are handled together.
+        first = self.inbox.pop(0)
+        if first[0] in UNARY or self.sim.deployment.transport == "per_session":
+            messages = [first]
         else:
-            messages, self.inbox = self.inbox, []
+            messages = [first] + [m for m in self.inbox if m[0] not in UNARY]
+            self.inbox = [m for m in self.inbox if m[0] in UNARY]
         out: dict[Service, list[Session]] = defaultdict(list)
+        opens: list[Session] = []
         emitted: list[Session] = []
         handled = 0
         charged = 0  # messages at the fixed cost
         for kind, sessions, weight in messages:
-            handled += len(sessions)
             charged += weight
             for s in sessions:
+                if kind == "start":
+                    opens.append(s)
+                    continue
+                if kind == "opened":
+                    s.opens_left -= 1
+                    if s.opens_left > 0:
+                        continue
+                else:
+                    handled += 1
                 if kind == "verifier":
                     s.cycles_left -= 1
                     emitted.append(s)
                     if s.cycles_left == 0:
+                        # Closed on every replica: a unary CloseSession each, its
+                        # message out and its answer.
+                        charged += 2 * len(s.services())
                         continue
                 if kind != "drafter" and s.drafter is not None:
                     out[s.drafter].append(s)
                 else:
                     out[s.verifier].append(s)
+        # A unary OpenSession to each replica (its answer is charged as it comes in).
+        charged += sum(len(s.services()) for s in opens)
         if self.sim.deployment.transport == "batched":
             charged += len(out)
         yield from self.work(self.cost.fixed_s * charged + self.cost.per_session_s / self.passes * handled)
         self.steps += 1
         self.sessions += handled
         self.messages += charged
+        for s in opens:
+            s.opens_left = len(s.services())
+            s.verifier.put((s, "open"))  # the prefill joins the verifier's next forward
+            if s.drafter is not None:
+                # The drafter opens a session on its gRPC thread, not in a
+                # forward: answered at once (its work is in the fitted costs).
+                s.drafter.active += 1
+                self.put(("opened", [s], 1))
         for service, sessions in out.items():
             for s in sessions:
-                service.put(s)
+                service.put((s, "call"))
         for s in emitted:
             if s.cycles_left == 0:
                 self.sim.end_request(s)
@@ -336,15 +392,11 @@ class Simulation:
             s.cycles_left = max(1, math.ceil(w.cycles_per_request * (k + 1) / len(self.sessions)))
         else:
             s.cycles_left = request_cycles(k, w.cycles_per_request)
-        for service in (s.verifier, s.drafter):
-            if service is not None:
-                service.active += 1
         s.orchestrator.put(("start", [s], 0))
 
     def end_request(self, s: Session) -> None:
-        for service in (s.verifier, s.drafter):
-            if service is not None:
-                service.active -= 1
+        for service in s.services():  # closed: no longer one the gather window waits for
+            service.active -= 1
         if self.client is None:
             self.start_request(s)
 
