@@ -60,6 +60,7 @@ class Batcher:
         self._ready = threading.Condition()
         self._stopped = False
         self._deferred: list[Callable[[], None]] = []  # see later()
+        self._answering = False  # the worker is setting a batch's results (later() defers)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"{name}-batcher")
         self._thread.start()
 
@@ -127,10 +128,12 @@ class Batcher:
             results = self.run_batch([job for job, _ in batch])
             self._last_run_s = time.monotonic() - started
         except Exception as exc:  # noqa: BLE001 - every caller of the batch gets the error
+            self._answering = True
             for _, future in batch:
                 future.set_exception(exc)
             self._run_deferred()
             return
+        self._answering = True
         for (_, future), result in zip(batch, results):
             if isinstance(result, Exception):
                 future.set_exception(result)
@@ -144,13 +147,15 @@ class Batcher:
 
     def later(self, fn: Callable[[], None]) -> None:
         """Run fn once the current batch's results are all set (from a result's
-        callback, which runs on this batcher's thread); at once elsewhere."""
-        if threading.current_thread() is self._thread:
+        callback, which runs on this batcher's thread); at once elsewhere, or
+        when no batch is being answered."""
+        if self._answering and threading.current_thread() is self._thread:
             self._deferred.append(fn)
         else:
             fn()
 
     def _run_deferred(self) -> None:
+        self._answering = False
         deferred, self._deferred = self._deferred, []
         for fn in deferred:
             try:
