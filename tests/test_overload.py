@@ -87,6 +87,7 @@ class TargetOnly(Stack):
         self.verifiers = [self.verifier]
         self.orchestrator = ServiceProcess("specd.orchestrator", "--target", target, "--verifier-address",
                                            self.verifier.address, "--method", "off", *orchestrator_args)
+        self.orchestrators = [self.orchestrator]
         self.channel = grpc.insecure_channel(self.orchestrator.address)
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
 
