@@ -414,6 +414,8 @@ class RayPeers:
         self.report_timeout_s = report_timeout_s
         self.template: OrchestratorConfig | None = None  # a new orchestrator's config, less its index
         self._handles: dict[str, Any] = {}
+        self._listing: asyncio.Future | None = None  # the named actors being listed (one call at a time)
+        self._listed: list[str] = []  # the other orchestrators as last listed
 
     def _handle(self, name: str):
         if name not in self._handles:
@@ -421,16 +423,35 @@ class RayPeers:
         return self._handles[name]
 
     async def reports(self) -> dict[str, OrchestratorReport | None]:
-        names = [n for n in await asyncio.to_thread(_named_actors) if _is_orchestrator(n) and n != self.own]
+        """Every other orchestrator's report, None for one that did not answer.
+        Bounded in time: Status waits on it, and Ray's control plane can be
+        slow for seconds while actors come and go (then the orchestrators
+        listed last are asked)."""
+        names = await self._others()
 
         async def report(name: str) -> OrchestratorReport | None:
             try:
-                return await asyncio.wait_for(_wait(self._handle(name).report.remote()), self.report_timeout_s)
+                return await asyncio.wait_for(self._report(name), self.report_timeout_s)
             except Exception:  # noqa: BLE001 - starting, restarting or gone: no answer this time
                 self._handles.pop(name, None)  # a new actor may take the name
                 return None
 
         return dict(zip(names, await asyncio.gather(*(report(n) for n in names))))
+
+    async def _others(self) -> list[str]:
+        if self._listing is None or self._listing.done():
+            self._listing = asyncio.ensure_future(asyncio.to_thread(_named_actors))
+            self._listing.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, never raised
+        try:
+            listed = await asyncio.wait_for(asyncio.shield(self._listing), self.report_timeout_s)
+        except Exception:  # noqa: BLE001 - slow or failing: the last list stands
+            return self._listed
+        self._listed = sorted(n for n in listed if _is_orchestrator(n) and n != self.own)
+        return self._listed
+
+    async def _report(self, name: str) -> OrchestratorReport:
+        handle = await asyncio.to_thread(self._handle, name)  # ray.get_actor blocks: not on the event loop
+        return await _wait(handle.report.remote())
 
     async def follow(self, name: str, view: PoolView, max_active_requests: int) -> None:
         await asyncio.wait_for(_wait(self._handle(name).follow.remote(view, max_active_requests)), 30)
