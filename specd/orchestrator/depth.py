@@ -98,13 +98,17 @@ class DraftShaper:
     # one cycle after cycle, and making one (cut, fit, checks) is a good part
     # of a cycle's own work in the orchestrator.
     _made: dict = field(default_factory=dict, repr=False)
+    # Room past the whole shape's nodes and rows changes nothing in fit().
+    _enough: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._enough = max(self.shape.max_nodes, self.shape.forward_rows)
 
     def next(self, committed: int, remaining: int) -> DraftShape | None:
         """None: no room for a draft (a plain decode step)."""
         k = self.depth.choose()
         depth = draft_budget(k, remaining, committed, self.target_ctx, self.drafter_ctx)
-        # Room past the whole shape's nodes and rows changes nothing in fit().
-        enough = max(self.shape.max_nodes, self.shape.forward_rows)
+        enough = self._enough
         rooms = min(self.target_ctx - committed, enough), min(self.drafter_ctx - committed, enough)
         threshold = self.depth.threshold(k) if self.confidence is None else self.confidence
         key = (depth, rooms, threshold)
