@@ -305,7 +305,8 @@ class Orchestrator(Server):
 
 class Client(Server):
     """The load generator: reads every cycle's tokens; starts a stream's next
-    request once it has read the last one. Inbox: sessions whose cycle ended."""
+    request once it has read the last one. Inbox: (session, whether the cycle
+was its request's last) per cycle ended."""
 
     def __init__(self, sim: Simulation, machine: Machine, per_cycle_s: float):
         super().__init__(sim, machine)
@@ -316,8 +317,8 @@ class Client(Server):
         yield from self.work(self.per_cycle_s * len(batch))
         self.steps += 1
         self.sessions += len(batch)
-        for s in batch:
-            if s.cycles_left == 0:
+        for s, last in batch:
+            if last:
                 self.sim.start_request(s)
 
 
@@ -407,7 +408,9 @@ class Simulation:
         self.last_cycle_at = self.env.now
         if self.client is not None:
             for s in sessions:
-                self.client.put(s)
+                # Whether it was the request's last cycle, as of now: a client
+                # that lags a cycle behind must not read the next request's count.
+                self.client.put((s, s.cycles_left == 0))
         while self._marks and self._marks[0][0] <= self.cycles:
             self._marks.pop(0)[1].succeed()
 
