@@ -34,6 +34,11 @@ head node's cores. A request opens its session (a prefill in the verifier's forw
 before its first call and joins the group it lands in; the prefill's extra
 cost is in the per-cycle figures the costs are fitted from.
 
+Timing noise (`Deployment.jitter`): every step's work × a gamma draw of mean
+1 and that coefficient of variation, from a generator seeded by
+`Deployment.seed`; without it the model is deterministic and groups of
+sessions stay in lockstep.
+
 Why simpy: the model is a handful of interacting queues whose batches form
 from timing (who is queued when a server frees up), which closed forms do not
 capture; simpy gives the event calendar and process coroutines, tested and

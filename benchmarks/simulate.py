@@ -15,7 +15,13 @@ requests, cycles per request and streams per orchestrator), predicts the
 session-cycles per second of the rows measured with more. It prints predicted
 vs measured and the relative error against the goal (--goal, 15 %); the rows
 predicted take no part in the fit. The 1-orchestrator rows are printed too,
-marked in-sample.
+marked in-sample. Two more figures are fitted on those rows alone: the
+machine's slowdown per core of other processes' load (each window's own
+load, measured, is then modelled: those cores taken from the machine, every
+process slowed; --quiet: none) and the timing noise (every step's work ×
+a gamma draw of mean 1; the coefficient of variation that predicts the
+1-orchestrator rows best; --jitter: given), each prediction the mean of a
+fixed set of seeds.
 
 Extrapolation (default): the orchestrator's costs fitted from --results
 (--method's 1-orchestrator rows), the services' forward times given as
