@@ -16,12 +16,22 @@ in and out: two per service step (the step's call and its answer), and four
 per request per service (a unary OpenSession and CloseSession, each sent and
 answered). The load
 generator has no steps: its cost is per session-cycle only.
+
+Other processes' load: each window records the cores the machine's other
+processes kept busy (`others_cores`). Those cores are not the stack's, and
+the stack's own work runs slower beside them (the processes share the
+machine's caches and memory bandwidth, and every preemption refills them):
+every process's CPU per session-cycle is larger in windows measured beside
+more of that load. So CPU = (fixed × steps + per_session × session-cycles) ×
+(1 + slowdown × others), one `slowdown` for the machine (every kind of
+process and every method alike), fitted with the costs (`fit_slowdown`);
+the costs are then those of a quiet machine.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,14 +53,23 @@ class Window:
     session_cycles: float
     steps: float
     cpu_s: float
+    others: float = 0.0  # the cores the machine's other processes kept busy (never below 0)
 
 
-def fit_step_cost(windows: Sequence[Window]) -> Fit:
+def others_cores(run_or_row: dict) -> float:
+    """The cores other processes kept busy in a window (or a row's median);
+    a negative figure is the CPU accounting's rounding, taken as none."""
+    return max(0.0, run_or_row.get("others_cores", 0.0))
+
+
+def fit_step_cost(windows: Sequence[Window], slowdown: float = 0.0) -> Fit:
     """fixed and per-session cost by least squares on CPU per session-cycle
-    against steps per session-cycle. With fewer than two distinct x values the
-    two cannot be told apart: all goes to the per-session cost."""
+    against steps per session-cycle, each window's CPU divided by the
+    slowdown its other processes' load caused (1 + slowdown × others). With
+    fewer than two distinct x values the two cannot be told apart: all goes
+    to the per-session cost."""
     x = np.array([w.steps / w.session_cycles for w in windows])
-    y = np.array([w.cpu_s / w.session_cycles for w in windows])
+    y = np.array([w.cpu_s / w.session_cycles / (1 + slowdown * w.others) for w in windows])
     if len(set(np.round(x, 12))) < 2:
         fixed, per = 0.0, float(y.mean())
     else:
@@ -76,7 +95,9 @@ def windows(rows: Sequence[dict], process: str) -> list[Window]:
         for run in row["runs"]:
             cycles = run["cycles"]
             if process == "orchestrator" and not has_processes(run):
-                out.append(Window(cycles, 0.0, run["cpu_s"]))  # earlier JSON: the orchestrator's CPU only
+                out.append(
+                    Window(cycles, 0.0, run["cpu_s"], others_cores(run))
+                )  # earlier JSON: the orchestrator's CPU only
                 continue
             drafter_steps = sum(run["steps"].get("drafter", []))
             # Per request: a unary OpenSession and CloseSession to each service
@@ -89,26 +110,59 @@ def windows(rows: Sequence[dict], process: str) -> list[Window]:
                 "client": 0.0,
             }[process]
             cpu = run["cpu"][process]
-            out.append(Window(cycles, steps, sum(cpu) if isinstance(cpu, list) else cpu))
+            out.append(Window(cycles, steps, sum(cpu) if isinstance(cpu, list) else cpu, others_cores(run)))
     return out
+
+
+# The slowdowns tried: per core of other processes' load, 0 to 2 (a process
+# running at a third of its speed beside one busy core) in steps of 0.02.
+SLOWDOWNS = np.round(np.arange(0.0, 2.0001, 0.02), 4)
+
+
+def kinds_of(rows: Sequence[dict], with_drafter: bool, orchestrator_only: bool = False) -> list[str]:
+    if orchestrator_only or not all(has_processes(run) for row in rows for run in row["runs"]):
+        return ["orchestrator"]
+    return ["orchestrator", "verifier", "client"] + (["drafter"] if with_drafter else [])
+
+
+def fit_slowdown(groups: Mapping[str, tuple[Sequence[dict], bool]], orchestrator_only: bool = False) -> float:
+    """The machine's slowdown per core of other processes' load: the one (of
+    SLOWDOWNS) whose cost fits leave the smallest residuals, each fit's
+    residuals relative to its mean CPU per session-cycle, over every kind of
+    process of every group (method: its rows, whether it has a drafter).
+    0 when no window was measured beside other load."""
+    fits = [
+        windows(rows, kind)
+        for rows, with_drafter in groups.values()
+        for kind in kinds_of(rows, with_drafter, orchestrator_only)
+    ]
+    if not any(w.others > 0 for ws in fits for w in ws):
+        return 0.0
+
+    def cost(slowdown: float) -> float:
+        return sum(fit_step_cost(ws, slowdown).rms_rel ** 2 * len(ws) for ws in fits)
+
+    return float(min(SLOWDOWNS, key=cost))
 
 
 @dataclass(frozen=True)
 class Fitted:
-    costs: Costs
+    costs: Costs  # on a quiet machine (no other processes' load)
     fits: dict[str, Fit]  # per kind of process
+    slowdown: float = 0.0  # per core of other processes' load (fit_slowdown)
 
 
-def fit_costs(rows: Sequence[dict], with_drafter: bool, orchestrator_only: bool = False) -> Fitted:
-    """Costs of every process from one method's rows (one orchestrator).
+def fit_costs(
+    rows: Sequence[dict], with_drafter: bool, orchestrator_only: bool = False, slowdown: float = 0.0
+) -> Fitted:
+    """Costs of every process from one method's rows (one orchestrator), on a
+    quiet machine given the machine's `slowdown` (fit_slowdown).
     orchestrator_only: the services' costs are left at 0 (given apart, e.g.
     a GPU's forward times) and earlier JSON without them is accepted."""
-    kinds = ["orchestrator"]
-    if not orchestrator_only:
-        if not all(has_processes(run) for row in rows for run in row["runs"]):
-            raise ValueError("these rows have no per-process CPU or step counts: re-run benchmarks.orchestrator")
-        kinds += ["verifier", "client"] + (["drafter"] if with_drafter else [])
-    fits = {kind: fit_step_cost(windows(rows, kind)) for kind in kinds}
+    if not orchestrator_only and not all(has_processes(run) for row in rows for run in row["runs"]):
+        raise ValueError("these rows have no per-process CPU or step counts: re-run benchmarks.orchestrator")
+    kinds = kinds_of(rows, with_drafter, orchestrator_only)
+    fits = {kind: fit_step_cost(windows(rows, kind), slowdown) for kind in kinds}
     zero = StepCost()
     costs = Costs(
         orchestrator=fits["orchestrator"].cost,
@@ -116,7 +170,7 @@ def fit_costs(rows: Sequence[dict], with_drafter: bool, orchestrator_only: bool 
         drafter=(fits["drafter"].cost if "drafter" in fits else zero) if with_drafter else None,
         client_per_cycle_s=fits["client"].cost.per_session_s if "client" in fits else 0.0,
     )
-    return Fitted(costs, fits)
+    return Fitted(costs, fits, slowdown)
 
 
 def workload_figures(row: dict, default_tokens: int) -> tuple[float, float]:

@@ -34,6 +34,11 @@ head node's cores. A request opens its session (a prefill in the verifier's forw
 before its first call and joins the group it lands in; the prefill's extra
 cost is in the per-cycle figures the costs are fitted from.
 
+Timing noise (`Deployment.jitter`): every step's work × a gamma draw of mean
+1 and that coefficient of variation, from a generator seeded by
+`Deployment.seed`; without it the model is deterministic and groups of
+sessions stay in lockstep.
+
 Why simpy: the model is a handful of interacting queues whose batches form
 from timing (who is queued when a server frees up), which closed forms do not
 capture; simpy gives the event calendar and process coroutines, tested and
@@ -43,6 +48,7 @@ documented, so this module holds only the model.
 from __future__ import annotations
 
 import math
+import random
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -70,6 +76,20 @@ class Costs:
     drafter: StepCost | None = None  # None: no drafter service (speculation off, ngram drafted in the orchestrator)
     client_per_cycle_s: float = 0.0  # the load generator's CPU per session-cycle (0: not modelled)
 
+    def slowed(self, factor: float) -> Costs:
+        """Every process's work × factor: the machine's processes running slower
+        beside other processes' load (benchmarks/capacity_fit.py)."""
+
+        def f(c: StepCost) -> StepCost:
+            return StepCost(c.fixed_s * factor, c.per_session_s * factor)
+
+        return Costs(
+            f(self.orchestrator),
+            f(self.verifier),
+            f(self.drafter) if self.drafter is not None else None,
+            self.client_per_cycle_s * factor,
+        )
+
 
 @dataclass(frozen=True)
 class Deployment:
@@ -86,6 +106,11 @@ class Deployment:
     # "per_session": a message per session's call and answer, which the
     # orchestrator handles one at a time (so its sessions reach a service one by one).
     transport: str = "batched"
+    # Timing noise: every step's work is drawn from a gamma distribution of
+    # mean 1 and this coefficient of variation (0: the fitted cost exactly),
+    # from a generator seeded with `seed`, so a run is reproducible.
+    jitter: float = 0.0
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,6 +177,7 @@ class Server:
             # process sees the moment (a free orchestrator sends a burst of new
             # requests' opens together).
             return
+        seconds *= self.sim.noise()
         done = self.machine.run(seconds)
         self._running = (done, seconds)
         yield done
@@ -305,7 +331,8 @@ class Orchestrator(Server):
 
 class Client(Server):
     """The load generator: reads every cycle's tokens; starts a stream's next
-    request once it has read the last one. Inbox: sessions whose cycle ended."""
+    request once it has read the last one. Inbox: (session, whether the
+    cycle was its request's last) per cycle ended."""
 
     def __init__(self, sim: Simulation, machine: Machine, per_cycle_s: float):
         super().__init__(sim, machine)
@@ -316,8 +343,8 @@ class Client(Server):
         yield from self.work(self.per_cycle_s * len(batch))
         self.steps += 1
         self.sessions += len(batch)
-        for s in batch:
-            if s.cycles_left == 0:
+        for s, last in batch:
+            if last:
                 self.sim.start_request(s)
 
 
@@ -337,6 +364,9 @@ class Simulation:
         dep = deployment
         self.env = simpy.Environment()
         self.head = Machine(self.env, dep.cores)
+        self._rng = random.Random(dep.seed)
+        if dep.jitter < 0:
+            raise ValueError(f"jitter {dep.jitter}: a coefficient of variation, not negative")
 
         def service_machine() -> Machine:
             return self.head if dep.services_on_head else Machine(self.env, 1)
@@ -379,6 +409,14 @@ class Simulation:
         self.last_cycle_at = 0.0
         self._marks: list[tuple[int, simpy.Event]] = []  # (cycles, event fired when they are reached)
 
+    def noise(self) -> float:
+        """A step's work relative to its fitted cost: 1, or with jitter a gamma
+        draw of mean 1 and coefficient of variation `jitter`."""
+        cv = self.deployment.jitter
+        if cv <= 0:
+            return 1.0
+        return self._rng.gammavariate(1 / cv**2, cv**2)
+
     # The streams' closed loop.
     def start_request(self, s: Session) -> None:
         w = self.workload
@@ -407,7 +445,9 @@ class Simulation:
         self.last_cycle_at = self.env.now
         if self.client is not None:
             for s in sessions:
-                self.client.put(s)
+                # Whether it was the request's last cycle, as of now: a client
+                # that lags a cycle behind must not read the next request's count.
+                self.client.put((s, s.cycles_left == 0))
         while self._marks and self._marks[0][0] <= self.cycles:
             self._marks.pop(0)[1].succeed()
 

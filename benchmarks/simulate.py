@@ -15,7 +15,13 @@ requests, cycles per request and streams per orchestrator), predicts the
 session-cycles per second of the rows measured with more. It prints predicted
 vs measured and the relative error against the goal (--goal, 15 %); the rows
 predicted take no part in the fit. The 1-orchestrator rows are printed too,
-marked in-sample.
+marked in-sample. Two more figures are fitted on those rows alone: the
+machine's slowdown per core of other processes' load (each window's own
+load, measured, is then modelled: those cores taken from the machine, every
+process slowed; --quiet: none) and the timing noise (every step's work ×
+a gamma draw of mean 1; the coefficient of variation that predicts the
+1-orchestrator rows best; --jitter: given), each prediction the mean of a
+fixed set of seeds.
 
 Extrapolation (default): the orchestrator's costs fitted from --results
 (--method's 1-orchestrator rows), the services' forward times given as
@@ -33,13 +39,15 @@ are checked with --transport per_session.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .capacity_fit import Fitted, fit_costs, median_rate, workload_figures
-from .capacity_sim import Costs, Deployment, SimResult, StepCost, Workload, simulate
+from .capacity_fit import Fitted, fit_costs, fit_slowdown, median_rate, others_cores, workload_figures
+from .capacity_sim import Costs, Deployment, SimResult, StepCost, Workload, bottleneck, simulate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "orchestrator.json"
 WITH_DRAFTER = {"off": False, "ngram": False, "draft_model": True}
@@ -61,7 +69,7 @@ class Prediction:
 
     @property
     def others_cores(self) -> float:
-        """Measured: the cores the machine's other processes kept busy."""
+        """Measured: the cores the machine's other processes kept busy (the row's median)."""
         return self.row.get("others_cores", 0.0)
 
     @property
@@ -69,10 +77,54 @@ class Prediction:
         return self.predicted / self.measured - 1
 
 
-def predict_row(row: dict, fitted: Fitted, meta: dict, transport: str, background: bool = False) -> SimResult:
-    """The model of one measured row, placed as the benchmark ran it.
-    background: the cores other processes kept busy during the row are taken
-    from the machine's (a shared machine; on a quiet one they are ~0)."""
+def mean_result(results: list[SimResult]) -> SimResult:
+    """Several runs' results as one: the median rate (as a row's measured
+    rate is its runs' median), the other figures averaged."""
+    n = len(results)
+    busy = {k: [sum(vs) / n for vs in zip(*(r.busy[k] for r in results))] for k in results[0].busy}
+    machine_busy = sum(r.machine_busy for r in results) / n
+    rate = statistics.median(r.session_cycles_per_s for r in results)
+    return SimResult(
+        seconds=sum(r.seconds for r in results) / n,
+        session_cycles=results[0].session_cycles,
+        session_cycles_per_s=rate,
+        tokens_per_s=statistics.median(r.tokens_per_s for r in results),
+        busy=busy,
+        machine_busy=machine_busy,
+        mean_batch={k: sum(r.mean_batch[k] for r in results) / n for k in results[0].mean_batch},
+        bottleneck=bottleneck(busy, machine_busy),
+    )
+
+
+# Timing noise (Deployment.jitter) tried by the fit, and the seeds each
+# prediction averages over (a fixed set: the check is reproducible).
+JITTERS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
+SEEDS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Noise:
+    jitter: float = 0.0  # coefficient of variation of every step's work
+    seeds: tuple[int, ...] = (0,)  # without jitter one run is all there is
+
+
+def predict_row(
+    row: dict, fitted: Fitted, meta: dict, transport: str, background: bool = True, noise: Noise = Noise()
+) -> SimResult:
+    """The model of one measured row, placed as the benchmark ran it: each of
+    its windows (runs) simulated, the median rate.
+    background: each window's other processes' load (the cores they kept
+    busy, measured) is taken from the machine's cores and slows every process
+    of the stack by the fitted slowdown (benchmarks/capacity_fit.py); without
+    it, a quiet machine."""
+    runs = row["runs"] if background else [{}]
+    return mean_result([predict_window(row, run, fitted, meta, transport, noise) for run in runs])
+
+
+def predict_window(row: dict, run: dict, fitted: Fitted, meta: dict, transport: str, noise: Noise) -> SimResult:
+    """One window of a row (`run`: its measured other processes' load; {}:
+    none), the mean over the noise's seeds."""
+    others = others_cores(run)
     cycles_per_request, tokens_per_cycle = workload_figures(row, meta.get("tokens", 64))
     n = row.get("orchestrators", 1)
     split = tuple(row.get("streams_per_orchestrator", ()))
@@ -82,29 +134,61 @@ def predict_row(row: dict, fitted: Fitted, meta: dict, transport: str, backgroun
         orchestrators=n,
         verifiers=len(row["runs"][0]["cpu"]["verifier"]),
         drafters=max(1, len(row["runs"][0]["cpu"]["drafter"])),
-        cores=max(0.25, meta["cpus"] - (row.get("others_cores", 0.0) if background else 0.0)),
+        cores=max(0.25, meta["cpus"] - others),
         services_on_head=True,
         client_on_head=True,
         max_batch=meta.get("max_batch_sessions", 32),
         wait_fraction=meta.get("batch_wait_fraction", 0.5),
         split=split,
         transport=transport,
+        jitter=noise.jitter,
     )
     workload = Workload(row["streams"], cycles_per_request, tokens_per_cycle, requests=row["runs"][0]["requests"])
-    return simulate(fitted.costs, deployment, workload)
+    costs = fitted.costs.slowed(1 + fitted.slowdown * others)
+    seeds = noise.seeds if noise.jitter > 0 else noise.seeds[:1]
+    results = [simulate(costs, dataclasses.replace(deployment, seed=seed), workload) for seed in seeds]
+    mean = mean_result(results)
+    return dataclasses.replace(mean, session_cycles_per_s=sum(r.session_cycles_per_s for r in results) / len(results))
 
 
-def check(doc: dict, transport: str, background: bool = False) -> list[Prediction]:
-    """Per method: fit on its 1-orchestrator rows, predict all its rows."""
-    out = []
+def base_rows(doc: dict) -> dict[str, tuple[list[dict], bool]]:
+    """Per method: its 1-orchestrator rows (what the model is fitted on) and whether it has a drafter."""
+    out = {}
     for method in dict.fromkeys(r["method"] for r in doc["rows"]):
-        rows = [r for r in doc["rows"] if r["method"] == method]
-        base = [r for r in rows if r.get("orchestrators", 1) == 1]
-        if not base:
-            continue
-        fitted = fit_costs(base, WITH_DRAFTER[method])
+        base = [r for r in doc["rows"] if r["method"] == method and r.get("orchestrators", 1) == 1]
+        if base:
+            out[method] = (base, WITH_DRAFTER[method])
+    return out
+
+
+def fit_noise(doc: dict, transport: str, background: bool = True) -> Noise:
+    """The timing noise (of JITTERS) whose predictions of the 1-orchestrator
+    rows (every method's; the rows the costs are fitted on, no others) are
+    closest: the smallest root mean square of log(predicted / measured)."""
+
+    def error(jitter: float) -> float:
+        noise = Noise(jitter, SEEDS)
+        logs = [
+            math.log(p.predicted / p.measured) for p in check(doc, transport, background, noise, in_sample_only=True)
+        ]
+        return math.sqrt(sum(v * v for v in logs) / len(logs))
+
+    return Noise(min(JITTERS, key=error), SEEDS)
+
+
+def check(
+    doc: dict, transport: str, background: bool = True, noise: Noise = Noise(), in_sample_only: bool = False
+) -> list[Prediction]:
+    """Per method: fit on its 1-orchestrator rows (the machine's slowdown on
+    every method's), predict all its rows (in_sample_only: those rows only)."""
+    out = []
+    groups = base_rows(doc)
+    slowdown = fit_slowdown(groups) if background else 0.0
+    for method, (base, with_drafter) in groups.items():
+        rows = base if in_sample_only else [r for r in doc["rows"] if r["method"] == method]
+        fitted = fit_costs(base, with_drafter, slowdown=slowdown)
         for row in rows:
-            res = predict_row(row, fitted, doc["meta"], transport, background)
+            res = predict_row(row, fitted, doc["meta"], transport, background, noise)
             out.append(
                 Prediction(
                     method,
@@ -120,12 +204,15 @@ def check(doc: dict, transport: str, background: bool = False) -> list[Predictio
     return out
 
 
-def print_fits(doc: dict) -> None:
-    for method in dict.fromkeys(r["method"] for r in doc["rows"]):
-        base = [r for r in doc["rows"] if r["method"] == method and r.get("orchestrators", 1) == 1]
-        if not base:
-            continue
-        for kind, fit in fit_costs(base, WITH_DRAFTER[method]).fits.items():
+def print_fits(doc: dict, background: bool = True) -> None:
+    groups = base_rows(doc)
+    slowdown = fit_slowdown(groups) if background else 0.0
+    print(
+        f"fit slowdown beside other processes' load: {slowdown:.2f} per core they kept busy "
+        "(every process's work × (1 + slowdown × cores))"
+    )
+    for method, (base, with_drafter) in groups.items():
+        for kind, fit in fit_costs(base, with_drafter, slowdown=slowdown).fits.items():
             print(
                 f"fit {method:12s} {kind:12s}: {fit.cost.fixed_s * 1e3:.3f} ms per "
                 f"{'message' if kind == 'orchestrator' else 'step'} + {fit.cost.per_session_s * 1e3:.3f} ms per "
@@ -255,19 +342,26 @@ def orchestrator_cost(path: Path, method: str, override: list[float] | None) -> 
     if override:
         return StepCost(override[0] / 1e3, override[1] / 1e3)
     doc = json.loads(path.read_text())
-    base = [r for r in doc["rows"] if r["method"] == method and r.get("orchestrators", 1) == 1]
-    if not base:
+    groups = base_rows(doc)
+    if method not in groups:
         raise SystemExit(f"{path} has no 1-orchestrator rows of method {method}")
-    return fit_costs(base, WITH_DRAFTER[method], orchestrator_only=True).costs.orchestrator
+    # A quiet head node's: the costs with the measured other processes' load taken out.
+    fitted = fit_costs(groups[method][0], WITH_DRAFTER[method], orchestrator_only=True, slowdown=fit_slowdown(groups))
+    return fitted.costs.orchestrator
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", metavar="JSON", help="fit on its 1-orchestrator rows, predict the rows with more")
     ap.add_argument(
-        "--background",
+        "--quiet",
         action="store_true",
-        help="--check: take the cores other processes kept busy (measured per row) from the machine's",
+        help="--check: model a quiet machine, ignoring the other processes' load each window measured",
+    )
+    ap.add_argument(
+        "--jitter",
+        type=float,
+        help="--check: the timing noise (coefficient of variation of every step's work) instead of the fitted one",
     )
     ap.add_argument("--goal", type=float, default=0.15, help="largest relative error allowed by --check")
     ap.add_argument("--transport", choices=["batched", "per_session"], default="batched")
@@ -310,8 +404,17 @@ def main(argv=None) -> int:
     if args.check:
         doc = json.loads(Path(args.check).read_text())
         try:
-            print_fits(doc)
-            predictions = check(doc, args.transport, args.background)
+            print_fits(doc, not args.quiet)
+            if args.jitter is None:
+                noise = fit_noise(doc, args.transport, not args.quiet)
+                how = f"fitted on the 1-orchestrator rows (of {', '.join(map(str, JITTERS))})"
+            else:
+                noise, how = Noise(args.jitter, SEEDS), "given"
+            print(
+                f"timing noise: every step's work × a gamma draw of mean 1, coefficient of variation "
+                f"{noise.jitter:g} ({how}); each prediction the mean of seeds {', '.join(map(str, noise.seeds))}"
+            )
+            predictions = check(doc, args.transport, not args.quiet, noise)
         except ValueError as e:
             raise SystemExit(f"{args.check}: {e}") from None
         return 0 if print_check(predictions, args.goal) else 1

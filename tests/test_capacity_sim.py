@@ -4,12 +4,13 @@ splits a machine's cores, and closed-loop cases whose throughput is known in
 closed form come out of the simulation exactly."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import simpy
 
-from benchmarks.capacity_fit import Window, fit_costs, fit_step_cost
-from benchmarks.capacity_sim import Costs, Deployment, StepCost, Workload, request_cycles, simulate
+from benchmarks.capacity_fit import Window, fit_costs, fit_slowdown, fit_step_cost
+from benchmarks.capacity_sim import Costs, Deployment, Simulation, StepCost, Workload, request_cycles, simulate
 from benchmarks.processor_sharing import Machine
 
 pytestmark = pytest.mark.unit
@@ -85,6 +86,51 @@ def test_fit_costs_from_benchmark_rows():
         assert got.fixed_s == pytest.approx(cost.fixed_s, rel=1e-6), kind
         assert got.per_session_s == pytest.approx(cost.per_session_s, rel=1e-6), kind
     assert fitted.costs.client_per_cycle_s == pytest.approx(0.25e-3)
+
+
+def benchmark_rows(truth: dict[str, StepCost], others: list[float], slowdown: float) -> list[dict]:
+    """Rows as benchmarks/orchestrator.py writes them (no drafter), each
+    window's CPU slowed by 1 + slowdown × its other processes' load."""
+    rows = []
+    for batch, load in zip((1.0, 2.5, 6.0, 12.0, 1.0, 6.0), others):
+        cycles, requests = 1000, 16
+        v = cycles / batch
+        f = 1 + slowdown * max(0.0, load)
+        steps = {"orchestrator": 2 * v + 4 * requests, "verifier": v}
+        cpu = {k: [f * (c.fixed_s * steps[k] + c.per_session_s * cycles)] for k, c in truth.items()}
+        cpu["client"] = f * 0.2e-3 * cycles
+        cpu["drafter"] = []
+        run = {"cycles": cycles, "requests": requests, "wall_s": 1.0, "cpu_s": cpu["orchestrator"][0]}
+        run |= {"cpu": cpu, "steps": {"verifier": [v], "drafter": []}, "others_cores": load}
+        rows.append({"runs": [run]})
+    return rows
+
+
+def test_fit_slowdown_beside_other_load():
+    """Windows measured beside other processes' load cost more CPU per
+    session-cycle; the fit finds the slowdown and the quiet machine's costs,
+    and finds none where the load made no difference. A negative load (the
+    CPU accounting's rounding) counts as none."""
+    truth = {"orchestrator": StepCost(0.3e-3, 0.2e-3), "verifier": StepCost(1.5e-3, 0.3e-3)}
+    others = [0.0, 0.4, -0.02, 0.1, 0.3, 0.0]
+    rows = benchmark_rows(truth, others, slowdown=0.5)
+    slowdown = fit_slowdown({"off": (rows, False)})
+    assert slowdown == pytest.approx(0.5)
+    fitted = fit_costs(rows, with_drafter=False, slowdown=slowdown)
+    for kind, cost in truth.items():
+        assert getattr(fitted.costs, kind).fixed_s == pytest.approx(cost.fixed_s, rel=1e-6), kind
+        assert getattr(fitted.costs, kind).per_session_s == pytest.approx(cost.per_session_s, rel=1e-6), kind
+    # Without the slowdown the costs come out off and the residuals large.
+    plain = fit_costs(rows, with_drafter=False)
+    assert plain.fits["verifier"].rms_rel > 0.05
+    assert fit_slowdown({"off": (benchmark_rows(truth, others, slowdown=0.0), False)}) == 0.0
+    assert fit_slowdown({"off": (benchmark_rows(truth, [0.0] * 6, slowdown=0.0), False)}) == 0.0
+
+
+def test_costs_slowed():
+    costs = Costs(StepCost(1, 2), StepCost(3, 4), StepCost(5, 6), 7)
+    assert costs.slowed(1.5) == Costs(StepCost(1.5, 3), StepCost(4.5, 6), StepCost(7.5, 9), 10.5)
+    assert Costs(StepCost(1, 2), StepCost(3, 4)).slowed(2).drafter is None
 
 
 @pytest.mark.parametrize("streams", [1, 8, 64])
@@ -282,3 +328,44 @@ def test_gather_window_waits_only_for_admitted_sessions():
         for w in (0.0, 0.5)
     ]
     assert rates[1] == pytest.approx(rates[0], rel=1e-9)
+
+
+def test_jitter_draws_have_mean_one_and_the_given_variation():
+    """Every step's work × a gamma draw of mean 1 and coefficient of variation
+    `jitter`, from the deployment's seed: the same seed, the same draws."""
+    costs = Costs(orchestrator=StepCost(), verifier=StepCost(1e-3, 0))
+    for cv in (0.25, 1.0):
+        sim = Simulation(costs, isolated(jitter=cv, seed=3), Workload(1, ENDLESS, 1.0))
+        draws = [sim.noise() for _ in range(40000)]
+        mean = sum(draws) / len(draws)
+        sd = math.sqrt(sum((d - mean) ** 2 for d in draws) / len(draws))
+        assert mean == pytest.approx(1.0, abs=0.02)
+        assert sd / mean == pytest.approx(cv, rel=0.05)
+        again = Simulation(costs, isolated(jitter=cv, seed=3), Workload(1, ENDLESS, 1.0))
+        assert [again.noise() for _ in range(5)] == draws[:5]
+    assert Simulation(costs, isolated(), Workload(1, ENDLESS, 1.0)).noise() == 1.0
+    with pytest.raises(ValueError):
+        Simulation(costs, isolated(jitter=-0.1), Workload(1, ENDLESS, 1.0))
+
+
+def test_jitter_keeps_a_serial_loop_s_mean_and_splits_lockstep_groups():
+    """One stream: its steps run one after another, so noise of mean 1 leaves
+    the rate as it was (within the noise of a few thousand draws), also with
+    the load generator lagging behind at times (it must start each request
+    once, or the gather window waits for a session that never calls). Two
+    orchestrators' groups with no gather window: the deterministic model
+    keeps them in step, each orchestrator's answer reaching the verifier at
+    the same moment; with noisy step times one is back first and the
+    verifier starts without the other, so its batches shrink."""
+    costs = Costs(StepCost(0.3e-3, 0.2e-3), StepCost(1.5e-3, 0.3e-3), client_per_cycle_s=0.2e-3)
+    dep = Deployment(orchestrators=1, cores=2, max_batch=32, wait_fraction=0.5)
+    work = Workload(1, 63, 1.0, requests=64)
+    exact = simulate(costs, dep, work).session_cycles_per_s
+    for cv in (0.5, 1.0, 1.5):
+        noisy = [simulate(costs, replace(dep, jitter=cv, seed=s), work).session_cycles_per_s for s in range(3)]
+        assert sum(noisy) / 3 == pytest.approx(exact, rel=0.03), cv
+    costs = Costs(orchestrator=StepCost(0.0, 0.1e-3), verifier=StepCost(2e-3, 0.1e-3))
+    lock = simulate(costs, isolated(orchestrators=2, max_batch=100), Workload(16, ENDLESS, 1.0))
+    assert lock.mean_batch["verifier"] == pytest.approx(16)
+    noisy = simulate(costs, isolated(orchestrators=2, max_batch=100, jitter=1.0), Workload(16, ENDLESS, 1.0))
+    assert noisy.mean_batch["verifier"] < 12
