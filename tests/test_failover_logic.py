@@ -16,7 +16,6 @@ from specd.orchestrator.detok import OutputTracker
 from specd.orchestrator.failover import FailoverDrafter, FailoverVerifier, is_lost, reseeded
 from specd.orchestrator.loop import Draft, Verdict, run_generation
 from specd.orchestrator.pool import Pool, ReplicaSpec
-from specd.orchestrator.ports import Started
 from specd.orchestrator.request import GenerationSpec
 from specd.rules.draft_shape import DraftShape
 from specd.rules.sampling import SamplingParams
@@ -279,49 +278,3 @@ def test_reseeded_is_a_fixed_fresh_seed_per_length():
     assert len(seeds) == 100 and all(0 <= s < 2**63 for s in seeds) and p.seed not in seeds
     assert reseeded(p, 7) == reseeded(p, 7)
     assert is_lost(Dead()) and not is_lost(ServiceError(grpc.StatusCode.INTERNAL, "x"))
-
-
-class StartingDrafter(FakeDrafter):
-    """A drafter with start_propose (the path the loop's prefetch takes with
-    the grpc client): the call is made at once and its error, if any, comes
-    when the answer is awaited, as over a stream."""
-
-    started = 0
-
-    def start_propose(self, session_id, accepted_path, committed, shape, **kw):
-        self.started += 1
-        return Started(self.propose(session_id, accepted_path, committed, shape, **kw), lambda: None)
-
-
-class FullStarting(StartingDrafter):
-    async def propose(self, session_id, accepted_path, committed, shape, **kw):
-        if self.calls >= 3:
-            self._call("refused")
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "drafter KV budget full: ...")
-        return await super().propose(session_id, accepted_path, committed, shape, **kw)
-
-
-def test_started_proposals_are_the_truth_and_used():
-    d = StartingDrafter(PROMPT)
-    ids, _, _ = run([FakeVerifier()], [d])
-    assert ids == truth(PROMPT, 40)[len(PROMPT):]
-    # All but the first proposal were started ahead (the first follows the open).
-    assert d.started == len([c for c in d.log if c[0] == "propose"]) - 1 > 5
-
-
-def test_started_proposal_on_a_lost_drafter_moves_to_another():
-    d0, d1 = StartingDrafter(PROMPT, die_at=5), StartingDrafter(PROMPT)
-    ids, _, dpool = run([FakeVerifier()], [d0, d1])
-    assert ids == truth(PROMPT, 40)[len(PROMPT):]
-    assert dpool.replicas["drafter-0"].lost and d0.started >= 1
-    # Rebuilt: the first proposal there is a plain one from the last token, then started ones.
-    assert d1.log[0] == "open" and d1.log[1][1] == () and len(d1.log[1][2]) == 1
-    assert d1.started > 3
-
-
-def test_started_proposal_refused_continues_as_plain_decoding():
-    d, v = FullStarting(PROMPT), FakeVerifier()
-    ids, _, dpool = run([v], [d])
-    assert ids == truth(PROMPT, 40)[len(PROMPT):]
-    assert d.log.count("refused") == 1 and "close" in d.log and not dpool.replicas["drafter-0"].lost
-    assert d.active == 0 and v.log.count("verify") > 20

@@ -142,36 +142,3 @@ def test_calls_made_in_one_loop_turn_leave_as_one_step():
 
     asyncio.run(main())
     assert [len(step.requests) for step in sent] == [8, 1, 3]
-
-
-def test_submitted_calls_join_the_turns_step_and_forgotten_ones_leave_nothing():
-    """StreamMux.submit (the prefetch's path): a call submitted without a task
-    joins the step of the turn's awaited calls; one forgotten (its stream
-    ended) drops its answer, leaves no pending entry and no timer."""
-    import asyncio
-
-    from specd.orchestrator.clients import StreamMux
-
-    sent: list = []
-
-    async def main():
-        def open_stream(requests):
-            async def responses():
-                async for step in requests:
-                    sent.append(step)
-                    yield pb.ProposeStepResponse(responses=[
-                        pb.ProposeResponse(request_id=r.request_id, draft_token_ids=[len(r.session_id)])
-                        for r in step.requests])
-            return responses()
-
-        mux = StreamMux(open_stream, pb.ProposeStep)
-        kept = mux.submit(pb.ProposeRequest(session_id="kk"), 5.0)
-        dropped = mux.submit(pb.ProposeRequest(session_id="ddd"), 5.0)
-        mux.forget(dropped)
-        assert list((await mux.call(pb.ProposeRequest(session_id="a"), 5.0)).draft_token_ids) == [1]
-        assert list((await mux.wait(kept)).draft_token_ids) == [2]
-        assert mux._pending == {} and kept.message.left == 0 and kept.message.expiry.cancelled()
-        mux.close()
-
-    asyncio.run(main())
-    assert [[r.session_id for r in step.requests] for step in sent] == [["kk", "ddd", "a"]]

@@ -41,7 +41,6 @@ from specd.net.wire import (
 from specd.telemetry import tracing
 from specd.telemetry.probe import mark
 
-from .ports import Started
 from .records import Draft, Verdict
 
 
@@ -77,11 +76,6 @@ class StreamMux:
         self.on_send: Callable[[int], None] | None = None  # each message's number of calls (a metric)
 
     async def call(self, request, timeout: float):
-        return await self.wait(self.submit(request, timeout))
-
-    def submit(self, request, timeout: float) -> _Call:
-        """The call on its way (in this turn's step): `wait` for its answer,
-        or `forget` it if that will never be awaited."""
         queue = self._queue if self._queue is not None else self._start()
         loop = asyncio.get_running_loop()
         request.request_id = next(self._ids)
@@ -101,29 +95,17 @@ class StreamMux:
             message.requests.append(request)
             message.futures.append(future)
             message.left += 1
-        return _Call(request.request_id, future, message)
-
-    async def wait(self, call: _Call):
         try:
-            response = await call.future
+            response = await future
             mark("woken")
         finally:
-            self._settle(call)
+            message.left -= 1
+            if not message.left and message.expiry is not None:
+                message.expiry.cancel()
+            self._pending.pop(request.request_id, None)
         if response.HasField("error"):
             raise ServiceError(_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN), response.error.message)
         return response
-
-    def forget(self, call: _Call) -> None:
-        """A submitted call whose answer nobody will await (its stream ended)."""
-        call.future.cancel()
-        self._settle(call)
-
-    def _settle(self, call: _Call) -> None:
-        message = call.message
-        message.left -= 1
-        if not message.left and message.expiry is not None:
-            message.expiry.cancel()
-        self._pending.pop(call.request_id, None)
 
     def _send(self, queue: asyncio.Queue, message: _Message, step_cls, timeout: float) -> None:
         """A message on its way, one timer for all its calls. (Had the stream
@@ -174,13 +156,6 @@ class StreamMux:
         if self._queue is not None:
             self._queue.put_nowait(None)
             self._queue = None
-
-
-class _Call:
-    __slots__ = ("request_id", "future", "message")
-
-    def __init__(self, request_id: int, future: asyncio.Future, message: _Message) -> None:
-        self.request_id, self.future, self.message = request_id, future, message
 
 
 class _Message:
@@ -332,66 +307,48 @@ class GrpcDrafter(_Client):
             "OpenSession",
         )
 
-    async def propose(self, session_id, accepted_path, committed, shape, **kw) -> Draft:
-        """kw: ahead, rewind, hidden, alternatives, branch, forced_room (ProposeRequest's)."""
+    async def propose(
+        self,
+        session_id,
+        accepted_path,
+        committed,
+        shape,
+        *,
+        ahead=False,
+        rewind=False,
+        hidden=None,
+        alternatives=0,
+        branch=0,
+        forced_room=0,
+    ) -> Draft:
         r = await self._stream(
-            _propose_request(session_id, accepted_path, committed, shape, **kw), "specdec.draft", "ProposeSteps"
+            pb.ProposeRequest(
+                session_id=session_id,
+                accepted_path=accepted_path,
+                committed_token_ids=committed,
+                shape=shape_to_proto(shape),
+                ahead=ahead,
+                rewind=rewind,
+                hidden_states=hidden_to_proto(hidden),
+                ahead_alternatives=alternatives,
+                ahead_branch=branch,
+                forced_room=forced_room,
+            ),
+            "specdec.draft",
+            "ProposeSteps",
         )
-        return _draft_of(r)
-
-    def start_propose(self, session_id, accepted_path, committed, shape, **kw) -> Started | None:
-        """The Propose sent now, in this turn's step, with no task of its own
-        (a task and a turn of the loop cost more than the rest of the call);
-        None with tracing on, where the call's span wants it awaited as a whole."""
-        if tracing.ENABLED:
-            return None
-        call = self.mux.submit(_propose_request(session_id, accepted_path, committed, shape, **kw), self.timeout)
-        return Started(self._answer(call), lambda: self.mux.forget(call))
-
-    async def _answer(self, call: _Call) -> Draft:
-        return _draft_of(await self.mux.wait(call))
-
-
-def _propose_request(
-    session_id,
-    accepted_path,
-    committed,
-    shape,
-    *,
-    ahead=False,
-    rewind=False,
-    hidden=None,
-    alternatives=0,
-    branch=0,
-    forced_room=0,
-) -> pb.ProposeRequest:
-    return pb.ProposeRequest(
-        session_id=session_id,
-        accepted_path=accepted_path,
-        committed_token_ids=committed,
-        shape=shape_to_proto(shape),
-        ahead=ahead,
-        rewind=rewind,
-        hidden_states=hidden_to_proto(hidden),
-        ahead_alternatives=alternatives,
-        ahead_branch=branch,
-        forced_room=forced_room,
-    )
-
-
-def _draft_of(r: pb.ProposeResponse) -> Draft:
-    return Draft(
-        list(r.draft_token_ids),
-        list(r.draft_parents),
-        dists_from_proto(r.draft_distributions),
-        r.compute_ms,
-        r.batch_tokens,
-        r.guessed_token_id if r.HasField("guessed_token_id") else None,
-        branches=[(b.kept, b.token_id, _chain(b)) for b in r.branches],
-        confidences=list(r.draft_confidences),
-        pruned=r.confidence_pruned,
-        forced_nodes=list(r.forced_nodes),
-    )
+        return Draft(
+            list(r.draft_token_ids),
+            list(r.draft_parents),
+            dists_from_proto(r.draft_distributions),
+            r.compute_ms,
+            r.batch_tokens,
+            r.guessed_token_id if r.HasField("guessed_token_id") else None,
+            branches=[(b.kept, b.token_id, _chain(b)) for b in r.branches],
+            confidences=list(r.draft_confidences),
+            pruned=r.confidence_pruned,
+            forced_nodes=list(r.forced_nodes),
+        )
 
 
 def _chain(b: pb.AheadBranch) -> Draft:

@@ -27,7 +27,7 @@ import time
 from specd.rules.draft_shape import DraftShape
 
 from .depth import DraftShaper, draft_budget
-from .ports import DrafterClient, Started
+from .ports import DrafterClient
 from .records import Draft, Verdict
 from .session import CycleState, after_ahead
 
@@ -61,14 +61,6 @@ def branch_draft(ahead: Draft, index: int) -> Draft:
 
 async def _no_draft() -> Draft:
     return Draft()
-
-
-async def _timed(started: Started, start: float, min_confidence: float) -> Draft:
-    """timed_propose's notes, for a call started already."""
-    draft = await started
-    draft.call_ms = (time.perf_counter() - start) * 1e3
-    draft.min_confidence = min_confidence
-    return draft
 
 
 async def timed_propose(
@@ -125,17 +117,13 @@ class PlainDrafting(Drafting):
         return await self._propose(state, remaining)
 
     async def prefetch(self, state: CycleState, remaining: int) -> None:
-        self._next = self._propose(state, remaining, start=True)
-        if not isinstance(self._next, Started):
-            self._next = asyncio.ensure_future(self._next)
-            # One turn of the loop: the call's task runs up to its message's
-            # write, so the Propose leaves now rather than after the consumer's.
-            await asyncio.sleep(0)
+        self._next = asyncio.ensure_future(self._propose(state, remaining))
+        # One turn of the loop: the call's task runs up to its message's write,
+        # so the Propose leaves now rather than after the consumer's write.
+        await asyncio.sleep(0)
 
-    def _propose(self, state: CycleState, remaining: int, start: bool = False):
-        """The Propose for the state as it is now: a coroutine (the call leaves
-        when awaited) or, start=True and the drafter can (`start_propose`), a
-        call already on its way (Started)."""
+    def _propose(self, state: CycleState, remaining: int):
+        """The Propose for the state as it is now (the call leaves when awaited)."""
         shape = self.shaper.next(state.committed, remaining)
         if shape is None:
             return _no_draft()
@@ -146,20 +134,14 @@ class PlainDrafting(Drafting):
             budget = draft_budget(self.forced_room, remaining, state.committed, s.target_ctx, s.drafter_ctx)
             if budget > shape.depth:
                 more["forced_room"] = budget - shape.depth
-        begin = getattr(self.drafter, "start_propose", None) if start else None
-        started = begin(*args, **more) if begin is not None else None
-        if started is not None:
-            propose = Started(_timed(started, time.perf_counter(), shape.min_confidence), started.cancel)
-        else:
-            propose = timed_propose(self.drafter, *args, **more)
+        propose = timed_propose(self.drafter, *args, **more)
         state.heard()  # the call carries all of it
         return propose
 
     async def drop(self) -> None:
         if self._next is not None:  # the stream ended after a verdict
             self._next.cancel()
-            if not isinstance(self._next, Started):
-                await asyncio.gather(self._next, return_exceptions=True)
+            await asyncio.gather(self._next, return_exceptions=True)
             self._next = None
 
 

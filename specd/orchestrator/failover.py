@@ -54,7 +54,6 @@ from specd.errors import CapacityExceeded
 
 from .clients import ServiceError
 from .pool import Pool, Replica
-from .ports import Started
 from .records import Draft, Verdict
 
 log = logging.getLogger(__name__)
@@ -290,30 +289,6 @@ class FailoverDrafter:
                 continue
             self.fresh = False
             return draft
-
-    def start_propose(self, session_id: str, accepted_path: list[int], committed: list[int], shape, **kw):
-        """propose's call sent now (Started), on a session that is open here
-        and past its first proposal; None otherwise (then `propose`)."""
-        if not self.opened or self.fresh:
-            return None
-        start = getattr(self.lease.client, "start_propose", None)
-        started = start(session_id, accepted_path, committed, shape, **kw) if start is not None else None
-        if started is None:
-            return None
-        return Started(self._answer(started, session_id, accepted_path, committed, shape, kw), started.cancel)
-
-    async def _answer(self, started: Started, session_id: str, accepted_path, committed, shape, kw) -> Draft:
-        """A started call's draft; what propose does when its call fails."""
-        try:
-            return await started
-        except ServiceError as exc:
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self._give_up(session_id, exc)
-                return Draft()
-            if not is_lost(exc):
-                raise
-            self._lose(session_id, exc)
-        return await self.propose(session_id, accepted_path, committed, shape, **kw)
 
     async def close(self, session_id: str) -> None:
         # Also when the open was cut short (the client left during it): the

@@ -14,7 +14,6 @@ from specd.rules.ngram import NgramIndex
 from specd.runtime.features import HiddenStates
 from specd.telemetry import tracing
 
-from .ports import Started
 from .records import Draft
 
 
@@ -45,13 +44,6 @@ class NgramDrafter:
         # draft_model chains only; never hidden: features are eagle's. Never
         # forced_room: the loop cuts and extends an n-gram draft itself
         # (specd/orchestrator/structured.py).
-        return self._draft(session_id, committed, shape)
-
-    def start_propose(self, session_id: str, accepted_path: list[int], committed: list[int], shape, **kw) -> Started:
-        """The draft made now (it is local): no task and no turn of the loop for it."""
-        return Started(_ready(self._draft(session_id, committed, shape)), _nothing)
-
-    def _draft(self, session_id: str, committed: list[int], shape) -> Draft:
         start = time.perf_counter()
         index = self.contexts[session_id]
         index.extend(committed)
@@ -66,11 +58,3 @@ class NgramDrafter:
 
     async def aclose(self) -> None:
         self.contexts.clear()
-
-
-async def _ready(draft: Draft) -> Draft:
-    return draft
-
-
-def _nothing() -> None:
-    pass

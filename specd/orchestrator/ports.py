@@ -6,30 +6,12 @@ default). The loop never imports grpc or OpenTelemetry."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from specd.rules.draft_shape import DraftShape
 from specd.runtime.features import HiddenStates
 
 from .records import CycleRecord, Draft, Verdict
-
-
-class Started:
-    """A call already sent: awaiting it gives its result; `cancel` when it
-    will never be awaited (the call is forgotten, its answer dropped)."""
-
-    __slots__ = ("_result", "_cancel")
-
-    def __init__(self, result: Coroutine, cancel: Callable[[], None]) -> None:
-        self._result, self._cancel = result, cancel
-
-    def __await__(self):
-        return self._result.__await__()
-
-    def cancel(self) -> None:
-        self._result.close()
-        self._cancel()
 
 
 class VerifierClient(Protocol):
@@ -59,9 +41,6 @@ class DrafterClient(Protocol):
         forced_room: int = 0,
     ) -> Draft: ...
     async def close(self, session_id: str) -> None: ...
-
-    # Optional: start_propose(same arguments) -> Started | None, the call sent
-    # now without a task of its own (the loop's prefetch uses it; None: propose).
 
 
 class NoTrace:
