@@ -60,18 +60,26 @@ def test_greedy_equals_target_only(family, pairs, stacks):
 def test_concurrent_streams_share_the_replicas_exactly(pairs, stacks):
     """8 Generate streams at once (different prompts and K) multiplex over the same
     Propose/Verify streams; each still equals its target-only output."""
+    concurrent_streams_equal_target_only(
+        pairs, stacks, "qwen2", 8, lambda i: {"num_speculative_tokens": 1 + i % 5}, "concurrent stream")
+
+
+def concurrent_streams_equal_target_only(pairs, stacks, family, n, fields, label):
+    """n Generate streams at once on the family's stack, stream i with
+    fields(i); each equals its prompt's target-only greedy output. Returns
+    each stream's (ids, last response)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    target_dir, _ = pairs["qwen2"]
+    target_dir, _ = pairs[family]
     model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
-    ps = prompts(tok, 8)
+    ps = prompts(tok, n)
     wants = [reference(model, p) for p in ps]
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda i: stacks["qwen2"].generate(
-            prompt_token_ids={"ids": ps[i]}, max_new_tokens=MAX_NEW, num_speculative_tokens=1 + i % 5),
-            range(8)))
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda i: stacks[family].generate(
+            prompt_token_ids={"ids": ps[i]}, max_new_tokens=MAX_NEW, **fields(i)), range(n)))
     for i, ((got, _), (want, gaps)) in enumerate(zip(results, wants)):
-        assert_same_or_near_tie(got, want, gaps, f"concurrent stream {i}")
+        assert_same_or_near_tie(got, want, gaps, f"{label} {i} {fields(i)}")
+    return results
 
 
 # What each of 32 concurrent streams asks for: every way a session drafts.
@@ -92,17 +100,9 @@ def test_32_mixed_streams_advancing_in_steps_equal_target_only(pairs, stacks):
     decoding, chains, adaptive depth, n-grams, static and dynamic trees and
     pipelined drafting: their calls ride in shared per-step messages, and each
     output still equals its target-only greedy output."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    target_dir, _ = pairs["llama"]
-    model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
-    ps = prompts(tok, 32)
-    wants = [reference(model, p) for p in ps]
-    with ThreadPoolExecutor(32) as pool:
-        results = list(pool.map(lambda i: stacks["llama"].generate(
-            prompt_token_ids={"ids": ps[i]}, max_new_tokens=MAX_NEW, **MIXED[i % len(MIXED)]), range(32)))
-    for i, ((got, last), (want, gaps)) in enumerate(zip(results, wants)):
-        assert_same_or_near_tie(got, want, gaps, f"stream {i} {MIXED[i % len(MIXED)]}")
+    results = concurrent_streams_equal_target_only(
+        pairs, stacks, "llama", 32, lambda i: MIXED[i % len(MIXED)], "stream")
+    for i, (_, last) in enumerate(results):
         assert last.stats.method == MIXED[i % len(MIXED)].get("speculative_method", "draft_model")
     assert sum(last.stats.accepted_tokens for _, last in results) > 0
 
