@@ -97,7 +97,7 @@ async def forwards(steps, step_s: float, open_sessions):
                         if not arrived.empty()
                         else await asyncio.wait_for(arrived.get(), deadline - loop.time())
                     )
-                except (TimeoutError, ValueError):
+                except TimeoutError:
                     break
                 if more is None:
                     ended = True
