@@ -58,7 +58,7 @@ import grpc
 from specd.api.v1 import specdec_pb2 as pb
 from specd.api.v1 import specdec_pb2_grpc as pb_grpc
 
-from .orchestrator import METHODS, drive, run, tiny_pair
+from .orchestrator import METHODS, drive, generate, run, tiny_pair
 from .ratios import paired_ratio, rotated
 from .speedup import RESULTS
 from .stack_probe import cpu_seconds
@@ -199,15 +199,17 @@ class Steps:
         return responses[index]
 
     def _flush(self) -> None:
-        self.sent.put_nowait(self.future)
-        self.queue.put_nowait(self.step_cls(requests=self.parts))
+        self._send(self.parts, self.future)
         self.parts = self.future = None
+
+    def _send(self, requests: list, future: asyncio.Future) -> None:
+        self.sent.put_nowait(future)
+        self.queue.put_nowait(self.step_cls(requests=requests))
 
     async def step(self, requests: list) -> list:
         """One step message of these parts; its replies, in order."""
         future = asyncio.get_running_loop().create_future()
-        self.sent.put_nowait(future)
-        self.queue.put_nowait(self.step_cls(requests=requests))
+        self._send(requests, future)
         return await future
 
 
@@ -371,8 +373,8 @@ class Floor:
         left, cycles, batched = iter(range(requests)), [], []
 
         def stream(stub) -> None:
-            for _ in left:
-                *_, last = stub.Generate(pb.GenerateRequest(max_new_tokens=tokens, speculative_method=method))
+            for n in left:
+                last = generate(stub, {"speculative_method": method}, n, tokens)
                 assert last.finish_reason == "length" and last.stats.cycles == tokens - 1, "a floor stream ended early"
                 cycles.append(last.stats.cycles)
                 batched.append(int(last.text))
