@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from specd.ops.local_stack import Stack
-from specd.runtime.models import Runner, load_model, load_tokenizer
+from specd.local_stack import Stack
+from specd_core.runtime.models import Runner, load_model, load_tokenizer
 
 from . import synthetic
 from .load import merge_rounds, ratio_interval, run_level

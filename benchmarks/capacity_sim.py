@@ -7,7 +7,7 @@ up and works on it as ONE step, whose work is `fixed + per_session × sessions`:
 - a verifier or drafter replica runs one forward per step over the calls
   queued (at most `max_batch`), after waiting for the other active sessions'
   calls at most `wait_fraction` of its last step's time: the services'
-  batcher and its gather window (specd/runtime/batcher.py); it answers with
+  batcher and its gather window (specd_core/runtime/batcher.py); it answers with
   one message per orchestrator whose sessions were in the step;
 - a new request opens its session with a unary OpenSession per replica: the
   verifier's prefill joins its next forward, the drafter answers at once; the
@@ -208,7 +208,7 @@ class Service(Server):
     def step(self):
         dep = self.sim.deployment
         if dep.wait_fraction > 0 and dep.max_batch > 1:
-            # The gather window (specd/runtime/batcher.py `_gather`): wait while
+            # The gather window (specd_core/runtime/batcher.py `_gather`): wait while
             # fewer sessions are queued than are open here and calling (a new
             # session's open is queued but not yet one of them), at most
             # wait_fraction of the last forward's run time.

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.net.wire import hidden_from_proto, hidden_to_proto
-from specd.ops.local_stack import Stack
-from specd.runtime.features import HiddenStates
-from specd.runtime.models import load_tokenizer
+from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.net.wire import hidden_from_proto, hidden_to_proto
+from specd_core.runtime.features import HiddenStates
+from specd_core.runtime.models import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks/results"
@@ -71,7 +71,7 @@ def drafter_agreement(target_dir: Path, drafter_dir: Path, seq_len: int = 256) -
     """Teacher-forced top-1 agreement of the draft model with the target on the
     windows training/eagle.py evaluates the head on (a token-only drafter's
     agreement is the same at every draft level when tokens are teacher-forced)."""
-    from specd.runtime.models import load_model
+    from specd_core.runtime.models import load_model
     from training.eagle import heldout_ids, heldout_windows
 
     w = heldout_windows(heldout_ids(load_tokenizer(str(target_dir))), seq_len)

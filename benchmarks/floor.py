@@ -55,8 +55,8 @@ from pathlib import Path
 
 import grpc
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 
 from .orchestrator import METHODS, drive, generate, run, tiny_pair
 from .ratios import paired_ratio, rotated
@@ -73,7 +73,7 @@ TOKEN = 7  # the stand-in verifier's committed token (draft rejected)
 
 async def forwards(steps, step_s: float, open_sessions):
     """The steps a real service batches into one forward: what arrived while
-    the last forward ran, then (as specd/runtime/batcher.py gathers) the
+    the last forward ran, then (as specd_core/runtime/batcher.py gathers) the
     parts of the other open sessions for up to half a forward's time; each
     batch answered after step_s asleep (a forward's time without its CPU)."""
     loop = asyncio.get_running_loop()

@@ -8,7 +8,7 @@ Llama-3.1-8B target and a Llama-3.2-1B drafter (shapes only: random weights).
    K = 4) and sessions per forward (1, 8, 32), each session holding
    --context tokens: the lean engine's forward_batch timed in-process.
 2. Draft ms per level (one row per session) by sessions, the same way.
-3. Through the real services (specd.ops.local_stack): tokens/s with
+3. Through the real services (specd.local_stack): tokens/s with
    speculation off and with K = 4 at 1, 8 and 32 concurrent streams, in
    alternating rounds (the ratio's interval comes from them,
    benchmarks.load.ratio_interval), and the per-cycle overhead (wall time
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from specd.ops.local_stack import Stack
-from specd.runtime.models import Runner, load_model, load_tokenizer
+from specd.local_stack import Stack
+from specd_core.runtime.models import Runner, load_model, load_tokenizer
 
 from . import synthetic
 from .load import merge_rounds, ratio_interval, run_level

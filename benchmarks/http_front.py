@@ -32,10 +32,10 @@ from pathlib import Path
 import grpc
 import torch
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops.local_stack import Stack
-from specd.runtime.models import load_tokenizer
+from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.runtime.models import load_tokenizer
 
 from .load import log_ratio_interval
 from .speedup import RESULTS, add_pair_args, cost_scaled_target

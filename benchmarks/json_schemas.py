@@ -243,8 +243,8 @@ SCHEMAS: list[SchemaPrompt] = [
 def check_all(tokenizer=None) -> None:
     """Compile every schema as the services would (InvalidRequest if llguidance
     refuses or would ignore a keyword); with a tokenizer, against it too."""
-    from specd.rules.structured import OutputConstraint
-    from specd.runtime.grammar import compile_constraint
+    from specd_core.rules.structured import OutputConstraint
+    from specd_core.runtime.grammar import compile_constraint
 
     tok = None
     if tokenizer is not None:

@@ -31,11 +31,11 @@ from pathlib import Path
 import grpc
 import torch
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops import bench
-from specd.ops.local_stack import Stack
-from specd.runtime.models import load_tokenizer
+from specd import bench
+from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.runtime.models import load_tokenizer
 
 from .speedup import RESULTS, add_pair_args, cost_scaled_target, pct
 
@@ -58,7 +58,7 @@ def run_level(address: str, prompts, fields: dict, n: int, max_new: int, seconds
     draining to fewer streams) are not what is measured. Time to first token:
     the streams that started in the window; inter-token latency: the gaps in
     it (a message of k tokens counts as k gaps of its wait / k). The loop and
-    the latency figures are `specd bench`'s (specd/ops/bench.py)."""
+    the latency figures are `specd bench`'s (specd/bench.py)."""
     requests = [pb.GenerateRequest(prompt_token_ids=pb.PromptTokenIds(ids=p), max_new_tokens=max_new, **fields)
                 for p in prompts]
     channels = [grpc.insecure_channel(address) for _ in range(n)]   # one connection per worker, as clients have

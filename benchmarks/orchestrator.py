@@ -59,10 +59,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops.local_stack import Stack
-from specd.verifier.config import VerifierConfig
+from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from verifier_svc.config import VerifierConfig
 
 from .speedup import CACHE, RESULTS
 from .stack_probe import KINDS, StackProbe, cpu_seconds

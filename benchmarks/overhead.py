@@ -5,7 +5,7 @@ three services, step by step (docs/overhead.md).
     python -m benchmarks.overhead --quick          # a smoke run
     python -m benchmarks.overhead --floor          # also the transport's own floor
 
-The services run with SPECD_PROBE_DIR set (specd/telemetry/probe.py): each
+The services run with SPECD_PROBE_DIR set (specd_core/telemetry/probe.py): each
 process appends timestamped events (a message read, queued for a forward, the
 forward, answered, sent; the orchestrator's sends, receipts and verdicts) to
 its own file, on the one monotonic clock all processes share. A cycle runs from
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from specd.ops.local_stack import Stack
-from specd.runtime.models import load_tokenizer
+from specd.local_stack import Stack
+from specd_core.runtime.models import load_tokenizer
 
 from .speedup import RESULTS, ROOT
 
@@ -152,8 +152,8 @@ def _floor_server(port_out, gap_s: float) -> None:
 
     import grpc
 
-    from specd.api.v1 import specdec_pb2 as pb
-    from specd.net.grpc_util import concurrent_stream, prefer_latency
+    from specd_core.api.v1 import specdec_pb2 as pb
+    from specd_core.net.grpc_util import concurrent_stream, prefer_latency
 
     prefer_latency()
     pool = futures.ThreadPoolExecutor(1)
@@ -186,7 +186,7 @@ def transport_floor(gap_ms: float, messages: int = 400) -> float:
 
     import grpc
 
-    from specd.api.v1 import specdec_pb2 as pb
+    from specd_core.api.v1 import specdec_pb2 as pb
 
     ctx = multiprocessing.get_context("spawn")
     ports = ctx.Queue()

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from specd.ops.local_stack import Stack
-from specd.runtime.models import load_tokenizer
+from specd.local_stack import Stack
+from specd_core.runtime.models import load_tokenizer
 
 from .speedup import RESULTS, add_pair_args, cost_scaled_target
 

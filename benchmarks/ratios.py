@@ -3,7 +3,7 @@
 A ratio between two systems is only a result when both ran side by side: each
 round runs every system once, in an order rotated each round, and each ratio
 is the geometric mean of its per-round ratios with a rough 95 % interval from
-their spread (`specd.ops.bench.log_ratio_interval`, also benchmarks/load.py's
+their spread (`specd.bench.log_ratio_interval`, also benchmarks/load.py's
 `ratio_interval`). A drift of the machine that a round's systems share cancels
 in the per-round ratio; the interval says how much noise is left.
 
@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Sequence
 from typing import TypeVar
 
-from specd.ops.bench import log_ratio_interval
+from specd.bench import log_ratio_interval
 
 T = TypeVar("T")
 

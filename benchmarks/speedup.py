@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from specd.ops.bench import percentile
-from specd.ops.local_stack import Stack
-from specd.runtime.models import load_model, load_tokenizer
+from specd.bench import percentile
+from specd.local_stack import Stack
+from specd_core.runtime.models import load_model, load_tokenizer
 
 from .costs import expected_tokens_per_cycle, predicted_speedup
 from .otlp import UNTRACED_ENV, OtlpSink

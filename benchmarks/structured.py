@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.ops.local_stack import Stack
+from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
 
 from .json_schemas import SCHEMAS, SchemaPrompt
 from .otlp import UNTRACED_ENV

@@ -4,7 +4,7 @@
 Two stacks of the same pair are up the whole time: one untraced, one tracing
 every request (OTEL_TRACES_SAMPLER=always_on) to a real OTLP/gRPC receiver in
 this process (benchmarks/otlp.py). Per level of concurrency (n streams in
-flight, `specd bench`'s closed loop, specd/ops/bench.py `run_streams`), each
+flight, `specd bench`'s closed loop, specd/bench.py `run_streams`), each
 round drives each stack once with the same requests, only one at a time, in an
 order rotated each round. The result is traced / untraced tokens/s as the
 geometric mean of the per-round ratios with its interval (benchmarks/ratios.py).
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import grpc
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops import bench
-from specd.ops.local_stack import Stack
+from specd import bench
+from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 
 from .otlp import OtlpSink, expected_spans, missing_spans
 from .ratios import paired_ratio, rotated

@@ -111,7 +111,7 @@ def calibration_prompts(tokenizer, n: int, length: int, max_new: int, exclude: i
 
 def search(target_dir: Path, drafter_dir: Path, budgets: list[int], dtype: str, n_prompts: int = 150,
            prompt_tokens: int = 96, max_new: int = 96, exclude: int = 8, log=print) -> dict:
-    from specd.runtime.models import load_model, load_tokenizer
+    from specd_core.runtime.models import load_model, load_tokenizer
 
     tok = load_tokenizer(str(target_dir))
     target, drafter = load_model(str(target_dir), "cpu", dtype), load_model(str(drafter_dir), "cpu", dtype)

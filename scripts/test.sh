@@ -10,7 +10,7 @@
 # tests/README.md. Every test starts and stops its own services and Ray cluster;
 # nothing needs to be running.
 #
-# Lint: `ruff check specd`, `ruff format --check specd` and `mypy` (its files and
+# Lint: `ruff check` and `ruff format --check` on the runtime packages, and `mypy` (its files and
 # settings come from pyproject.toml's [tool.mypy]). The tests run whether or not
 # lint passed, so one run reports both; the exit status is non-zero if either failed.
 set -uo pipefail
@@ -18,6 +18,8 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 export TOKENIZERS_PARALLELISM=false RAY_DISABLE_USAGE_STATS=1 PYTHONUNBUFFERED=1
 
+# The runtime packages: the shared core, the three services and the CLI.
+LINTED=(specd_core drafter_svc verifier_svc orchestrator specd)
 lint=1
 args=()
 for a in "$@"; do
@@ -30,10 +32,10 @@ done
 
 failed=()
 if [ "$lint" -eq 1 ]; then
-  echo "test.sh: lint: ruff check specd"
-  ruff check specd || failed+=("ruff check specd")
-  echo "test.sh: lint: ruff format --check specd"
-  ruff format --check specd || failed+=("ruff format --check specd")
+  echo "test.sh: lint: ruff check ${LINTED[*]}"
+  ruff check "${LINTED[@]}" || failed+=("ruff check")
+  echo "test.sh: lint: ruff format --check ${LINTED[*]}"
+  ruff format --check "${LINTED[@]}" || failed+=("ruff format --check")
   echo "test.sh: lint: mypy"
   mypy || failed+=("mypy")
 fi

@@ -2,7 +2,7 @@
 
 import sys
 
-from specd.ops.cli import main
+from specd.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

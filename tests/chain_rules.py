@@ -1,7 +1,7 @@
 """The chain forms of the acceptance rules, for the tests.
 
 A chain of K drafts is a tree with one child per node, so each chain rule here
-is the running tree rule (specd.rules.tree) applied to that tree: the
+is the running tree rule (specd_core.rules.tree) applied to that tree: the
 statistical tests that drive these functions test the code the verifier runs.
 The chain vocabulary (an accepted count and a per-position mask) is what the
 Leviathan et al. / Chen et al. papers state their rules in.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.rules.tree import TokenTree, accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled
+from specd_core.rules.tree import TokenTree, accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled
 
 
 @dataclass

@@ -4,8 +4,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specd.ops import ray_cluster as local_ray
-from specd.ops.local_stack import Stack
+from specd import ray_cluster as local_ray
+from specd.local_stack import Stack
 from tests.tiny_models import build_pair, build_perturbed_drafter
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

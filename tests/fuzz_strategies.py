@@ -13,7 +13,7 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
-from specd.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2 as pb
 from tests.tiny_models import VOCAB
 
 I32 = (-2**31, 2**31 - 1)

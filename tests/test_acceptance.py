@@ -37,15 +37,15 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
 import torch
 
-from specd.rules.sampling import SamplingParams, logits_to_probs, sample, truncate_top
-from specd.rules.tree import dense_q, residual
+from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample, truncate_top
+from specd_core.rules.tree import dense_q, residual
 from tests.chain_rules import accept_deterministic, accept_greedy, accept_sampled
 
 pytestmark = pytest.mark.unit

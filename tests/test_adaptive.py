@@ -1,7 +1,7 @@
-"""specd/orchestrator/adaptive.py: the depth rule, the cost fit, a session's acceptance."""
+"""orchestrator/cycle/adaptive.py: the depth rule, the cost fit, a session's acceptance."""
 import pytest
 
-from specd.orchestrator.adaptive import CostModel, Load, RunningMean, SessionDepth, best_depth, expected_tokens
+from orchestrator.cycle.adaptive import CostModel, Load, RunningMean, SessionDepth, best_depth, expected_tokens
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,7 @@
 """A fresh system's first request drafts as deep as it pays: adaptive depth
 (the default) reaches >= 0.9 x the accepted length of a fixed K = 4 on the
 demo pair, on 5 of 5 fresh stacks. Before the warm-up and the cold-start-proof
-cost model (specd/orchestrator/adaptive.py: CostModel) it was about 0.6 x:
+cost model (orchestrator/cycle/adaptive.py: CostModel) it was about 0.6 x:
 the first cycles' one-off costs and a single early miss made drafting look
 dear and deep levels look poor, and a 64-token request ended before the model
 unlearnt it. Asserts on accepted lengths (deterministic for greedy text at a
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from specd.ops.cli import DEMO_PROMPT
-from specd.ops.local_stack import Stack
+from specd.cli import DEMO_PROMPT
+from specd.local_stack import Stack
 
 pytestmark = pytest.mark.services
 

@@ -7,8 +7,8 @@ import json
 import grpc
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.services
 
@@ -44,8 +44,8 @@ def test_status_reports_each_replicas_engine_model_and_kv(pairs, capsys):
     """Status carries what each replica reports of itself: engine (a verifier
     forced onto the Hugging Face fallback says hf), architecture, dtype and
     its KV budget and use; `specd status` prints them and notes the fallback."""
-    from specd.ops.cli import main
-    from specd.ops.local_stack import Stack
+    from specd.cli import main
+    from specd.local_stack import Stack
 
     target, drafter = pairs["llama"]
     stack = Stack(target, drafter, verifier_args=("--engine", "hf", "--kv-cache-memory", "4MiB"))

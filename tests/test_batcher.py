@@ -1,4 +1,4 @@
-"""The batcher's gather window (specd/runtime/batcher.py), as a unit: jobs are plain
+"""The batcher's gather window (specd_core/runtime/batcher.py), as a unit: jobs are plain
 objects and run_batch records the batches it got."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from specd.runtime.batcher import Batcher
+from specd_core.runtime.batcher import Batcher
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specd.runtime.models import load_model, load_tokenizer
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts
 from tests.test_metrics import scrape, value
 

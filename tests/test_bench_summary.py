@@ -1,4 +1,4 @@
-"""specd/ops/bench.py's pure parts: prompts and settings input, percentiles,
+"""specd/bench.py's pure parts: prompts and settings input, percentiles,
 latencies, stats totals, τ and acceptance per position, speedup and its
 interval, and `specd bench` saying what is missing when matplotlib is."""
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from specd.ops import bench, cli
-from specd.ops.bench import RequestRecord
+from specd import bench, cli
+from specd.bench import RequestRecord
 
 pytestmark = pytest.mark.unit
 

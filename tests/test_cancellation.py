@@ -16,8 +16,8 @@ import time
 import grpc
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from tests.test_metrics import scrape, value
 
 pytestmark = pytest.mark.services

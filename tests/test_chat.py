@@ -13,12 +13,12 @@ import sys
 import grpc
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.errors import InvalidRequest
-from specd.ops import cli
-from specd.ops.local_stack import ROOT, Stack
-from specd.orchestrator.chat import NO_TEMPLATE, chat_prompt_ids
-from specd.runtime.models import load_tokenizer
+from orchestrator.edge.chat import NO_TEMPLATE, chat_prompt_ids
+from specd import cli
+from specd.local_stack import ROOT, Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.errors import InvalidRequest
+from specd_core.runtime.models import load_tokenizer
 from tests.tiny_models import build_chat_pair, build_tokenizer
 
 SYSTEM = "You write short Python."

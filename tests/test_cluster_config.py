@@ -63,7 +63,7 @@ def awaited_pools(config: dict) -> dict[str, float]:
 
 
 def parse_specd_up(config: dict):
-    from specd.ops.cli import build_parser
+    from specd.cli import build_parser
 
     argv = specd_up_argv(config)
     assert argv[:2] == ["specd", "up"]

@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops import ray_cluster
-from specd.runtime.models import load_model, load_tokenizer
+from specd import ray_cluster
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie
 from tests.tiny_models import build_model, build_perturbed_drafter, build_tokenizer, corpus_lines
 

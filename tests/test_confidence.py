@@ -1,8 +1,8 @@
 """Drafting that stops where the drafter is unsure (docs/rules.md, "Stopping where
 the drafter is unsure"): DraftShape.min_confidence in the drafter's tree builders,
-and the orchestrator learning where it pays (specd/orchestrator/confidence.py).
+and the orchestrator learning where it pays (orchestrator/cycle/confidence.py).
 
-- Lossless, statistically: the REAL tree builders (specd/drafter/tree_builder.py)
+- Lossless, statistically: the REAL tree builders (drafter_svc/tree_builder.py)
   draft from the toy first-order "LM" of tests/test_acceptance.py (a fake cache
   whose logits after a token are the drafter table's row for it) with a threshold
   that cuts most drafts, and the verifier's rules judge them: the law of the
@@ -32,33 +32,33 @@ import numpy as np
 import pytest
 import torch
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.drafter.config import DrafterConfig
-from specd.drafter.core import Drafter
-from specd.drafter.tree_builder import build_tree, grow_chains
-from specd.errors import InvalidRequest
-from specd.net.wire import shape_from_proto, shape_to_proto
-from specd.orchestrator.adaptive import CostModel, SessionDepth
-from specd.orchestrator.confidence import (
+from drafter_svc.config import DrafterConfig
+from drafter_svc.core import Drafter
+from drafter_svc.tree_builder import build_tree, grow_chains
+from orchestrator.config import OrchestratorConfig
+from orchestrator.cycle.adaptive import CostModel, SessionDepth
+from orchestrator.cycle.confidence import (
     ConfidenceTable,
     confidence_threshold,
     monotone,
     tried_nodes,
 )
-from specd.orchestrator.config import OrchestratorConfig
-from specd.orchestrator.depth import AdaptiveDepth, DraftShaper, FixedDepth, learn_costs
-from specd.orchestrator.records import CycleRecord, Draft, Verdict
-from specd.orchestrator.request import build_spec
-from specd.orchestrator.spec_config import (
+from orchestrator.cycle.depth import AdaptiveDepth, DraftShaper, FixedDepth, learn_costs
+from orchestrator.cycle.records import CycleRecord, Draft, Verdict
+from orchestrator.edge.request import build_spec
+from orchestrator.spec_config import (
     ConfigError,
     SpeculativeConfig,
     add_speculative_flags,
     speculative_config_from_args,
 )
-from specd.rules.draft_shape import DraftShape
-from specd.rules.sampling import SamplingParams, logits_to_probs
-from specd.rules.tree import TokenTree, accept_tree_deterministic, accept_tree_sampled, dense_q, path_to
-from specd.runtime.models import load_model
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.errors import InvalidRequest
+from specd_core.net.wire import shape_from_proto, shape_to_proto
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from specd_core.rules.tree import TokenTree, accept_tree_deterministic, accept_tree_sampled, dense_q, path_to
+from specd_core.runtime.models import load_model
 from tests.test_acceptance import BOS, GoodnessOfFit, L, V, exact_sequence_law, goodness_of_fit, model_tables
 from tests.test_cores import assert_batch_equals_solo
 

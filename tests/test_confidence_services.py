@@ -9,11 +9,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.net.grpc_util import open_channel
-from specd.ops.cli import DEMO_PROMPT
-from specd.ops.local_stack import Stack
+from specd.cli import DEMO_PROMPT
+from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.net.grpc_util import open_channel
 
 pytestmark = pytest.mark.services
 

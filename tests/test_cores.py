@@ -3,15 +3,15 @@ chains and trees (static and dynamic)."""
 import pytest
 import torch
 
-from specd.drafter.config import DrafterConfig
-from specd.drafter.core import Drafter
-from specd.errors import CapacityExceeded, InvalidRequest
-from specd.rules.draft_shape import DraftShape
-from specd.rules.sampling import SamplingParams
-from specd.rules.tree import TokenTree, path_to, paths_to_parents
-from specd.runtime.models import Runner, load_model
-from specd.verifier.config import VerifierConfig
-from specd.verifier.core import Verifier
+from drafter_svc.config import DrafterConfig
+from drafter_svc.core import Drafter
+from specd_core.errors import CapacityExceeded, InvalidRequest
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams
+from specd_core.rules.tree import TokenTree, path_to, paths_to_parents
+from specd_core.runtime.models import Runner, load_model
+from verifier_svc.config import VerifierConfig
+from verifier_svc.core import Verifier
 
 pytestmark = pytest.mark.unit
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from specd.ops.cli import DEMO_PROMPT
-from specd.ops.local_stack import Stack
-from specd.runtime.models import load_model, load_tokenizer
+from specd.cli import DEMO_PROMPT
+from specd.local_stack import Stack
+from specd_core.runtime.models import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models/demo"

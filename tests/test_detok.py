@@ -1,9 +1,9 @@
-"""Streaming text and end conditions (specd/orchestrator/detok.py, specd/orchestrator/loop.py)."""
+"""Streaming text and end conditions (orchestrator/cycle/detok.py, orchestrator/cycle/loop.py)."""
 
 import pytest
 
-from specd.orchestrator.detok import OutputTracker
-from specd.orchestrator.loop import draft_budget
+from orchestrator.cycle.detok import OutputTracker
+from orchestrator.cycle.loop import draft_budget
 from tests.tiny_models import build_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -81,7 +81,7 @@ def test_fast_decoder_equals_the_tokenizers_decode(tok, clean_up):
     as tokenizer.decode, special tokens and broken UTF-8 included."""
     import random
 
-    from specd.orchestrator.detok import decoder
+    from orchestrator.cycle.detok import decoder
 
     before, tok.clean_up_tokenization_spaces = tok.clean_up_tokenization_spaces, clean_up
     try:

@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.orchestrator.metrics import TargetsFile
-from specd.orchestrator.pool import Pool, ReplicaSpec
-from specd.orchestrator.scaling import Scaler
-from specd.telemetry.discovery import dumps, file_sd_targets, write_atomic
+from orchestrator.fleet.pool import Pool, ReplicaSpec
+from orchestrator.fleet.scaling import Scaler
+from orchestrator.report.metrics import TargetsFile
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.telemetry.discovery import dumps, file_sd_targets, write_atomic
 from tests.test_pool import FakeClient, LocatingLauncher
 
 pytestmark = pytest.mark.unit
@@ -125,7 +125,7 @@ def test_targets_file_unwritable_at_start_is_an_error(tmp_path):
 def test_specd_up_targets_file_default_and_check(tmp_path, monkeypatch):
     """`specd up` puts the file in $SPECD_HOME unless told otherwise, and refuses
     a path it cannot write before anything starts, naming it."""
-    from specd.ops import cli
+    from specd import cli
 
     monkeypatch.setenv("SPECD_HOME", str(tmp_path / "home"))
     args = cli.build_parser().parse_args(["up"])

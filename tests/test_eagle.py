@@ -12,20 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.drafter.config import DrafterConfig
-from specd.drafter.eagle import EagleDrafter
-from specd.ops.local_stack import Stack
-from specd.rules.draft_shape import DraftShape
-from specd.rules.sampling import SamplingParams, logits_to_probs
-from specd.runtime.eagle_head import EagleHead, HeadConfig, TargetParts, load_head, save_head
-from specd.runtime.features import HiddenStates
-from specd.runtime.models import load_model, load_tokenizer
-from specd.verifier.config import VerifierConfig
-from specd.verifier.core import Verifier
+from drafter_svc.config import DrafterConfig
+from drafter_svc.eagle import EagleDrafter
+from specd.local_stack import Stack
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from specd_core.runtime.eagle_head import EagleHead, HeadConfig, TargetParts, load_head, save_head
+from specd_core.runtime.features import HiddenStates
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import MAX_NEW, assert_same_or_near_tie, prompts, reference
 from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold, tv
 from tests.tiny_models import corpus_lines
 from training.eagle import head_loss, target_features
+from verifier_svc.config import VerifierConfig
+from verifier_svc.core import Verifier
 
 
 def train_tiny_head(target_dir: str, out: Path, steps: int = 150) -> str:
@@ -233,9 +233,9 @@ def test_loop_forwards_features_without_extra_calls(pairs):
     the first; the feature bytes count every committed token but the newest."""
     import asyncio
 
-    from specd.orchestrator.detok import OutputTracker
-    from specd.orchestrator.loop import Draft, Verdict, run_generation
-    from specd.orchestrator.request import GenerationSpec
+    from orchestrator.cycle.detok import OutputTracker
+    from orchestrator.cycle.loop import Draft, Verdict, run_generation
+    from orchestrator.edge.request import GenerationSpec
 
     target_dir, _ = pairs["llama"]
     tok = load_tokenizer(target_dir)
@@ -296,7 +296,7 @@ def test_loop_forwards_features_without_extra_calls(pairs):
 
 @pytest.mark.unit
 def test_eagle_drafter_refuses_bad_features(eagle_pair):
-    from specd.errors import InvalidRequest
+    from specd_core.errors import InvalidRequest
 
     _, head_dir = eagle_pair
     d = EagleDrafter(DrafterConfig(head_dir, device="cpu"))

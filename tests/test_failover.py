@@ -20,10 +20,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops.local_stack import Stack
-from specd.runtime.models import load_model, load_tokenizer
+from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.tiny_models import corpus_lines
 
 pytestmark = pytest.mark.services

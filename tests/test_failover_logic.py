@@ -1,4 +1,4 @@
-"""specd/orchestrator/failover.py as units: the real loop (specd/orchestrator/loop.py) over
+"""orchestrator/fleet/failover.py as units: the real loop (orchestrator/cycle/loop.py) over
 fake replicas that hold real per-session state and can die; the same on real
 processes is tests/test_failover.py.
 
@@ -11,14 +11,14 @@ import asyncio
 import grpc
 import pytest
 
-from specd.orchestrator.clients import ServiceError
-from specd.orchestrator.detok import OutputTracker
-from specd.orchestrator.failover import FailoverDrafter, FailoverVerifier, is_lost, reseeded
-from specd.orchestrator.loop import Draft, Verdict, run_generation
-from specd.orchestrator.pool import Pool, ReplicaSpec
-from specd.orchestrator.request import GenerationSpec
-from specd.rules.draft_shape import DraftShape
-from specd.rules.sampling import SamplingParams
+from orchestrator.cycle.detok import OutputTracker
+from orchestrator.cycle.loop import Draft, Verdict, run_generation
+from orchestrator.edge.request import GenerationSpec
+from orchestrator.fleet.clients import ServiceError
+from orchestrator.fleet.failover import FailoverDrafter, FailoverVerifier, is_lost, reseeded
+from orchestrator.fleet.pool import Pool, ReplicaSpec
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

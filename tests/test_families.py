@@ -1,4 +1,4 @@
-"""The lean engine (specd/runtime/lean.py) against Hugging Face's own forward, in fp32,
+"""The lean engine (specd_core/runtime/lean.py) against Hugging Face's own forward, in fp32,
 for every family tests/tiny_models.py builds (each RoPE variant, sliding windows,
 Gemma's quirks, Phi-3's fused weights, tied and untied embeddings): prefill, decode
 steps and chunks after cached rows; token trees as the verifier builds them, past the
@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from specd.rules.tree import TokenTree, path_to, tree_attention
-from specd.runtime.lean import LeanModel, supports, unsupported_reason
-from specd.runtime.models import Runner, SessionCache, load_model
+from specd_core.rules.tree import TokenTree, path_to, tree_attention
+from specd_core.runtime.lean import LeanModel, supports, unsupported_reason
+from specd_core.runtime.models import Runner, SessionCache, load_model
 from tests.tiny_models import FAMILIES, build_model, build_tokenizer
 
 pytestmark = pytest.mark.unit

@@ -8,11 +8,11 @@ tests/test_sampling_lossless.py)."""
 
 import pytest
 
-from specd.rules.sampling import SamplingParams
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops.local_stack import Stack
-from specd.runtime.models import load_model, load_tokenizer
+from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.rules.sampling import SamplingParams
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie, reference
 from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold, tv
 from tests.tiny_models import build_model, build_perturbed_drafter, build_tokenizer, corpus_lines

@@ -17,9 +17,9 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.orchestrator.config import OrchestratorConfig
+from orchestrator.config import OrchestratorConfig
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from tests.fuzz_strategies import (
     drafts,
     generate_requests,

@@ -7,7 +7,7 @@ itself: the reference's top-2 logit gap at that position is < 1e-4.
 import pytest
 import torch
 
-from specd.runtime.models import load_model, load_tokenizer
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.tiny_models import corpus_lines
 
 pytestmark = pytest.mark.services

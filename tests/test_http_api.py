@@ -23,9 +23,9 @@ import httpx2
 import openai
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.ops.local_stack import Stack
-from specd.runtime.models import load_tokenizer
+from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.runtime.models import load_tokenizer
 from tests.test_cancellation import live_state
 from tests.test_metrics import scrape, value
 

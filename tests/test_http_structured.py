@@ -11,7 +11,7 @@ The models are random, so the constraints are bounded (maxLength, enum,
 integer ranges): a random model may otherwise run on inside an open string until
 max_tokens. PET's longest output is 108 bytes (60 with an empty name, each of
 its 4 characters at worst a 12-byte escaped surrogate pair; separators fixed,
-JSON without free whitespace: specd/runtime/grammar.py), and every token is at
+JSON without free whitespace: specd_core/runtime/grammar.py), and every token is at
 least one byte, so with EOS it fits in MAX_TOKENS: each request must finish
 with "stop"; the other constraints of the extra's test are shorter still."""
 
@@ -26,7 +26,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from specd.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2 as pb
 from tests.test_cancellation import live_state
 from tests.test_http_api import client, grpc_generate, stack  # noqa: F401 (fixtures: the same stack as test_http_api.py's, its own instance)
 

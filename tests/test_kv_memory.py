@@ -19,10 +19,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops.local_stack import ServiceProcess
-from specd.runtime.kv_budget import kv_row_bytes
+from specd.local_stack import ServiceProcess
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.runtime.kv_budget import kv_row_bytes
 from tests.test_memory import rss_kib
 
 pytestmark = pytest.mark.services
@@ -49,9 +49,9 @@ def _info(stub):
 
 def test_budget_refuses_what_does_not_fit_and_others_go_on(pairs):
     target, _ = pairs["llama"]
-    from specd.runtime.models import Runner, load_model
+    from specd_core.runtime.models import Runner, load_model
     row = Runner(load_model(target, "cpu")).kv_row_bytes
-    proc = ServiceProcess("specd.verifier", "--model", target, "--kv-block-size", "16",
+    proc = ServiceProcess("verifier_svc", "--model", target, "--kv-block-size", "16",
                           "--kv-cache-memory", f"{8 * 16 * row}B")  # 8 blocks of 16 tokens
     try:
         with grpc.insecure_channel(proc.address) as ch:
@@ -107,7 +107,7 @@ def test_resident_memory_stays_within_the_budget(wide_model):
     # included; short enough that a prefill's activations (its attention
     # scores: 8 heads x 230^2 floats) stay small beside the budget.
     budget_mib, prompt = 64, [1 + i % 200 for i in range(230)]
-    proc = ServiceProcess("specd.verifier", "--model", model_dir, "--kv-cache-memory", f"{budget_mib}MiB",
+    proc = ServiceProcess("verifier_svc", "--model", model_dir, "--kv-cache-memory", f"{budget_mib}MiB",
                           "--max-draft-tokens", "8")
     try:
         with grpc.insecure_channel(proc.address) as ch:

@@ -1,7 +1,13 @@
-"""specd's subpackages are layers: the import graph between them (computed from
+"""specd's packages are layers: the import graph between them (computed from
 the source with `ast`, imports inside functions included) obeys the allowed
 layering below, and docs/architecture.md's mermaid graph lists exactly the
-edges found. Pure and fast: nothing of specd is imported."""
+edges found. Pure and fast: nothing of specd is imported.
+
+The top level is the specified layout: `specd_core` (what the services share,
+itself layered: errors, rules, runtime, telemetry, api, net), the three service
+packages `drafter_svc`, `verifier_svc` and `orchestrator`, and `specd` (the
+command and its operations) on top. Inside `orchestrator`, its sub-packages are
+layers too (`ORCHESTRATOR_ALLOWED`)."""
 
 import ast
 import re
@@ -12,12 +18,15 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-PKG = ROOT / "specd"
-LAYERS = ("errors", "rules", "runtime", "telemetry", "api", "net", "drafter", "verifier", "orchestrator", "ops")
+CORE = "specd_core"
+CORE_LAYERS = ("errors", "rules", "runtime", "telemetry", "api", "net")
+SERVICES = ("drafter_svc", "verifier_svc", "orchestrator")
+TOP = (CORE, *SERVICES, "specd")
+LAYERS = (*CORE_LAYERS, *SERVICES, "specd")
 
 # What each layer may import (besides itself). The services never import each
-# other; only ops (and specd/__main__.py) may import ops.
-BASE = {"errors", "rules", "runtime", "telemetry", "api", "net"}
+# other; only specd (the command) imports the services together.
+BASE = set(CORE_LAYERS)
 ALLOWED = {
     "errors": set(),
     "rules": {"errors"},
@@ -25,10 +34,10 @@ ALLOWED = {
     "telemetry": {"errors"},
     "api": set(),
     "net": {"errors", "rules", "runtime", "telemetry", "api"},
-    "drafter": BASE,
-    "verifier": BASE,
+    "drafter_svc": BASE,
+    "verifier_svc": BASE,
     "orchestrator": BASE,
-    "ops": set(LAYERS) - {"ops"},
+    "specd": set(LAYERS) - {"specd"},
 }
 # Third-party packages a layer must not import.
 FORBIDDEN = {
@@ -36,17 +45,37 @@ FORBIDDEN = {
     "runtime": {"grpc"},
 }
 
+# The orchestrator by role, bottom to top: its settings; the cycle (one request's
+# loop and what it is made of); the fleet (replica pools, their clients, failover,
+# scaling, peers); the reports of both (traces, metrics); the core that admits a
+# request and runs it on the fleet; the edges (gRPC and HTTP servers, request
+# parsing), and the process entry.
+ORCHESTRATOR_ALLOWED = {
+    "settings": set(),
+    "cycle": {"settings"},
+    "fleet": {"settings", "cycle"},
+    "report": {"settings", "cycle", "fleet"},
+    "core": {"settings", "cycle", "fleet", "report"},
+    "edge": {"settings", "cycle", "fleet", "report", "core"},
+    "__main__": {"settings", "edge"},
+}
+# The modules at the top of orchestrator/ that are not sub-packages, by layer.
+ORCHESTRATOR_MODULES = {"config": "settings", "spec_config": "settings", "pair": "core", "core": "core"}
+
 
 def _layer(path: Path) -> str:
-    """The layer of a file under specd/: its subpackage, or the module name of a
-    top-level file (errors.py -> errors, __main__.py -> __main__)."""
-    first = path.relative_to(PKG).parts[0]
+    """The layer of a source file: a top-level package, or a sub-package of
+    specd_core (errors.py -> errors)."""
+    parts = path.relative_to(ROOT).parts
+    if parts[0] != CORE:
+        return parts[0]
+    first = parts[1]
     return first[:-3] if first.endswith(".py") else first
 
 
 def _imported_modules(path: Path) -> list[str]:
     """Absolute names of every module an import in `path` names (at any depth,
-    relative imports resolved; `from specd import x` gives specd.x)."""
+    relative imports resolved; `from pkg import x` gives pkg.x)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = list(path.relative_to(ROOT).with_suffix("").parts)
     if path.name != "__init__.py":
@@ -58,26 +87,57 @@ def _imported_modules(path: Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
-            if node.module is None or module == "specd":
+            if node.module is None or module in TOP:
                 names += [f"{module}.{a.name}" for a in node.names]
             else:
                 names.append(module)
     return names
 
 
-def _sources() -> list[Path]:
-    return sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
+def _name_layer(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] == CORE:
+        return parts[1] if len(parts) > 1 else None
+    return parts[0] if parts[0] in TOP else None
+
+
+def _sources(top: tuple[str, ...] = TOP) -> list[Path]:
+    return sorted(p for t in top for p in (ROOT / t).rglob("*.py") if "__pycache__" not in p.parts)
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Layer -> the other specd layers it imports."""
+    """Layer -> the other layers it imports."""
     graph: dict[str, set[str]] = {}
     for path in _sources():
         src = _layer(path)
         for name in _imported_modules(path):
-            parts = name.split(".")
-            if parts[0] == "specd" and len(parts) > 1 and parts[1] != src:
-                graph.setdefault(src, set()).add(parts[1])
+            dst = _name_layer(name)
+            if dst is not None and dst != src:
+                graph.setdefault(src, set()).add(dst)
+    return graph
+
+
+def _orchestrator_layer(path_or_name: Path | str) -> str | None:
+    if isinstance(path_or_name, Path):
+        parts = path_or_name.relative_to(ROOT / "orchestrator").with_suffix("").parts
+    else:
+        parts = tuple(path_or_name.split(".")[1:])
+        if path_or_name.split(".")[0] != "orchestrator":
+            return None
+    if not parts or parts[0] == "__init__":
+        return None
+    return ORCHESTRATOR_MODULES.get(parts[0], parts[0])
+
+
+def orchestrator_graph() -> dict[str, set[str]]:
+    """Orchestrator sub-layer -> the other sub-layers it imports."""
+    graph: dict[str, set[str]] = {}
+    for path in _sources(("orchestrator",)):
+        src = _orchestrator_layer(path)
+        for name in _imported_modules(path):
+            dst = _orchestrator_layer(name)
+            if src is not None and dst is not None and dst != src:
+                graph.setdefault(src, set()).add(dst)
     return graph
 
 
@@ -89,18 +149,33 @@ def mermaid_edges() -> set[tuple[str, str]]:
     return set(re.findall(r"^\s*(\w+)\s*-->\s*(\w+)\s*$", blocks[0], re.M))
 
 
+def test_the_top_level_is_the_specified_layout():
+    for name in ("protos", "drafter_svc", "verifier_svc", "orchestrator", "deploy", "tests"):
+        assert (ROOT / name).is_dir(), name
+    for name in ("pyproject.toml", "README.md"):
+        assert (ROOT / name).is_file(), name
+    for pkg in SERVICES:
+        assert (ROOT / pkg / "__main__.py").is_file(), f"python -m {pkg} has no entry"
+
+
 def test_every_file_is_in_a_known_layer():
-    unknown = {_layer(p) for p in _sources()} - set(LAYERS) - {"__init__", "__main__"}
+    unknown = {_layer(p) for p in _sources()} - set(LAYERS) - {"__init__"}
     assert not unknown, f"files outside the declared layers: {sorted(unknown)}"
+    sub = {_orchestrator_layer(p) for p in _sources(("orchestrator",))} - {None}
+    assert sub <= set(ORCHESTRATOR_ALLOWED), f"orchestrator modules outside its layers: {sorted(sub)}"
 
 
 def test_imports_obey_the_layering():
     graph = import_graph()
-    main = graph.pop("__main__", set())
-    assert main <= {"ops"}, f"specd/__main__.py imports {sorted(main)}"
-    assert "__init__" not in graph, f"specd/__init__.py imports {sorted(graph['__init__'])}"
+    assert "__init__" not in graph, f"specd_core/__init__.py imports {sorted(graph['__init__'])}"
     bad = sorted((a, b) for a, deps in graph.items() for b in deps if b not in ALLOWED[a])
     assert not bad, f"imports across the layering: {bad}"
+
+
+def test_the_orchestrator_is_layered_by_role():
+    graph = orchestrator_graph()
+    bad = sorted((a, b) for a, deps in graph.items() for b in deps if b not in ORCHESTRATOR_ALLOWED[a])
+    assert not bad, f"orchestrator imports across its layering: {bad}"
 
 
 def test_no_forbidden_third_party_imports():
@@ -115,7 +190,6 @@ def test_no_forbidden_third_party_imports():
 
 def test_architecture_doc_graph_matches_the_imports():
     graph = import_graph()
-    graph.pop("__main__", None)
     found = {(a, b) for a, deps in graph.items() for b in deps}
     drawn = mermaid_edges()
     assert drawn == found, (

@@ -1,11 +1,11 @@
-"""The lean forward (specd/runtime/lean.py) gives Hugging Face's logits, through prefill,
+"""The lean forward (specd_core/runtime/lean.py) gives Hugging Face's logits, through prefill,
 decode steps, rollback, growth of the cache and compaction."""
 import pytest
 import torch
 
-from specd.runtime.kv_budget import KVPool
-from specd.runtime.lean import LeanModel, supports
-from specd.runtime.models import Runner, SessionCache, load_model
+from specd_core.runtime.kv_budget import KVPool
+from specd_core.runtime.lean import LeanModel, supports
+from specd_core.runtime.models import Runner, SessionCache, load_model
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""specd.ops.ray_cluster.stop_local_ray on process groups shaped like a local
+"""specd.ray_cluster.stop_local_ray on process groups shaped like a local
 `ray start --block` (a child of this process leading its own group), without
 Ray: the stop returns as soon as the group is gone, not after its timeouts."""
 import os
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from specd.ops import ray_cluster
+from specd import ray_cluster
 
 pytestmark = pytest.mark.unit
 

@@ -1,15 +1,15 @@
-"""specd/orchestrator/loop.py as a unit over fake clients: pipelined drafting
-(specd/orchestrator/drafting.py) stays exact and tells the drafter what became of
+"""orchestrator/cycle/loop.py as a unit over fake clients: pipelined drafting
+(orchestrator/cycle/drafting.py) stays exact and tells the drafter what became of
 each ahead draft. The same on real processes is tests/test_pipeline.py."""
 import asyncio
 
 import pytest
 
-from specd.orchestrator.detok import OutputTracker
-from specd.orchestrator.loop import Draft, Verdict, run_generation
-from specd.orchestrator.request import GenerationSpec
-from specd.rules.draft_shape import DraftShape
-from specd.rules.sampling import SamplingParams
+from orchestrator.cycle.detok import OutputTracker
+from orchestrator.cycle.loop import Draft, Verdict, run_generation
+from orchestrator.edge.request import GenerationSpec
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from specd.runtime.models import load_tokenizer
+from specd_core.runtime.models import load_tokenizer
 from tests.test_greedy_exact import prompts
 from tests.test_metrics import scrape, value
 

@@ -124,8 +124,8 @@ def test_gauges_see_open_sessions(metered):
     """While a session is open the verifier's gauges show it; they fall back after."""
     import grpc
 
-    from specd.api.v1 import specdec_pb2 as pb
-    from specd.api.v1 import specdec_pb2_grpc as pb_grpc
+    from specd_core.api.v1 import specdec_pb2 as pb
+    from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 
     v = pb_grpc.VerifierServiceStub(grpc.insecure_channel(metered.verifier.address))
     v.OpenSession(pb.OpenVerifySessionRequest(session_id="m1", prompt_token_ids=[1, 2, 3, 4]), timeout=30)

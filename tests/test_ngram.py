@@ -1,9 +1,8 @@
 import pytest
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specd.rules.ngram import NgramIndex, propose_ngram
+from specd_core.rules.ngram import NgramIndex, propose_ngram
 
 pytestmark = pytest.mark.unit
 

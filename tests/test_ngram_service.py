@@ -5,8 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specd.rules.sampling import SamplingParams, logits_to_probs
-from specd.runtime.models import load_model, load_tokenizer
+from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import MAX_NEW, assert_same_or_near_tie, prompts, reference
 from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold
 
@@ -75,7 +75,7 @@ def test_per_request_methods_concurrently(pairs, stacks):
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda j: stacks["llama"].generate(
             prompt_token_ids={"ids": j[1]}, max_new_tokens=MAX_NEW, speculative_method=j[0]), jobs))
-    drafted = {m: 0 for m in set(methods)}
+    drafted = dict.fromkeys(set(methods), 0)
     for (method, _), (_, last) in zip(jobs, results):
         assert last.stats.method == method
         drafted[method] += last.stats.drafted_tokens

@@ -1,7 +1,7 @@
-"""The OpenAI-compatible API's pure parts (specd/orchestrator/openai_protocol.py):
+"""The OpenAI-compatible API's pure parts (orchestrator/edge/openai_protocol.py):
 request -> GenerateRequest, refusals naming their field, the response and chunk
 bodies, vLLM's per-request speculative statistics from Stats, error mapping;
-and the SSE generator of specd/orchestrator/openai_api.py on a fake source
+and the SSE generator of orchestrator/edge/openai_api.py on a fake source
 (it closes the core's generator however the stream ends)."""
 
 import asyncio
@@ -11,11 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specd.errors import CapacityExceeded, InvalidRequest, ShuttingDown
-from specd.orchestrator.clients import ServiceError
-from specd.orchestrator.detok import Emit
-from specd.orchestrator.openai_api import ClientGone, events, exception_error, unless_disconnected
-from specd.orchestrator.openai_protocol import (
+from orchestrator.cycle.detok import Emit
+from orchestrator.cycle.records import Chunk, Stats
+from orchestrator.edge.openai_api import ClientGone, events, exception_error, unless_disconnected
+from orchestrator.edge.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidField,
@@ -27,10 +26,11 @@ from specd.orchestrator.openai_protocol import (
     to_generate_request,
     validation_error,
 )
-from specd.orchestrator.records import Chunk, Stats
-from specd.rules.structured import OutputConstraint
-from specd.runtime.grammar import GrammarEngine
-from specd.runtime.models import load_tokenizer
+from orchestrator.fleet.clients import ServiceError
+from specd_core.errors import CapacityExceeded, InvalidRequest, ShuttingDown
+from specd_core.rules.structured import OutputConstraint
+from specd_core.runtime.grammar import GrammarEngine
+from specd_core.runtime.models import load_tokenizer
 
 pytestmark = pytest.mark.unit
 

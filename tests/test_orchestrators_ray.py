@@ -20,10 +20,10 @@ import time
 import grpc
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.net.grpc_util import open_channel
-from specd.runtime.models import load_model, load_tokenizer
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.net.grpc_util import open_channel
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_cluster_scaling import _named_actors, greedy_check, long_pair, specd, wait_for  # noqa: F401
 from tests.test_greedy_exact import assert_same_or_near_tie
 from tests.tiny_models import corpus_lines

@@ -18,9 +18,9 @@ import openai
 import pytest
 import torch
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops.local_stack import ServiceProcess, Stack
+from specd.local_stack import ServiceProcess, Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from tests.test_metrics import scrape, value
 
 pytestmark = pytest.mark.services
@@ -31,7 +31,7 @@ HOLD = [("grpc.http2.lookahead_bytes", 256), ("grpc.http2.bdp_probe", 0)]
 KV_BLOCK, KV_BLOCKS = 16, 19  # the KV budget test's verifier: 304 tokens
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _target(target_dir: str):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(target_dir).eval()
@@ -42,7 +42,7 @@ def reference(target_dir: str, prompt: list[int], n: int) -> list[int]:
     return list(_reference(target_dir, tuple(prompt), n))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(target_dir: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
     with torch.no_grad():
         out = _target(target_dir).generate(torch.tensor([list(prompt)]), do_sample=False, max_new_tokens=n,
@@ -83,9 +83,9 @@ class TargetOnly(Stack):
 
     def __init__(self, target: str, *verifier_args: str, orchestrator_args: tuple[str, ...] = ()):
         self.target, self.drafter, self.drafter_proc, self.drafters = target, None, None, []
-        self.verifier = ServiceProcess("specd.verifier", "--model", target, "--metrics-port", "0", *verifier_args)
+        self.verifier = ServiceProcess("verifier_svc", "--model", target, "--metrics-port", "0", *verifier_args)
         self.verifiers = [self.verifier]
-        self.orchestrator = ServiceProcess("specd.orchestrator", "--target", target, "--verifier-address",
+        self.orchestrator = ServiceProcess("orchestrator", "--target", target, "--verifier-address",
                                            self.verifier.address, "--method", "off", *orchestrator_args)
         self.orchestrators = [self.orchestrator]
         self.channel = grpc.insecure_channel(self.orchestrator.address)
@@ -136,7 +136,7 @@ def target_only(pairs):
     bound (orchestrator): each test stays below the other's limit (the KV test
     runs 2 requests at once, the admission test's prompts are 4 tokens)."""
     target, _ = pairs["llama"]
-    from specd.runtime.models import Runner, load_model
+    from specd_core.runtime.models import Runner, load_model
     budget = KV_BLOCKS * KV_BLOCK * Runner(load_model(target, "cpu")).kv_row_bytes
     s = TargetOnly(target, "--kv-cache-memory", f"{budget}B", "--kv-block-size", str(KV_BLOCK),
                    orchestrator_args=("--max-active-requests", "2", "--http-port", "-1"))

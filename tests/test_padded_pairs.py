@@ -4,7 +4,7 @@ both padded past the tokenizer (as Qwen2.5-0.5B's 151,936 rows against
 Qwen2.5-7B's 152,064), in both directions. Their padding rows are random, not
 suppressed, so the target really emits padding ids - also ids the smaller
 drafter's table does not have - and the bigger drafter really puts mass on ids
-the target does not have (specd/drafter/vocab.py).
+the target does not have (drafter_svc/vocab.py).
 
 Greedy output equals target-only greedy decoding (chains and trees, either
 direction); sampled output follows the target's exact law (the joint-law test
@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specd.drafter.config import DrafterConfig
-from specd.drafter.core import Drafter
-from specd.rules.draft_shape import DraftShape
-from specd.rules.sampling import SamplingParams
-from specd.runtime.models import load_model, load_tokenizer
-from specd.ops.local_stack import Stack
+from drafter_svc.config import DrafterConfig
+from drafter_svc.core import Drafter
+from specd.local_stack import Stack
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts, reference
 from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold, tv
 from tests.tiny_models import VOCAB, build_padded_pair

@@ -1,4 +1,4 @@
-"""Several orchestrators of one deployment as pure units (specd/orchestrator/peers.py):
+"""Several orchestrators of one deployment as pure units (orchestrator/fleet/peers.py):
 the admission shares, Status merged over every orchestrator's report, a follower
 taking the owner's replica list, and the owner's scaler with followers (fakes
 that hold real Pools; the real thing on Ray is tests/test_orchestrators_ray.py):
@@ -10,8 +10,7 @@ import asyncio
 
 import pytest
 
-from specd.errors import InvalidRequest
-from specd.orchestrator.peers import (
+from orchestrator.fleet.peers import (
     Group,
     OrchestratorReport,
     PoolView,
@@ -20,8 +19,9 @@ from specd.orchestrator.peers import (
     follow,
     merge_status,
 )
-from specd.orchestrator.pool import Pool, ReplicaSpec
-from specd.orchestrator.scaling import AutoscalePolicy, Scaler
+from orchestrator.fleet.pool import Pool, ReplicaSpec
+from orchestrator.fleet.scaling import AutoscalePolicy, Scaler
+from specd_core.errors import InvalidRequest
 from tests.test_pool import FakeClient, FakeLauncher, LocatingLauncher, pool_of
 
 pytestmark = pytest.mark.unit
@@ -240,8 +240,8 @@ def test_autoscaling_counts_every_orchestrators_sessions():
 
 
 def test_specd_status_prints_a_line_per_orchestrator(capsys):
-    from specd.api.v1 import specdec_pb2 as pb
-    from specd.ops.cli import print_status
+    from specd.cli import print_status
+    from specd_core.api.v1 import specdec_pb2 as pb
 
     status = pb.ClusterStatus(
         replicas=[pb.ReplicaStatus(kind="verifier", name="specd-verifier-0", sessions=16)],

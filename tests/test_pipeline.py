@@ -13,12 +13,12 @@ import grpc
 import pytest
 import torch
 
-from specd.drafter.config import DrafterConfig
-from specd.drafter.core import Drafter
-from specd.errors import InvalidRequest
-from specd.rules.draft_shape import DraftShape
-from specd.rules.sampling import SamplingParams
-from specd.runtime.models import load_model, load_tokenizer
+from drafter_svc.config import DrafterConfig
+from drafter_svc.core import Drafter
+from specd_core.errors import InvalidRequest
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts, reference
 from tests.test_sampling_lossless import exact_joint, generate_seeds, null_threshold, tv
 
@@ -96,7 +96,7 @@ def test_malformed_ahead_calls_are_refused(drafter_pair):
 
 @pytest.mark.unit
 def test_branch_outcomes_and_mask():
-    from specd.drafter.branches import alternatives_that_fit, branch_mask, outcomes
+    from drafter_svc.branches import alternatives_that_fit, branch_mask, outcomes
     # Chain 7, 8, 9; the drafter's ranked choices where it drafted each (the
     # second was sampled, not its top); bonus guesses 4, 5, 6.
     tops = [[7, 1, 2], [3, 8, 2], [9, 0, 1]]

@@ -1,12 +1,12 @@
-"""specd/orchestrator/pool.py and scaling.py as pure units (a fake launcher; the real
+"""orchestrator/fleet/pool.py and scaling.py as pure units (a fake launcher; the real
 thing on a multi-node Ray cluster is tests/test_cluster_scaling.py)."""
 import asyncio
 
 import pytest
 
-from specd.errors import CapacityExceeded, InvalidRequest
-from specd.orchestrator.pool import Pool, ReplicaSpec
-from specd.orchestrator.scaling import AutoscalePolicy, ReplicaGone, Scaler
+from orchestrator.fleet.pool import Pool, ReplicaSpec
+from orchestrator.fleet.scaling import AutoscalePolicy, ReplicaGone, Scaler
+from specd_core.errors import CapacityExceeded, InvalidRequest
 
 pytestmark = pytest.mark.unit
 

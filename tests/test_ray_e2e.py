@@ -19,12 +19,12 @@ import openai
 import pytest
 import ray
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.net.auth import bearer_metadata
-from specd.net.grpc_util import open_channel
-from specd.net.security import TlsConfig
-from specd.runtime.models import load_model
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.net.auth import bearer_metadata
+from specd_core.net.grpc_util import open_channel
+from specd_core.net.security import TlsConfig
+from specd_core.runtime.models import load_model
 from tests.certs import make_pki
 from tests.test_greedy_exact import reference
 

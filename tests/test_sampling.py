@@ -1,4 +1,4 @@
-"""`specd.rules.sampling`: the one definition of "plain sampling" (docs/rules.md, "p and
+"""`specd_core.rules.sampling`: the one definition of "plain sampling" (docs/rules.md, "p and
 q": p is the target distribution after exactly the processing
 plain sampling would apply).
 
@@ -23,8 +23,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specd.errors import InvalidRequest
-from specd.rules.sampling import SamplingParams, logits_to_probs, sample, truncate_top
+from specd_core.errors import InvalidRequest
+from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample, truncate_top
 
 pytestmark = pytest.mark.unit
 

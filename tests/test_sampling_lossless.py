@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specd.rules.sampling import SamplingParams, logits_to_probs
-from specd.runtime.models import load_model
+from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from specd_core.runtime.models import load_model
 
 pytestmark = [pytest.mark.services, pytest.mark.statistical]
 

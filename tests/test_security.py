@@ -21,13 +21,13 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.net.auth import bearer_metadata, check_metadata, load_tokens
-from specd.net.grpc_util import open_channel
-from specd.net.security import SecurityConfigError, TlsConfig
-from specd.ops import cli
-from specd.ops.local_stack import ServiceProcess, Stack
+from specd import cli
+from specd.local_stack import ServiceProcess, Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.net.auth import bearer_metadata, check_metadata, load_tokens
+from specd_core.net.grpc_util import open_channel
+from specd_core.net.security import SecurityConfigError, TlsConfig
 from tests.certs import make_pki
 
 TOKEN = "s3cret-token-1"
@@ -239,7 +239,7 @@ def test_sigterm_drains(plain, pairs):
     verifier is paused (SIGSTOP) so the stream is still running when SIGTERM
     lands, whatever the machine's speed."""
     target, _ = pairs["llama"]
-    orch = ServiceProcess("specd.orchestrator", "--target", target, "--verifier-address", plain.verifier.address,
+    orch = ServiceProcess("orchestrator", "--target", target, "--verifier-address", plain.verifier.address,
                           "--method", "off", "--shutdown-grace", "120", "--http-port", "-1")
     channel = grpc.insecure_channel(orch.address)
     result = {}

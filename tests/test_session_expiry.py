@@ -10,18 +10,18 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.drafter.config import DrafterConfig
-from specd.drafter.core import Drafter
-from specd.errors import SessionExpired, UnknownSession
-from specd.net.grpc_util import status_for
-from specd.ops.local_stack import ServiceProcess
-from specd.rules.draft_shape import DraftShape
-from specd.rules.sampling import SamplingParams
-from specd.verifier.config import VerifierConfig
-from specd.verifier.core import Verifier
+from drafter_svc.config import DrafterConfig
+from drafter_svc.core import Drafter
+from specd.local_stack import ServiceProcess
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.errors import SessionExpired, UnknownSession
+from specd_core.net.grpc_util import status_for
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams
 from tests.test_metrics import scrape, value
+from verifier_svc.config import VerifierConfig
+from verifier_svc.core import Verifier
 
 
 @pytest.mark.unit
@@ -69,7 +69,7 @@ def test_services_expire_idle_sessions(pairs):
     flags = ("--session-idle-timeout-s", "0.5", "--metrics-port", "0")
     with ThreadPoolExecutor(2) as pool:     # started together: each spends seconds importing and loading
         futures = [pool.submit(ServiceProcess, module, "--model", model, *flags)
-                   for module, model in (("specd.verifier", target), ("specd.drafter", drafter))]
+                   for module, model in (("verifier_svc", target), ("drafter_svc", drafter))]
     procs = [f.result() for f in futures if f.exception() is None]
     try:
         assert len(procs) == 2, [f.exception() for f in futures]

@@ -1,5 +1,5 @@
 """Several orchestrator processes on ONE address without Ray
-(`Stack(..., orchestrators=2)`: `python -m specd.orchestrator --share-ports
+(`Stack(..., orchestrators=2)`: `python -m orchestrator --share-ports
 first|join`, SO_REUSEPORT on the gRPC and the HTTP port), over the same replicas.
 
 - New connections spread over both (each reports its own pid in Status), gRPC
@@ -18,10 +18,10 @@ import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd.ops.local_stack import ServiceProcess, Stack
-from specd.runtime.models import load_model, load_tokenizer
+from specd.local_stack import ServiceProcess, Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_cluster_scaling import greedy_check, long_pair  # noqa: F401  (a fixture)
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts
 
@@ -88,9 +88,9 @@ def test_nothing_else_can_take_the_port(group):
     port = int(group.orchestrator.address.rsplit(":", 1)[1])
     common = ("--target", group.target, "--verifier-address", group.verifier.address, "--num-speculative-tokens", "0")
     with pytest.raises(RuntimeError, match="cannot serve Generate on 0.0.0.0:.*Address already in use"):
-        ServiceProcess("specd.orchestrator", *common, "--share-ports", "first", port=port)
+        ServiceProcess("orchestrator", *common, "--share-ports", "first", port=port)
     with pytest.raises(RuntimeError, match="Failed to bind to address"):
-        ServiceProcess("specd.orchestrator", *common, port=port)
+        ServiceProcess("orchestrator", *common, port=port)
 
 
 def test_sigterm_moves_new_calls_to_the_other(group, long_pair):

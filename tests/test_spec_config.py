@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from specd.orchestrator.spec_config import ConfigError, SpeculativeConfig, load
+from orchestrator.spec_config import ConfigError, SpeculativeConfig, load
 
 BAD = [
     ({"method": "medusa"}, "speculative_config.method"),
@@ -62,8 +62,8 @@ def test_specd_up_refuses_a_bad_config_before_starting_anything(tmp_path, pairs)
 @pytest.mark.unit
 def test_tree_paths_in_config_and_flags():
     """A static tree node by node: a deep chain plus the second choice at depth 1."""
-    from specd.ops.cli import build_parser
-    from specd.orchestrator.spec_config import speculative_config_from_args
+    from orchestrator.spec_config import speculative_config_from_args
+    from specd.cli import build_parser
     sc = SpeculativeConfig.from_dict({"tree": {"paths": [[0], [1], [0, 0], [0, 0, 0]]}})
     shape = sc.tree_shape()
     assert shape.max_nodes == 4 and shape.depth == 3

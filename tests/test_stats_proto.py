@@ -1,13 +1,13 @@
-"""Stats -> GenerationStats (specd/orchestrator/servicer.py: stats_to_proto): the
+"""Stats -> GenerationStats (orchestrator/edge/servicer.py: stats_to_proto): the
 conversion goes by field name, so the dataclass and the proto must list the
 same names; adding a stat to one without the other fails here."""
 import dataclasses
 
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.orchestrator.records import Draft, Stats, Verdict
-from specd.orchestrator.servicer import DERIVED_STATS, INTERNAL_STATS, stats_to_proto
+from orchestrator.cycle.records import Draft, Stats, Verdict
+from orchestrator.edge.servicer import DERIVED_STATS, INTERNAL_STATS, stats_to_proto
+from specd_core.api.v1 import specdec_pb2 as pb
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The multiplexed stream server (specd/net/grpc_util.py: concurrent_stream)
+"""The multiplexed stream server (specd_core/net/grpc_util.py: concurrent_stream)
 as a unit: messages answered as their futures complete, in any order, each
 with its request id; a message whose start fails, or one over the in-flight
 limit, gets an error response and the stream goes on."""
@@ -10,9 +10,9 @@ from concurrent.futures import Future
 import grpc
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.errors import InvalidRequest
-from specd.net.grpc_util import concurrent_stream, then
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.errors import InvalidRequest
+from specd_core.net.grpc_util import concurrent_stream, then
 
 pytestmark = pytest.mark.unit
 
@@ -108,7 +108,7 @@ def test_calls_made_in_one_loop_turn_leave_as_one_step():
     next step; a step not answered in time fails every call in it."""
     import asyncio
 
-    from specd.orchestrator.clients import ServiceError, StreamMux
+    from orchestrator.fleet.clients import ServiceError, StreamMux
 
     sent: list = []
 

@@ -1,7 +1,7 @@
 """Structured output's pieces, one module at a time: the grammar engine
-(specd/runtime/grammar.py), a forced tail and an n-gram cut in the loop
-(specd/orchestrator/structured.py), the drafter's masked and forced chains
-(specd/drafter/tree_builder.py), and what the records count. Every check
+(specd_core/runtime/grammar.py), a forced tail and an n-gram cut in the loop
+(orchestrator/cycle/structured.py), the drafter's masked and forced chains
+(drafter_svc/tree_builder.py), and what the records count. Every check
 compares with a matcher built from scratch by llguidance itself."""
 import gc
 import json
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from specd.errors import InvalidRequest
-from specd.orchestrator.records import CycleRecord, Draft, Stats, Verdict
-from specd.orchestrator.structured import add_forced, cut_forbidden, shape_draft
-from specd.rules.sampling import SamplingParams
-from specd.rules.structured import OutputConstraint
-from specd.runtime.grammar import GrammarEngine, apply_masks, live_matchers
+from orchestrator.cycle.records import CycleRecord, Draft, Stats, Verdict
+from orchestrator.cycle.structured import add_forced, cut_forbidden, shape_draft
+from specd_core.errors import InvalidRequest
+from specd_core.rules.sampling import SamplingParams
+from specd_core.rules.structured import OutputConstraint
+from specd_core.runtime.grammar import GrammarEngine, apply_masks, live_matchers
 from tests.tiny_models import build_tokenizer
 
 pytestmark = pytest.mark.unit

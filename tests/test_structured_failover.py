@@ -21,8 +21,8 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from specd.api.v1 import specdec_pb2 as pb
-from specd.runtime.models import load_model, load_tokenizer
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_failover import finish, frozen, kill, serving, stack, status  # noqa: F401 (stack: a fixture)
 from tests.test_metrics import scrape, value
 from tests.test_structured_greedy import constrained_greedy, grammar_of

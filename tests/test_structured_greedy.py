@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from specd.runtime.models import load_model, load_tokenizer
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import NEAR_TIE
 from tests.tiny_models import corpus_lines
 

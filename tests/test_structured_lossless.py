@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from specd.ops.local_stack import Stack
-from specd.rules.sampling import SamplingParams, logits_to_probs
-from specd.runtime.models import load_model, load_tokenizer
+from specd.local_stack import Stack
+from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_sampling_lossless import N, check_stream_law, null_threshold, stream_law, tv
 
 pytestmark = [pytest.mark.services, pytest.mark.statistical]

@@ -27,7 +27,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from benchmarks.json_schemas import SCHEMAS
-from specd.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2 as pb
 
 pytestmark = pytest.mark.services
 

@@ -16,8 +16,8 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from specd.ops.local_stack import Stack
-from specd.telemetry import tracing
+from specd.local_stack import Stack
+from specd_core.telemetry import tracing
 
 PROMPT = {"ids": [40, 41, 42, 43, 44, 45]}
 MAX_NEW = 20
@@ -205,8 +205,8 @@ def test_tracing_is_off_without_an_endpoint(monkeypatch):
 def test_cycle_record_and_attributes():
     """The per-cycle data the loop produces (pure): depth, bonus vs correction,
     per-position acceptance, in Stats and in the cycle span's attributes."""
-    from specd.orchestrator.loop import Draft, Stats, Verdict
-    from specd.orchestrator.tracing import cycle_attributes
+    from orchestrator.cycle.loop import Draft, Stats, Verdict
+    from orchestrator.report.tracing import cycle_attributes
 
     tree = Draft(tokens=[5, 6, 7, 8], parents=[-1, -1, 0, 2], compute_ms=1.0)   # 0 -> 2 -> 3, and 1
     stats = Stats(num_speculative_tokens=3, method="draft_model")

@@ -20,16 +20,16 @@ Run with `-s` to see the statistics.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
 import torch
 
-from specd.errors import InvalidRequest
-from specd.rules.sampling import SamplingParams, logits_to_probs, sample
-from specd.rules.tree import (
+from specd_core.errors import InvalidRequest
+from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample
+from specd_core.rules.tree import (
     TokenTree,
     TreeAcceptance,
     accept_tree_deterministic,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specd.rules.tree import (
+from specd_core.rules.tree import (
     TokenTree,
     compact_cache,
     compaction_indices,

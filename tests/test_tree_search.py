@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from benchmarks.tree_search import bfs_paths, candidates, chain, grow, measure_ranks, tokens_per_cycle
-from specd.rules.draft_shape import DraftShape
-from specd.runtime.models import load_model, load_tokenizer
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.runtime.models import load_model, load_tokenizer
 from tests.test_greedy_exact import prompts
 
 

@@ -20,7 +20,6 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-
 pytestmark = pytest.mark.cluster
 
 SPECD = [sys.executable, "-m", "specd"]

@@ -1,20 +1,19 @@
 """The pair rule: a drafter may draft for a target when their tokenizers agree
 on every id both know and on the special tokens both set
-(specd/rules/vocab.py) - not when their embedding tables have the same rows.
+(specd_core/rules/vocab.py) - not when their embedding tables have the same rows.
 Pure cases on plain dicts, then real tokenizers saved to directories
-(specd/orchestrator/pair.py) and the orchestrator refusing a wrong pair."""
+(orchestrator/pair.py) and the orchestrator refusing a wrong pair."""
 import asyncio
-
 import json
 import shutil
 
 import pytest
 from transformers import AutoTokenizer
 
-from specd.orchestrator.config import OrchestratorConfig
-from specd.orchestrator.core import Orchestrator
-from specd.orchestrator.pair import IncompatiblePair, check_pair
-from specd.rules.vocab import Vocabulary, pair_problem
+from orchestrator.config import OrchestratorConfig
+from orchestrator.core import Orchestrator
+from orchestrator.pair import IncompatiblePair, check_pair
+from specd_core.rules.vocab import Vocabulary, pair_problem
 from tests.tiny_models import VOCAB, build_model, build_padded_pair, build_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -96,7 +95,7 @@ def test_a_drafter_without_tokenizer_is_refused_clearly(tokenizer_dirs, tmp_path
 
 
 def test_an_eagle_head_is_not_checked(tokenizer_dirs, tmp_path):
-    from specd.runtime.eagle_head import KIND, is_head_dir
+    from specd_core.runtime.eagle_head import KIND, is_head_dir
 
     (tmp_path / "config.json").write_text(json.dumps({"kind": KIND}))  # no tokenizer
     assert is_head_dir(tmp_path)

@@ -1,4 +1,4 @@
-"""Train an EAGLE-style draft head (specd/runtime/eagle_head.py) on the demo target.
+"""Train an EAGLE-style draft head (specd_core/runtime/eagle_head.py) on the demo target.
 
     python -m training.eagle --target models/demo/target --out models/demo/eagle --minutes 38
 
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specd.runtime.eagle_head import EagleHead, HeadConfig, TargetParts, save_head
+from specd_core.runtime.eagle_head import EagleHead, HeadConfig, TargetParts, save_head
 
 from . import corpus
 

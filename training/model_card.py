@@ -107,7 +107,7 @@ own final norm and LM head give the draft distribution. The head ships only `fc`
 its layer ({n_params / 1e6:.2f} M parameters, fp16, {size:.1f} MB); the embedding, norm
 and LM head are read from `{cfg.get('target', '../target')}` (relative to the head).
 
-Training (`python -m training.eagle`, specd/runtime/eagle_head.py for the module): the
+Training (`python -m training.eagle`, specd_core/runtime/eagle_head.py for the module): the
 train split above (never the held-out files), random windows of {a['seq_len']} tokens,
 batch {a['batch']}; features from the frozen fp32 target on the fly. Loss per draft
 level: smooth-L1 to the target's next feature + {a['w_cls']} × cross-entropy to the

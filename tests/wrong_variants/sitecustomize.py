@@ -21,7 +21,7 @@ def _commit_on_tentative(self, tokens, what=""):
 
 
 if VARIANT == "advance_on_rejected":
-    from specd.runtime import grammar
+    from specd_core.runtime import grammar
 
     grammar.Constraint.commit = _commit_on_tentative
 elif VARIANT:

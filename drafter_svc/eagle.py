@@ -1,0 +1,312 @@
+"""Method eagle: the drafter core drafting with an EAGLE head
+(specd_core/runtime/eagle_head.py; Li et al. 2024) on the target's own features.
+
+What differs from a draft model, and nothing else (tree growth, q for sampled
+children, batching are the draft_model code, drafter_svc/tree_builder.py):
+
+* The head's KV row i is the pair (x_{i+1}, f_i): a committed token and the
+  target's feature of the token before it. The verifier sends the features of
+  the tokens it committed (all but the newest, which it has not forwarded yet),
+  so after each Propose the head holds exactly one row per known feature and
+  its last row's output predicts the token after the last committed one.
+* Draft rows are fed the head's OWN predicted feature of their parent (EAGLE's
+  autoregression on features): `HeadSession` keeps each row's output feature,
+  and a drafted row's parent is the latest earlier row it attends to (the tree
+  builders forward a node only after its ancestors; a chain level has one row).
+* The rows of the last tree were computed from predicted features, so the next
+  Propose drops them all and re-forwards the kept path with the true features
+  that came back from the verifier (EAGLE does the same); the draft_model core
+  instead keeps the accepted path's rows.
+* No pipelined (`ahead`) drafting: the next draft needs the verify's features.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from drafter_svc.core import Drafter, ProposeJob
+from specd_core.errors import InvalidRequest
+from specd_core.runtime.eagle_head import CONFIG_NAME, load_head
+from specd_core.runtime.kv_budget import KVPool
+from specd_core.runtime.lean import LeanModel
+from specd_core.runtime.models import ModelRunner, resolve_device, resolve_dtype
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def head_target_dir(head_dir: str, target_dir: str = "") -> str:
+    """The target directory whose embedding / final norm / LM head the head
+    shares: given, else the head's config `target` (relative to the head)."""
+    if target_dir:
+        return target_dir
+    rel = json.loads((Path(head_dir) / CONFIG_NAME).read_text()).get("target")
+    if not rel:
+        raise ValueError(f"{head_dir}: the head names no target; give the target directory")
+    return str((Path(head_dir) / rel).resolve())
+
+
+def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype: str = "float32"):
+    """A one-layer Llama carrying the head's decoder layer and the TARGET's
+    embedding, final norm and LM head, so the lean forward (specd_core/runtime/lean.py) runs
+    the head's layer and the target's output layer as it runs any model; and
+    the head's fc weight. Returns (hf_model, fc_weight)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    head = load_head(head_dir)
+    c = head.config
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    if target.config.hidden_size != c.hidden_size or target.config.vocab_size != c.vocab_size:
+        raise ValueError(
+            f"head {head_dir} (hidden {c.hidden_size}, vocab {c.vocab_size}) does not fit target "
+            f"{target_dir} (hidden {target.config.hidden_size}, vocab {target.config.vocab_size})"
+        )
+    cfg = LlamaConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        vocab_size=c.vocab_size,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        eos_token_id=target.config.eos_token_id,
+        bos_token_id=target.config.bos_token_id,
+    )
+    model = LlamaForCausalLM(cfg)
+    layer, src = model.model.layers[0], head.layer
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        model.model.norm.weight.copy_(target.model.norm.weight)
+        model.lm_head.weight.copy_(target.lm_head.weight)
+        layer.input_layernorm.weight.copy_(src.input_layernorm)
+        layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+    # dtype "auto": the target's checkpoint dtype (the head shares its output layer).
+    dev, dt = resolve_device(device), _DTYPES[resolve_dtype(target_dir, dtype)]
+    # transformers types its `to` (functools.wraps on a method) as if unbound.
+    return model.to(dev, dt).eval(), head.fc.weight.detach().to(dev, dt)  # type: ignore[arg-type]
+
+
+class HeadSession:
+    """The head's KV rows (a LeanSession) plus each row's output feature."""
+
+    def __init__(self, runner: HeadRunner, kv):
+        self.runner, self.kv = runner, kv
+        self.feats = torch.zeros(kv.kv.shape[3], runner.hidden_size, dtype=runner.lean.dtype, device=runner.lean.device)
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    def store(self, start: int, states: torch.Tensor) -> None:
+        end = start + states.shape[0]
+        if end > self.feats.shape[0]:
+            # As many rows as the KV cache holds (its capacity is in the budget).
+            grown = torch.zeros(
+                max(end, self.kv.capacity), self.feats.shape[1], dtype=self.feats.dtype, device=self.feats.device
+            )
+            grown[:start] = self.feats[:start]
+            self.feats = grown
+        self.feats[start:end] = states
+
+    def parent_features(self, n: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """(n, C): the predicted feature each new drafted row reads - its
+        parent's output, the latest cached row it attends to."""
+        start = self.length
+        if mask is None:
+            if n != 1:
+                raise ValueError("drafted rows go through the head one tree level at a time")
+            return self.feats[start - 1 : start]
+        seen = mask[:, :start] == 0  # (n, start)
+        order = torch.arange(1, start + 1, device=seen.device)
+        return self.feats[(seen * order).argmax(-1)]
+
+    def forward(self, token_ids: list[int], last_only: bool = False, positions=None, mask=None) -> torch.Tensor:
+        return self.runner.forward_batch([(self, token_ids, positions, mask)], last_only)[0]
+
+    def rollback(self, length: int) -> None:
+        self.kv.rollback(length)
+
+    def reserve(self, rows: int, what: str = "a session") -> None:
+        self.kv.reserve(rows, what)
+
+    def release(self) -> None:
+        self.kv.release()
+        self.feats = self.feats[:0]
+
+    def compact(self, start: int, keep: list[int]) -> None:
+        idx = torch.tensor(keep, dtype=torch.long) + start
+        self.feats[start : start + len(keep)] = self.feats[idx]
+        self.kv.compact(start, keep)
+
+
+class HeadRunner:
+    """The head as a Runner (new_session / forward_batch), which is all the
+    tree builders need: input rows are fc([embed(token); feature])."""
+
+    engine = "lean"
+
+    def __init__(self, lean: LeanModel, fc: torch.Tensor):
+        self.lean, self.fc = lean, fc  # the one-layer model (build_head_model)
+        self.hidden_size = fc.shape[0]
+        self.kv_pool: KVPool | None = None  # the drafter's KV budget (EagleDrafter installs it)
+        self.kv_dtype = lean.kv_dtype
+        # A session's rows hold K and V and, beside them, each row's output feature.
+        self.kv_row_bytes = lean.kv_row_bytes + self.hidden_size * lean.embed.element_size()
+
+    def new_session(self) -> HeadSession:
+        return HeadSession(self, self.lean.new_session(pool=self.kv_pool))
+
+    @torch.inference_mode()
+    def _run(self, items: list, feats: torch.Tensor, last_only: bool) -> list[torch.Tensor]:
+        ids = torch.tensor([t for _, toks, _, _ in items for t in toks], device=self.lean.device)
+        x = F.linear(torch.cat([self.lean.embed[ids], feats.to(self.lean.dtype)], -1), self.fc)  # (R, C)
+        starts = [s.length for s, *_ in items]
+        logits, states = self.lean.forward_embeds(
+            [(s.kv, toks, p, m) for s, toks, p, m in items], x, last_only, hidden=True
+        )
+        for (s, *_), start, st in zip(items, starts, states):
+            s.store(start, st)
+        return logits
+
+    def forward_batch(self, items: list, last_only: bool = False) -> list[torch.Tensor]:
+        """Drafted rows: items (HeadSession, token_ids, positions | None, mask | None)."""
+        if not items:
+            return []
+        feats = torch.cat([s.parent_features(len(toks), m) for s, toks, _, m in items])
+        return self._run(items, feats, last_only)
+
+    def feed_batch(self, items: list) -> list[torch.Tensor]:
+        """Committed rows: items (HeadSession, token_ids, target features (n, C)),
+        row i = (token_ids[i], features[i]); each one's logits after its last row."""
+        if not items:
+            return []
+        return self._run(
+            [(s, toks, None, None) for s, toks, _ in items], torch.cat([f for *_, f in items]), last_only=True
+        )
+
+
+class EagleDrafter(Drafter):
+    """The drafter core for method eagle (see the module docstring)."""
+
+    runner: HeadRunner  # replaces ModelCore's Runner: the head reads features too
+
+    def _warm_up(self, ids: list[str], prompt: list[int], depths: list[int], timings: dict[str, float]) -> None:
+        """None: every call of a head needs the target's features, which a
+        replica alone does not have (its first calls pay their one-off costs;
+        the orchestrator's cost model clips them, orchestrator/cycle/adaptive.py)."""
+
+    def __init__(self, config, model=None):
+        if config.engine == "hf":
+            raise ValueError("method eagle runs on the lean engine")
+        built = model or build_head_model(
+            config.model_dir, head_target_dir(config.model_dir, config.target_dir), config.device, config.dtype
+        )
+        hf_model, fc = built
+        super().__init__(config, hf_model)
+        built_runner: ModelRunner = self.runner  # still ModelCore's Runner here
+        if built_runner.lean is None:
+            raise ValueError("method eagle runs on the lean engine")
+        self.runner = HeadRunner(built_runner.lean, fc)
+        self.install_kv_pool()  # per row: the head's K and V and a feature
+
+    def tokenizer_dir(self) -> str:
+        return head_target_dir(self.config.model_dir, self.config.target_dir)
+
+    def open_session(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        params,
+        target_vocab_size: int = 0,
+        generated_from: int = 0,
+    ) -> None:
+        # Nothing to prefill yet: the head needs the prompt's features, which
+        # come from the verifier's prefill with the first Propose.
+        if self._target_vocab(target_vocab_size) != self.vocab_size:
+            # The head's table is the target's own (build_head_model checks it).
+            raise InvalidRequest(
+                f"target_vocab_size {target_vocab_size} differs from the head's {self.vocab_size} "
+                f"(an EAGLE head drafts over its target's vocabulary)"
+            )
+        self._check_request(session_id, prompt_ids, params)
+        matcher = self.constraint(params.constraint, prompt_ids, generated_from)
+        with self._lock:
+            self._check_room(session_id)
+            s = self._new_session(prompt_ids, params)
+            s.constraint = matcher
+            self._add(session_id, s)  # idle expiry counts from now
+
+    def prepare(
+        self,
+        session_id: str,
+        accepted_path: list[int],
+        committed: list[int],
+        shape,
+        ahead: bool = False,
+        rewind: bool = False,
+        hidden=None,
+        alternatives: int = 0,
+        branch: int = 0,
+        forced_room: int = 0,
+    ) -> ProposeJob:
+        # forced_room is not taken: the head's forwards read one predicted
+        # feature per token, so a forced run would cost a level per token
+        # anyway; its masked q drafts forced positions (q = 1) as it goes.
+        if ahead or rewind or alternatives or branch:
+            raise InvalidRequest("method eagle does not draft ahead (pipelined drafting is for draft_model)")
+        job = super().prepare(session_id, accepted_path, committed, shape)
+        s = job.session
+        need = len(s.tokens) + len(committed) - 1 - s.base  # features not yet fed
+        got = hidden.rows if hidden is not None else 0
+        if need < 1 or got != need:
+            raise InvalidRequest(
+                f"method eagle: hidden_states must hold the features of the {need} tokens "
+                f"committed before the newest, got {got} rows"
+            )
+        if hidden.hidden_size != self.runner.hidden_size:
+            raise InvalidRequest(
+                f"hidden_states are {hidden.hidden_size} wide; the head reads {self.runner.hidden_size}"
+            )
+        try:
+            job.hidden = hidden.decode()
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if not torch.isfinite(job.hidden).all():
+            raise InvalidRequest("hidden_states hold non-finite values")
+        return job
+
+    def _catch_up(self, j: ProposeJob) -> None:
+        # The last tree's rows were computed on predicted features: drop them
+        # all; the kept path comes back below with the target's true features.
+        s = j.session
+        s.cache.rollback(s.base)
+        s.tokens += j.committed
+        if s.constraint is not None:
+            s.constraint.commit(j.committed)
+
+    def _root_logits(self, live: list[ProposeJob]) -> list[torch.Tensor]:
+        items = []
+        for j in live:
+            s, rows = j.session, j.session.cache.length
+            assert j.hidden is not None  # prepare refuses a call without the features
+            items.append((s.cache, s.tokens[rows + 1 : rows + 1 + j.hidden.shape[0]], j.hidden))
+        return self.runner.feed_batch(items)
+
+
+def make_drafter(config, model=None) -> Drafter:
+    """The core a drafter directory asks for: an EAGLE head directory gets
+    EagleDrafter, a causal LM the draft_model Drafter."""
+    from specd_core.runtime.eagle_head import is_head_dir
+
+    return (EagleDrafter if is_head_dir(config.model_dir) else Drafter)(config, model)

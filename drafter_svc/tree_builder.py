@@ -1,0 +1,354 @@
+"""Growing a draft token tree on the drafter's model (pure of grpc).
+
+Shapes are data (`DraftShape`): a chain of K is the static tree (1,)*K, a static
+tree is a branching factor per depth (Medusa / SpecInfer style), and a dynamic
+tree grows the nodes of highest cumulative draft probability until a node budget
+is spent (EAGLE-2, Li et al. 2024). One forward per depth: the nodes of a level
+go through the model together, each seeing the committed tokens, its own
+ancestors among the tree nodes already in the cache, and itself.
+
+Children are chosen by top-k (greedy requests and dynamic trees: the verifier
+uses the greedy / deterministic-children rule) or, for sampled requests on
+static trees, drawn WITHOUT replacement from the drafter's truncated q, which
+travels with the tree (the verifier uses the sampled-children rule).
+
+Every node carries its confidence: the drafter's probability of the token it
+chose there, in the law it chose it from (a sampled child: its q; a top-k
+child: its softmax probability). With `shape.min_confidence` set, a node under
+it gets no children (it is a leaf, kept): a chain ends at its first unsure
+token. The rule decides only whether a position is drafted, from the tokens
+before it - never whether a drawn token is kept - so each token is still
+proposed exactly as drawn from the q that travels with it, and the verifier's
+rules stay exact (docs/rules.md, "Stopping where the drafter is unsure").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams, logits_to_probs, truncate_top
+from specd_core.runtime.grammar import Constraint, apply_masks
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    # Per row (0 = root, i+1 = node i): the truncated q that row's children were
+    # drawn from, only when children were sampled; else empty.
+    row_dists: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # Node indices in the order their KV rows follow the committed tokens in the cache.
+    forwarded: list[int] = field(default_factory=list)
+    # Chains on the lean engine: per node, the drafter's ranked top choices
+    # where that node was drafted - an ahead call's likely corrections
+    # (drafter_svc/branches.py). Empty when not recorded.
+    tops: list[list[int]] = field(default_factory=list)
+    # Per node: the drafter's probability of its token where it chose it.
+    confidences: list[float] = field(default_factory=list)
+    # Nodes left without the children their shape gave them, because their
+    # confidence was under shape.min_confidence.
+    pruned: int = 0
+    # Nodes the output constraint forced (q = 1 at each; grow_chains).
+    forced: list[int] = field(default_factory=list)
+
+
+def extends(confidence: float, threshold: float) -> bool:
+    """Whether the tree grows below a node of this confidence (threshold 0: always)."""
+    return confidence >= threshold
+
+
+def top_with_confidence(rows: torch.Tensor, n: int) -> tuple[list[list[int]], list[float]]:
+    """The n best ids of each row of logits (R, V), best first, and the
+    softmax probability of each row's first: one transfer to the host."""
+    top = torch.topk(rows, n)
+    first = torch.exp(top.values[:, :1].float() - torch.logsumexp(rows.float(), -1, keepdim=True))
+    # ids as float64 are exact (< 2**53): ids and probabilities come over together.
+    out = torch.cat([top.indices.double(), first.double()], 1).tolist()
+    return [[int(i) for i in r[:n]] for r in out], [r[n] for r in out]
+
+
+def _sample_without_replacement(ids: torch.Tensor, probs: torch.Tensor, n: int, gen) -> tuple[list[int], list[float]]:
+    """n draws without replacement; the ids, and each one's probability in q."""
+    left, out, conf = probs.clone(), [], []
+    for _ in range(min(n, int((probs > 0).sum()))):
+        j = int(torch.multinomial(left, 1, generator=gen))
+        out.append(int(ids[j]))
+        conf.append(float(probs[j]))
+        left[j] = 0.0
+    return out, conf
+
+
+class _Grower:
+    """Holds the tree while it grows; `forward_level` runs one depth."""
+
+    def __init__(self, session, past_len: int, constraint: Constraint | None = None):
+        self.s, self.past, self.constraint = session, past_len, constraint
+        self.tree = DraftTree()
+        self.depth: list[int] = []
+        self.ancestors: list[list[int]] = []  # per node: ancestor node indices
+
+    def add(self, token: int, parent: int, confidence: float) -> int:
+        self.tree.tokens.append(token)
+        self.tree.parents.append(parent)
+        self.tree.confidences.append(confidence)
+        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        self.ancestors.append([] if parent < 0 else self.ancestors[parent] + [parent])
+        return len(self.tree.tokens) - 1
+
+    def masked(self, logits: torch.Tensor, node: int) -> torch.Tensor:
+        """The logits of `node`'s children (-1: the root's) with what the
+        output constraint forbids after its path at -inf (no constraint: as they are)."""
+        if self.constraint is None:
+            return logits  # no path to build
+        path = [] if node < 0 else [self.tree.tokens[a] for a in self.ancestors[node]] + [self.tree.tokens[node]]
+        return masked_row(self.constraint, logits, path)
+
+    def forward_level(self, nodes: list[int]) -> torch.Tensor:
+        """Forward these nodes in one pass; return their logits (len(nodes), V)."""
+        fwd = self.tree.forwarded
+        cached = self.past + len(fwd)
+        if len(nodes) == 1 and len(self.ancestors[nodes[0]]) == len(fwd):
+            # One node that sees everything cached (every level of a chain): the
+            # plain causal forward, no mask to build.
+            logits = self.s.forward([self.tree.tokens[nodes[0]]])
+            fwd += nodes
+            return logits
+        row_of = {n: i for i, n in enumerate(fwd)}
+        mask = torch.full((len(nodes), cached + len(nodes)), float("-inf"))
+        mask[:, : self.past] = 0.0  # committed tokens
+        for r, n in enumerate(nodes):
+            for a in self.ancestors[n]:
+                mask[r, self.past + row_of[a]] = 0.0  # its ancestors
+            mask[r, cached + r] = 0.0  # itself
+        # The root (last committed token) sits at past-1; a node at depth d at past-1+d.
+        positions = torch.tensor([self.past - 1 + self.depth[n] for n in nodes])
+        logits = self.s.forward([self.tree.tokens[n] for n in nodes], positions=positions, mask=mask)
+        fwd += nodes
+        return logits
+
+
+def masked_row(constraint: Constraint | None, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """One row of draft logits under the output constraint, `path` draft tokens
+    past the committed ones: q is then the masked law, and no draft token is
+    one the verifier's masked p would give probability 0. No constraint: the
+    logits as they are."""
+    if constraint is None:
+        return logits
+    allowed = constraint.allowed(path)
+    return logits if allowed is None else apply_masks(logits, allowed)
+
+
+def build_tree(
+    session,
+    root_logits: torch.Tensor,
+    shape: DraftShape,
+    params: SamplingParams,
+    top_n: int,
+    gen: torch.Generator,
+    constraint: Constraint | None = None,
+) -> DraftTree:
+    """Grow a tree below the root. The session's cache must hold exactly the
+    committed tokens (the root is the last of them); tree nodes are appended.
+    constraint: structured output, standing at the committed tokens."""
+    g = _Grower(session, session.length, constraint)
+    if shape.dynamic:
+        _grow_dynamic(g, root_logits, shape)
+    else:
+        _grow_static(g, root_logits, shape.children(), params, top_n, gen, shape.min_confidence)
+    return g.tree
+
+
+def _choose(logits: torch.Tensor, n: int, params, top_n: int, gen):
+    """A node's n children and their confidences: the drafter's top n
+    (greedy; no q), or n draws without replacement from its truncated q,
+    returned with them (sampled). -> (ids, q or None, confidences)."""
+    if params.greedy:
+        top = torch.topk(logits, n)
+        probs = torch.exp(top.values.float() - torch.logsumexp(logits.float(), -1))
+        # ids as float64 are exact: ids and confidences come over together.
+        ids, conf = torch.stack([top.indices.double(), probs.double()]).tolist()
+        # A constraint may allow fewer than n: its forbidden tokens (probability 0) are no children.
+        ok = top.values.isfinite().tolist()
+        kept = [(int(i), c) for i, c, f in zip(ids, conf, ok) if f] or [(int(ids[0]), conf[0])]
+        return [i for i, _ in kept], None, [c for _, c in kept]
+    # The draws use the session's CPU generator; the truncated q (top_n entries)
+    # comes over once, and it is what the verifier is sent anyway.
+    ids, probs = (t.cpu() for t in truncate_top(logits_to_probs(logits, params), top_n))
+    chosen, conf = _sample_without_replacement(ids, probs, n, gen)
+    return chosen, (ids.tolist(), probs.tolist()), conf
+
+
+def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen, threshold: float = 0.0) -> None:
+    """children: how many children each node path has (DraftShape.children);
+    the k-th child of a node is the drafter's k-th choice there. A node under
+    `threshold` keeps none (DraftShape.min_confidence)."""
+    sampled = not params.greedy
+    # (rank path, node index, its logits)
+    frontier: list[tuple[tuple[int, ...], int, torch.Tensor]] = [((), -1, root_logits)]
+    dists: dict[int, tuple[list[int], list[float]]] = {}
+    while frontier:
+        level = []
+        for path, node, logits in frontier:
+            chosen, dist, conf = _choose(g.masked(logits, node), children[path], params, top_n, gen)
+            if dist:
+                dists[node + 1] = dist
+            level += [(path + (k,), g.add(t, node, c)) for k, (t, c) in enumerate(zip(chosen, conf))]
+        # Only nodes with children of their own go through the model.
+        parents = [(p, n) for p, n in level if p in children]
+        level = [(p, n) for p, n in parents if extends(g.tree.confidences[n], threshold)]
+        g.tree.pruned += len(parents) - len(level)
+        if not level:
+            break
+        logits = g.forward_level([n for _, n in level])
+        frontier = [(p, n, row) for (p, n), row in zip(level, logits)]
+    if sampled:
+        g.tree.row_dists = [dists.get(r, ([], [])) for r in range(len(g.tree.tokens) + 1)]
+
+
+def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTree]:
+    """Chains of several sessions with one batched forward per level (what
+    _grow_static does for one chain): chains are (cache, params, generator,
+    depth, root logits, min_confidence[, constraint, room]); each level picks
+    every session's next token and forwards those still drafting together: a
+    chain stops at its depth or after its first token under its
+    min_confidence, each on its own. The caches must hold exactly the
+    committed tokens. tops: ranked choices kept per node (DraftTree.tops).
+
+    With an output constraint, masked laws choose every token, and where the
+    constraint forces tokens (after the last committed token or after a
+    chosen one) up to `room` of them join the chain as forced nodes, q = 1
+    each: they ride in the forward of the token before them (the root's
+    in a forward of their own) and do not count towards the depth."""
+    grown = [DraftTree() for _ in chains]
+    levels = [0] * len(chains)  # tokens chosen (not forced) per chain
+    constraints = [c[6] if len(c) > 6 else None for c in chains]
+    forcing = [(constraints[i], chains[i][7] if len(chains[i]) > 7 else 0, chains[i][1]) for i in range(len(chains))]
+    active = [(i, chains[i][4]) for i in range(len(chains))]
+    # Forced at the root: one forward for those chains before the first level.
+    first = [(i, _force(*forcing[i], grown[i], tops > 0)) for i in range(len(chains))]
+    first = [(i, run) for i, run in first if run]
+    if first:
+        after = runner.forward_batch([(chains[i][0], run, None, None) for i, run in first])
+        ahead = {i: lg[-1] for (i, _), lg in zip(first, after)}
+        for i, run in first:
+            grown[i].forwarded += range(len(run))
+        active = [(i, ahead.get(i, lg)) for i, lg in active]
+    while active:
+        forward = []
+        active = [(i, masked_row(constraints[i], lg, grown[i].tokens)) for i, lg in active]
+        ranked = _ranked_greedy(chains, active, tops)
+        for i, logits in active:
+            cache, params, gen, depth, _, threshold = chains[i][:6]
+            tree = grown[i]
+            if i in ranked:
+                (token, *_), conf = ranked[i]
+                dist = None
+            else:
+                (token,), dist, (conf,) = _choose(logits, 1, params, top_n, gen)
+            if dist:
+                tree.row_dists.append(dist)
+            tree.tokens.append(token)
+            tree.parents.append(len(tree.tokens) - 2)
+            tree.confidences.append(conf)
+            if tops:
+                top = ranked[i][0] if i in ranked else torch.topk(logits, min(tops, logits.shape[-1])).indices.tolist()
+                tree.tops.append(top[:tops])
+            levels[i] += 1
+            node = len(tree.tokens) - 1
+            run = _force(*forcing[i], tree, tops > 0)
+            if levels[i] < depth and not extends(conf, threshold):
+                tree.pruned = 1
+            elif levels[i] < depth:
+                tree.forwarded += range(node, node + 1 + len(run))
+                forward.append((i, [token, *run]))
+        if not forward:
+            break
+        logits = runner.forward_batch([(chains[i][0], ids, None, None) for i, ids in forward])
+        active = [(i, lg[-1]) for (i, _), lg in zip(forward, logits)]
+    for tree in grown:
+        if tree.row_dists:  # the leaf's own row has no children
+            tree.row_dists.append(([], []))
+    return grown
+
+
+def _force(constraint: Constraint | None, room: int, params, tree: DraftTree, tops: bool) -> list[int]:
+    """Append the tokens the constraint forces after the chain's last node (at
+    most `room` forced nodes in all), as forced nodes; the tokens."""
+    if constraint is None or room <= len(tree.forced):
+        return []
+    run = constraint.forced(tree.tokens)[: room - len(tree.forced)]
+    for t in run:
+        if not params.greedy:
+            tree.row_dists.append(([t], [1.0]))  # the parent row's q: one point
+        tree.forced.append(len(tree.tokens))
+        tree.tokens.append(t)
+        tree.parents.append(len(tree.tokens) - 2)
+        tree.confidences.append(1.0)
+        if tops:
+            tree.tops.append([t])
+    return run
+
+
+def _ranked_greedy(chains: list, active: list, tops: int) -> dict[int, tuple[list[int], float]]:
+    """The greedy chains' ranked choices at this level, {chain: (ids best first
+    (max(1, tops) of them), the first one's probability)}, from ONE top-k over
+    all their rows and one transfer to the host - not a host sync per session,
+    which on a GPU would cost more than the level's forward at a large batch."""
+    by_width: dict[int, list] = {}  # rows of one width stack (a padded pair's are cut to the target's ids)
+    for i, lg in active:
+        if chains[i][1].greedy:
+            by_width.setdefault(lg.shape[-1], []).append((i, lg))
+    out: dict[int, tuple[list[int], float]] = {}
+    for width, greedy in by_width.items():
+        rows = torch.stack([lg for _, lg in greedy]) if len(greedy) > 1 else greedy[0][1][None]
+        ids, conf = top_with_confidence(rows, max(1, min(tops, width)))
+        out |= {i: (r, c) for (i, _), r, c in zip(greedy, ids, conf)}
+    return out
+
+
+def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:
+    """EAGLE-2 style: expand the top_k best nodes of each depth, then keep the
+    node_budget nodes of highest cumulative log-probability. A child never
+    scores above its parent, so the kept set is closed under ancestors. A
+    node under shape.min_confidence is not expanded (the next best is)."""
+    score: list[float] = []
+
+    def expand(parent: int, logits: torch.Tensor) -> list[int]:
+        logp = torch.log_softmax(g.masked(logits, parent).float(), -1)
+        top = torch.topk(logp, shape.top_k)
+        base = score[parent] if parent >= 0 else 0.0
+        made = []
+        for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+            if lp == float("-inf"):  # forbidden by the output constraint
+                continue
+            made.append(g.add(t, parent, math.exp(lp)))
+            score.append(base + lp)
+        return made
+
+    level = expand(-1, root_logits)
+    for _ in range(shape.max_depth - 1):
+        ranked = sorted(level, key=lambda n: -score[n])
+        best = [n for n in ranked if extends(g.tree.confidences[n], shape.min_confidence)][: shape.top_k]
+        g.tree.pruned += sum(n not in best for n in ranked[: shape.top_k])
+        if not best:
+            break
+        logits = g.forward_level(best)
+        level = [c for n, row in zip(best, logits) for c in expand(n, row)]
+    keep = sorted(range(len(score)), key=lambda n: (-score[n], g.depth[n]))[: shape.node_budget]
+    keep.sort(key=lambda n: (g.depth[n], n))  # parents before children
+    new = {old: i for i, old in enumerate(keep)}
+    t = g.tree
+    g.tree = DraftTree(
+        tokens=[t.tokens[n] for n in keep],
+        parents=[new[t.parents[n]] if t.parents[n] >= 0 else -1 for n in keep],
+        confidences=[t.confidences[n] for n in keep],
+        pruned=t.pruned,
+        # Forwarded rows stay in the cache in their order; pruned ones map to -1
+        # and are dropped by the next compaction.
+        forwarded=[new.get(n, -1) for n in t.forwarded],
+    )
+    assert all(p < i for i, p in enumerate(g.tree.parents)), "kept set must be closed under ancestors"

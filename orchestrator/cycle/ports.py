@@ -1,0 +1,68 @@
+"""What the loop is given: the replica clients (grpc in production,
+orchestrator/fleet/clients.py and failover.py; anything with the same async methods
+in a unit test) and the trace hooks (orchestrator/report/tracing.py; no-ops by
+default). The loop never imports grpc or OpenTelemetry."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Protocol
+
+from orchestrator.cycle.records import CycleRecord, Draft, Verdict
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.runtime.features import HiddenStates
+
+
+class VerifierClient(Protocol):
+    # The first token; hidden=True (spec.features): (first token, HiddenStates of the prompt).
+    async def open(self, session_id: str, prompt_ids: list[int], sampling, *, hidden: bool = False) -> Any: ...
+    async def verify(self, session_id: str, draft: Draft) -> Verdict: ...
+    async def close(self, session_id: str) -> None: ...
+
+
+class DrafterClient(Protocol):
+    async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None: ...
+    # alternatives (ahead calls) / branch (the call after one): ProposeRequest's
+    # ahead_alternatives / ahead_branch; forced_room: ProposeRequest's (structured
+    # output); each sent only when not 0.
+    async def propose(
+        self,
+        session_id: str,
+        accepted_path: list[int],
+        committed: list[int],
+        shape: DraftShape,
+        *,
+        ahead: bool = False,
+        rewind: bool = False,
+        hidden: HiddenStates | None = None,
+        alternatives: int = 0,
+        branch: int = 0,
+        forced_room: int = 0,
+    ) -> Draft: ...
+    async def close(self, session_id: str) -> None: ...
+
+
+class NoTrace:
+    """The trace hooks of the loop when tracing is off (orchestrator/report/tracing.py
+    has the real ones): `scope` makes the request span current around the
+    session calls; `start_cycle` opens a cycle's span (None here), `current`
+    makes it current around the draft and verify calls that nest under it,
+    `end_cycle` puts the cycle's record on it and ends it. A cycle's span is
+    opened before its Propose leaves, which is during the previous cycle."""
+
+    _null = contextlib.nullcontext()
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        return self._null
+
+    def start_cycle(self) -> Any:
+        return None
+
+    def current(self, span) -> contextlib.AbstractContextManager:
+        return self._null
+
+    def end_cycle(self, span, cycle: CycleRecord | None = None) -> None:
+        pass
+
+
+NO_TRACE = NoTrace()

@@ -1,0 +1,170 @@
+"""Prometheus metrics of the orchestrator, reported from the loop's data (the
+Chunks it yields: a CycleRecord per cycle, Stats at the end; the sessions'
+replica leases at the end), labelled by the speculative method that ran.
+Created with the Orchestrator (one per process). Also the Prometheus targets
+file, which follows the pools."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from specd_core.runtime.grammar import live_matchers
+from specd_core.telemetry.discovery import dumps, file_sd_targets, write_atomic
+from specd_core.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, SpecDecodeCounters, metric
+
+log = logging.getLogger(__name__)
+
+
+class OrchestratorMetrics:
+    def __init__(self):
+        self.spec = SpecDecodeCounters(("method",))
+        self.ttft = metric(
+            Histogram,
+            "specdec:time_to_first_token_seconds",
+            "Generate arrival to the first token (the prefill's) being streamed.",
+            ("method",),
+            buckets=TTFT_BUCKETS,
+        )
+        self.itl = metric(
+            Histogram,
+            "specdec:inter_token_latency_seconds",
+            "Time between streamed tokens: a message's gap since the previous one, spread "
+            "evenly over its tokens (observed once per token after the first).",
+            ("method",),
+            buckets=ITL_BUCKETS,
+        )
+        self.active = metric(Gauge, "specdec:active_sessions", "Generate streams in progress.")
+        metric(
+            Gauge, "specdec:grammar_matchers", "Structured-output matchers alive (one per constrained session)."
+        ).set_function(live_matchers)
+        self.forced = metric(
+            Counter,
+            "specdec:forced_tokens",
+            "Draft tokens the output constraint forced (structured output); also in num_draft_tokens.",
+            ("method",),
+        )
+        self.forced_accepted = metric(
+            Counter,
+            "specdec:forced_accepted_tokens",
+            "Forced draft tokens the verifier kept; also in num_accepted_tokens.",
+            ("method",),
+        )
+        self.prompt_tokens = metric(
+            Counter, "specdec:prompt_tokens", "Prompt tokens of finished requests.", ("method",)
+        )
+        self.generation_tokens = metric(Counter, "specdec:generation_tokens", "Tokens streamed.", ("method",))
+        self.success = metric(
+            Counter,
+            "specdec:request_success",
+            "Requests that finished, by finish reason.",
+            ("method", "finished_reason"),
+        )
+        # Its _count is the number of cycles (verify passes after the prefill,
+        # plain decode steps included): drafts per cycle = num_drafts / this count.
+        self.cycle = metric(
+            Histogram,
+            "specdec:cycle_latency_seconds",
+            "Wall time of one speculation cycle (draft, verify, commit) as the orchestrator saw it.",
+            ("method",),
+            buckets=ITL_BUCKETS,
+        )
+        self.failovers = metric(
+            Counter,
+            "specdec:failovers",
+            "Sessions moved off a lost replica (kind: the lost replica's pool), counted when the request ends.",
+            ("kind",),
+        )
+
+        # Sessions per Propose / Verify message: how well the sessions on one
+        # replica advance in step (orchestrator/fleet/clients.py StreamMux).
+        self.step_sessions = metric(
+            Histogram,
+            "specdec:step_sessions",
+            "Sessions whose calls one Propose or Verify message carried (kind: the replica's pool).",
+            ("kind",),
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
+
+    def request(self) -> RequestMetrics:
+        return RequestMetrics(self)
+
+
+class RequestMetrics:
+    """One Generate's reporting, from its arrival."""
+
+    def __init__(self, m: OrchestratorMetrics):
+        self.m = m
+        self.start = time.perf_counter()
+        self.last: float | None = None  # when the previous tokens were streamed
+        m.active.inc()
+
+    def observe(self, chunk, method: str) -> None:
+        m, now, n = self.m, time.perf_counter(), len(chunk.emit.token_ids)
+        if self.last is None:
+            # The method's children once per request: a labels() lookup takes
+            # a lock and hashes the labels, several times per cycle otherwise.
+            self.itl, self.cycle, self.tokens = (x.labels(method) for x in (m.itl, m.cycle, m.generation_tokens))
+            m.ttft.labels(method).observe(now - self.start)
+            self.last = now
+        elif n:
+            gap = (now - self.last) / n
+            for _ in range(n):
+                self.itl.observe(gap)
+            self.last = now
+        if chunk.cycle is not None:
+            m.spec.observe(len(chunk.cycle.draft.tokens), chunk.cycle.accepted, (method,))
+            self.cycle.observe(chunk.cycle.wall_ms / 1000)
+            if chunk.cycle.draft.forced_nodes:
+                m.forced.labels(method).inc(len(chunk.cycle.draft.forced_nodes))
+                m.forced_accepted.labels(method).inc(chunk.cycle.forced_accepted)
+        if n:
+            self.tokens.inc(n)
+        if chunk.emit.finish_reason:
+            m.success.labels(method, chunk.emit.finish_reason).inc()
+            m.prompt_tokens.labels(method).inc(chunk.stats.prompt_tokens)
+
+    def done(self, losses: Iterable[tuple[str, int]] = ()) -> None:
+        """losses: (pool, replicas of it lost under the session) per leased pool."""
+        self.m.active.dec()
+        for kind, n in losses:
+            if n:
+                self.m.failovers.labels(kind).inc(n)
+
+
+class TargetsFile:
+    """The deployment's Prometheus file_sd JSON (specd_core/telemetry/discovery.py),
+    kept in step with the pools and the orchestrators: rewritten (atomically)
+    when a replica or an orchestrator comes, goes or moves; unchanged lists
+    are not rewritten."""
+
+    def __init__(self, path: str, pools: dict, own_address: str):
+        """Writes the file now: a path that cannot be written fails the start."""
+        self.path, self.pools, self.own = Path(path), pools, own_address
+        # (name, metrics address) of every orchestrator when there are several
+        # (set by the owner, which writes the file; None: this one alone).
+        self.orchestrators: Callable[[], list[tuple[str, str]]] | None = None
+        self._written = ""
+        self._write(self._text())
+
+    def _text(self) -> str:
+        replicas = [r.spec for pool in self.pools.values() for r in pool.replicas.values()]
+        return dumps(file_sd_targets(replicas, self.own, self.orchestrators() if self.orchestrators else ()))
+
+    def _write(self, text: str) -> None:
+        write_atomic(self.path, text)
+        self._written = text
+
+    def update(self) -> None:
+        """After a pool change (the scaler's on_change)."""
+        text = self._text()
+        if text == self._written:
+            return
+        try:
+            self._write(text)
+        except OSError as exc:  # the service goes on; Prometheus keeps the last list
+            log.warning("could not write the Prometheus targets file %s: %s", self.path, exc)

@@ -1,2 +1,0 @@
-"""Generated gRPC stubs of the wire API (proto package `specdec.v1`, from
-protos/specd/api/v1/specdec.proto; regenerate with `python -m specd.ops.protogen`)."""

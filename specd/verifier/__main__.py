@@ -1,7 +1,0 @@
-from specd.net.service_main import model_service_main
-
-from .config import VerifierConfig
-from .server import start
-
-if __name__ == "__main__":
-    model_service_main("specd.verifier", VerifierConfig, start)

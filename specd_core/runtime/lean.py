@@ -1,0 +1,465 @@
+"""A lean forward for decoder-only transformers with a preallocated KV cache:
+Llama 1-3.3, Mistral, Qwen2/2.5, Qwen3, Phi-3/3.5, Gemma-2 and Gemma-3 text
+(specd_core/runtime/arch.py says which configs exactly; docs/models.md lists them).
+
+Why: a small model's step is almost all framework overhead (a 2.6 M model costs
+~3.4 ms per HF forward on 2 CPU cores, nearly all Python; docs/architecture.md,
+"Why things are the way they are"), and the
+HF DynamicCache grows by torch.cat every step. Here the weights are plain
+tensors, the cache is one (layers, 2, kv_heads, capacity, head_dim) tensor per
+session (grown in blocks of the replica's KV budget: LeanSession) with a length,
+rollback is `length = n` (free), and tree compaction copies only the kept rows. Configs this does not cover exactly
+(`supports`; e.g. MoE, other architectures, unknown RoPE types) fall back to the
+Hugging Face forward (specd_core.runtime.models.SessionCache); tests/test_families.py
+checks every covered family's logits, trees, compaction, hidden states and
+batching against Hugging Face's forward.
+
+What differs between the families is data (`arch.Arch`): Gemma's (1 + weight)
+norms, sandwich norms, scaled embeddings, soft-capping and query_pre_attn_scalar;
+Qwen3/Gemma-3's per-head q/k norms; Phi-3's fused weights and partial rotary;
+sliding windows per layer; RoPE per layer type (specd_core/runtime/rope.py, HF's own
+frequency functions).
+
+Sliding windows: a key is attended when the query's position minus its position
+is below the window (Hugging Face's rule). Positions are not stored per cache
+row; instead a row attends to the last `window` keys that its mask lets it see.
+The rows a mask shows a query (the committed sequence, then its tree ancestors,
+then itself) are its own sequence, at consecutive positions - so the last
+`window` of them are exactly the keys within the window, trees included. A window
+at least as long as the cache is plain attention.
+
+The KV cache is float32 on a CPU even when the weights are bf16/fp16: CPU
+attention kernels have no fast half-precision path (measured here: one
+decode-step attention, 4 heads x 64 dims x 200 keys, takes 250 us in bf16 and
+85 us in fp32), and with several sessions per forward attention runs once per
+session and layer. The stored keys/values are the bf16 results widened, so
+only the softmax's arithmetic is more precise than a bf16 cache's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from specd_core.runtime.arch import Arch, describe
+from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, kv_row_bytes
+from specd_core.runtime.rope import Rope
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def supports(config) -> bool:
+    """Whether the lean forward computes exactly what Hugging Face's does for this config."""
+    return isinstance(describe(config), Arch)
+
+
+def unsupported_reason(config) -> str | None:
+    """Why the lean forward does not cover a config (None: it does)."""
+    arch = describe(config)
+    return None if isinstance(arch, Arch) else arch
+
+
+def _fused(module, fused: str, parts: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a module's projections concatenated along the output rows."""
+    if hasattr(module, fused):
+        return getattr(module, fused).weight, getattr(module, fused).bias
+    linears = [getattr(module, p) for p in parts]
+    bias = torch.cat([x.bias for x in linears]) if linears[0].bias is not None else None
+    return torch.cat([x.weight for x in linears]), bias
+
+
+class _Attend(NamedTuple):
+    """How one item's new rows attend in layers of one window size."""
+
+    k0: int  # first cache row they may see (a window shorter than the cache starts later)
+    mask: torch.Tensor | None  # additive, (1, 1, n, end - k0); None: see causal
+    causal: bool  # without a mask: causal over the new rows (no cached rows before)
+
+
+class _Plan(NamedTuple):
+    """One item of a batched forward: where its rows go and how they attend."""
+
+    session: LeanSession
+    n: int  # rows it adds
+    start: int  # its cache length before them
+    end: int
+    attend: tuple[_Attend, ...]  # per distinct window of the model's layers (LeanModel.windows)
+
+
+class LeanModel:
+    """Weights pulled out of a loaded HF model; forward on a LeanSession."""
+
+    def __init__(self, hf_model):
+        cfg = hf_model.config
+        arch = describe(cfg)
+        if not isinstance(arch, Arch):
+            raise ValueError(f"the lean engine does not cover this {cfg.model_type} config: {arch}")
+        self.arch = arch
+        self.config = cfg
+        self.device = hf_model.device
+        self.dtype = next(hf_model.parameters()).dtype
+        self.kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.max_positions = cfg.max_position_embeddings
+        self.scale = arch.attn_scale
+        self.softcap = arch.attn_softcap
+        self.final_softcap = arch.final_softcap
+        self._gemma_norm = arch.gemma_norm
+        self._act = _ACTIVATIONS[arch.act]
+        m = hf_model.model
+        # Distinct windows and RoPE parameter sets; each layer points at its own.
+        self.windows = list(dict.fromkeys(arch.windows))
+        self._rope_keys = list(dict.fromkeys(arch.rope_keys))
+        rotary_cls = type(m.rotary_emb)
+        self.ropes = [Rope(cfg, rotary_cls, key, self.device, self.dtype) for key in self._rope_keys]
+        self.embed = m.embed_tokens.weight
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as HF does.
+        self.embed_scale = (
+            torch.tensor(arch.embed_scale).to(self.device, self.dtype) if arch.embed_scale is not None else None
+        )
+        self.norm = self._norm_weight(m.norm)
+        self.lm_head = hf_model.lm_head.weight
+        self.layers = [self._layer(i, layer) for i, layer in enumerate(m.layers)]
+        self.vocab_size = self.lm_head.shape[0]
+
+    def _layer(self, i: int, layer) -> dict:
+        """Layer i's weights as plain tensors, and which window and RoPE it uses."""
+        a, mlp, arch = layer.self_attn, layer.mlp, self.arch
+        # One fused QKV matmul: fewer kernel launches is what matters at this size.
+        # Phi-3 stores QKV and gate/up fused already.
+        qkv_w, qkv_b = _fused(a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        gate_up, gate_up_b = _fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        # The norm before the MLP: Gemma's pre_feedforward, the others' post_attention.
+        ln2 = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
+        return {
+            "ln1": self._norm_weight(layer.input_layernorm),
+            "ln2": self._norm_weight(ln2),
+            "post_attn": self._norm_weight(layer.post_attention_layernorm) if arch.sandwich else None,
+            "post_ff": self._norm_weight(layer.post_feedforward_layernorm) if arch.sandwich else None,
+            "q_norm": self._norm_weight(a.q_norm) if hasattr(a, "q_norm") else None,
+            "k_norm": self._norm_weight(a.k_norm) if hasattr(a, "k_norm") else None,
+            "qkv_w": qkv_w,
+            "qkv_b": qkv_b,
+            "o": a.o_proj.weight,
+            "o_b": a.o_proj.bias,
+            "gate_up": gate_up,
+            "gate_up_b": gate_up_b,
+            "down": mlp.down_proj.weight,
+            "down_b": mlp.down_proj.bias,
+            "kind": self.windows.index(arch.windows[i]),
+            "rope": self._rope_keys.index(arch.rope_keys[i]),
+        }
+
+    def _norm_weight(self, norm) -> torch.Tensor:
+        # Gemma's RMSNorm multiplies by (1 + weight) in float32: precomputed once.
+        return 1.0 + norm.weight.float() if self._gemma_norm else norm.weight
+
+    def new_session(self, max_len: int | None = None, pool: KVPool | None = None) -> LeanSession:
+        return LeanSession(self, max_len or self.max_positions, pool)
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one cache row over all layers (the KV budget's unit, specd_core/runtime/kv_budget.py)."""
+        return kv_row_bytes(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype)
+
+    @property
+    def hf_config(self):
+        return self.config
+
+    def _rms(self, x, w):
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self._gemma_norm:
+            return (normed * w).to(x.dtype)
+        return normed.to(x.dtype) * w
+
+    @staticmethod
+    def _rope(x, cos, sin):  # x: (R, H, d); cos, sin: (R, 1, rotary_dim)
+        rd = cos.shape[-1]
+        if rd != x.shape[-1]:  # partial rotary (Phi-3): the rest of each head passes through
+            return torch.cat([LeanModel._rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+        half = rd // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(
+        self,
+        s: LeanSession,
+        token_ids: list[int],
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Append tokens at cache rows [length, length+n); return logits (n or 1, V).
+
+        positions: (n,) RoPE positions (default: the cache rows); mask: (n, length+n)
+        additive float mask over the cache rows (default: causal)."""
+        return self.forward_batch([(s, token_ids, positions, mask)], last_only)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool = False):
+        """One forward for several sessions: items are (session, token_ids,
+        positions | None, mask | None) as in `forward`; returns each one's logits,
+        or (logits, hidden states) with `hidden`. last_only: for all items, or
+        one flag per item (a prefill beside verifies needs only its last row).
+
+        Every weight matmul (QKV, output, MLP, LM head) runs once over the rows
+        of all sessions together - at small batch a step is bound by reading
+        the weights, so this is where batching pays. Attention runs per session
+        on its own cache rows, in place: no session's cache is copied."""
+        ids = [t for _, token_ids, _, _ in items for t in token_ids]
+        x = self.embed[torch.tensor(ids, device=self.device)]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        return self.forward_embeds(items, x, last_only, hidden)
+
+    @torch.inference_mode()
+    def forward_embeds(self, items: list, x: torch.Tensor, last_only: bool | list[bool] = False, hidden: bool = False):
+        """forward_batch from input rows x (R, C) instead of token embeddings
+        (the token ids of items only count rows). hidden: also return each
+        item's last-layer hidden states before the final norm, (n, C), every
+        row even with last_only - the features an EAGLE head reads (and, for a
+        head built on this class, the features it predicts)."""
+        plans, rope = self._plan(items)
+        sizes = [p.n for p in plans]
+        rows = sum(sizes)
+        for i, L in enumerate(self.layers):
+            x = x + self._attention(i, L, x, plans, rope[L["rope"]], rows)
+            x = x + self._mlp(L, x)
+        for p in plans:
+            p.session.length = p.end
+        states = list(x.split(sizes)) if hidden else None  # (n, C) per session
+        logits = self._logits(x, sizes, last_only)
+        return (logits, states) if hidden else logits
+
+    def _plan(self, items: list) -> tuple[list[_Plan], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each item's cache rows (reserved now) and attention per window, and
+        the RoPE cos/sin of all rows per RoPE parameter set, (R, 1, rotary_dim)."""
+        plans, rope_items = [], []
+        for s, token_ids, positions, mask in items:
+            n, start = len(token_ids), s.length
+            end = start + n
+            s.reserve(end)
+            default = positions is None
+            pos = torch.arange(start, end, device=self.device) if default else positions.to(self.device)
+            rope_items.append((pos, start, end, default))
+            attend = tuple(self._attend(mask, n, start, end, window) for window in self.windows)
+            plans.append(_Plan(s, n, start, end, attend))
+        rope = []
+        for r in self.ropes:
+            cos, sin = r.cos_sin(rope_items)
+            rope.append((cos[:, None], sin[:, None]))
+        return plans, rope
+
+    def _attend(self, mask: torch.Tensor | None, n: int, start: int, end: int, window: int | None) -> _Attend:
+        """How n new rows after start cached ones attend, in layers with this window."""
+        kvt = self.kv_dtype
+        if window is None or window >= end:  # every key the mask allows is within the window
+            attn_mask, causal = self._attn_mask(mask, n, start, end)
+            if causal and self.softcap is not None:  # the explicit path needs the mask itself
+                attn_mask = torch.full((n, n), float("-inf"), dtype=kvt, device=self.device).triu(1)[None, None]
+                causal = False
+            return _Attend(0, attn_mask, causal)
+        if mask is None:
+            # A row at r sees keys (r - window, r]: slice the cache from the first row's first key.
+            k0 = max(0, start - window + 1)
+            if n == 1:
+                return _Attend(k0, None, False)
+            rows = torch.arange(start, end, device=self.device)[:, None]
+            keys = torch.arange(k0, end, device=self.device)[None]
+            seen = (keys <= rows) & (keys > rows - window)
+            attn_mask = torch.zeros(n, end - k0, dtype=kvt, device=self.device).masked_fill_(~seen, float("-inf"))
+            return _Attend(k0, attn_mask[None, None], False)
+        # A given mask (a tree): keep the last `window` keys each row may see.
+        attn_mask = mask.to(self.device, kvt)
+        seen = attn_mask > torch.finfo(kvt).min / 2
+        later = seen.flip(-1).cumsum(-1).flip(-1)  # keys seen at or after each column
+        return _Attend(0, attn_mask.masked_fill(later > window, float("-inf"))[None, None], False)
+
+    def _attn_mask(self, mask: torch.Tensor | None, n: int, start: int, end: int) -> tuple[torch.Tensor | None, bool]:
+        """(additive mask (1, 1, n, end) or None, is_causal) for n new rows after start cached ones."""
+        kvt = self.kv_dtype
+        if mask is not None:
+            return mask.to(self.device, kvt)[None, None], False
+        if n > 1 and start > 0:
+            # Causal over the new rows, full attention to the past.
+            attn_mask = torch.full((n, end), float("-inf"), dtype=kvt, device=self.device)
+            attn_mask[:, :start] = 0
+            attn_mask[:, start:] = torch.triu(attn_mask[:, start:], diagonal=1)
+            return attn_mask[None, None], False
+        return None, n > 1
+
+    def _attention(self, i: int, L: dict, x: torch.Tensor, plans: list[_Plan], rope, rows: int):
+        """Layer i's attention block over all rows: its output projection, (R, C).
+        Writes each session's new keys and values into its cache rows."""
+        hd, nh, nkv, kvt = self.head_dim, self.n_heads, self.n_kv, self.kv_dtype
+        h = self._rms(x, L["ln1"])
+        qkv = F.linear(h, L["qkv_w"], L["qkv_b"])  # (R, (nh+2nkv)*hd)
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k = q.view(rows, nh, hd), k.view(rows, nkv, hd)
+        if L["q_norm"] is not None:  # per-head norms before RoPE (Qwen3, Gemma-3)
+            q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
+        # RoPE and the cast to the cache's dtype once over every session's rows.
+        cos, sin = rope
+        q = self._rope(q, cos, sin).to(kvt).transpose(0, 1)  # (nh, R, hd)
+        k = self._rope(k, cos, sin).to(kvt).transpose(0, 1)  # (nkv, R, hd)
+        v = v.view(rows, nkv, hd).to(kvt).transpose(0, 1)
+        kind, cap = L["kind"], self.softcap
+        ys, r0 = [], 0
+        for s, n, start, end, attend in plans:
+            k0, attn_mask, causal = attend[kind]
+            s.kv[i, 0, :, start:end] = k[:, r0 : r0 + n]
+            s.kv[i, 1, :, start:end] = v[:, r0 : r0 + n]
+            if cap is not None:
+                ys.append(self._capped(q[:, r0 : r0 + n], s.kv[i, 0, :, k0:end], s.kv[i, 1, :, k0:end], attn_mask, cap))
+            else:
+                # 4-D (batch of 1): with 3-D inputs PyTorch's CPU dispatch takes the
+                # unfused "math" attention, ~3.5x slower per call here (334 vs 94 us
+                # for 5 queries x 155 keys), and a batched verify makes a call per
+                # session and layer.
+                ys.append(
+                    F.scaled_dot_product_attention(
+                        q[None, :, r0 : r0 + n],
+                        s.kv[i, 0, None, :, k0:end],
+                        s.kv[i, 1, None, :, k0:end],
+                        attn_mask=attn_mask,
+                        is_causal=causal,
+                        scale=self.scale,
+                        enable_gqa=nh != nkv,
+                    )[0]
+                )  # (nh, n, hd)
+            r0 += n
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # (nh, R, hd)
+        out = F.linear(y.transpose(0, 1).reshape(rows, nh * hd).to(x.dtype), L["o"], L["o_b"])
+        return out if L["post_attn"] is None else self._rms(out, L["post_attn"])
+
+    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, cap: float):
+        """Attention with tanh soft-capped scores (Gemma-2), in Hugging Face's
+        eager order: scale, cap, mask, softmax in float32. SDPA has no cap, so
+        this is explicit. q (nh, n, hd), k/v (nkv, L, hd) -> (nh, n, hd)."""
+        nh, n, hd = q.shape
+        nkv = k.shape[0]
+        g = nh // nkv  # query heads per KV head, grouped as HF's repeat_kv does
+        scores = torch.matmul(q.reshape(nkv, g * n, hd), k.transpose(1, 2)).view(nh, n, -1) * self.scale
+        scores = torch.tanh(scores / cap) * cap
+        if attn_mask is not None:
+            scores = scores + attn_mask[0]
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs.view(nkv, g * n, -1), v).view(nh, n, hd)
+
+    def _mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP block (SwiGLU / GeGLU), (R, C)."""
+        h = self._rms(x, L["ln2"])
+        gate, up = F.linear(h, L["gate_up"], L["gate_up_b"]).chunk(2, dim=-1)
+        out = F.linear(self._act(gate) * up, L["down"], L["down_b"])
+        return out if L["post_ff"] is None else self._rms(out, L["post_ff"])
+
+    def _logits(self, x: torch.Tensor, sizes: list[int], last_only: bool | list[bool]) -> list[torch.Tensor]:
+        """Final norm and LM head over the rows wanted: every row, or each
+        item's last where last_only says so; one (n or 1, V) float tensor per item."""
+        if last_only:
+            flags = last_only if isinstance(last_only, list) else [True] * len(sizes)
+            if all(flags):
+                x = x[torch.tensor(sizes, device=self.device).cumsum(0) - 1]  # each session's last row
+            else:
+                ends = torch.tensor(sizes).cumsum(0).tolist()
+                keep = [r for n, e, last in zip(sizes, ends, flags) for r in ((e - 1,) if last else range(e - n, e))]
+                x = x[torch.tensor(keep, device=self.device)]
+            sizes = [1 if last else n for n, last in zip(sizes, flags)]
+        logits = F.linear(self._rms(x, self.norm), self.lm_head)
+        if self.final_softcap is not None:  # Gemma: in the model dtype, before the cast, as HF
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return list(logits.float().split(sizes))
+
+
+class LeanSession:
+    """One session's KV rows; rollback is moving the length, compaction copies only kept rows.
+
+    The cache is one contiguous tensor (attention reads it in place) whose
+    capacity is a whole number of blocks of the replica's KV pool
+    (specd_core/runtime/kv_budget.py); it grows geometrically in blocks, so copies
+    stay amortised, never past what the pool grants nor the model's context,
+    and gives its blocks back on `release` (the session closed or expired).
+    Without a pool (tests, tools) it grows the same way, unaccounted."""
+
+    GROWTH = 0.25  # a grow adds at least this fraction of the capacity (and at least one block)
+
+    def __init__(self, model: LeanModel, max_len: int, pool: KVPool | None = None):
+        self.lean = model
+        self.max_len = max_len
+        self.pool = pool
+        self.block_rows = pool.block_rows if pool else DEFAULT_BLOCK_ROWS
+        self.kv = self._alloc(0)  # the first reserve (the prefill) sizes it
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        """Rows the cache holds without growing."""
+        return self.kv.shape[3]
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of the pool this session holds."""
+        return self.capacity // self.block_rows
+
+    @torch.inference_mode()
+    def _alloc(self, rows: int) -> torch.Tensor:
+        m = self.lean
+        return torch.zeros(len(m.layers), 2, m.n_kv, rows, m.head_dim, dtype=m.kv_dtype, device=m.device)
+
+    @torch.inference_mode()
+    def reserve(self, rows: int, what: str = "a session") -> None:
+        """Grow capacity to hold `rows` rows: by max(1 block, GROWTH of the
+        capacity), or just the blocks needed when the pool has no more.
+        CapacityExceeded when even those are not free; the session is unchanged
+        then (nothing taken, nothing copied)."""
+        if rows > self.max_len:
+            raise ValueError(f"{rows} rows exceed the model's context of {self.max_len}")
+        if rows <= self.capacity:
+            return
+        have, limit = self.blocks, -(-self.max_len // self.block_rows)
+        need = -(-rows // self.block_rows) - have
+        want = min(max(need, max(1, int(have * self.GROWTH))), limit - have)
+        got = self.pool.take(want, need, what) if self.pool else want
+        try:
+            new = self._alloc((have + got) * self.block_rows)
+        except BaseException:  # out of device memory: the blocks were not used
+            if self.pool:
+                self.pool.give(got)
+            raise
+        new[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
+        self.kv = new
+
+    def release(self) -> None:
+        """Free the cache and give its blocks back (the session is over)."""
+        blocks = self.blocks
+        self.kv, self.length = self._alloc(0), 0
+        if self.pool:
+            self.pool.give(blocks)
+
+    def forward(self, token_ids: list[int], last_only: bool = False, positions=None, mask=None) -> torch.Tensor:
+        return self.lean.forward(self, token_ids, positions, mask, last_only)
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
+        self.length = length
+
+    @torch.inference_mode()
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Keep rows start+keep[j] at start+j (keep ascending), drop the rest."""
+        if keep != list(range(len(keep))):  # a kept prefix is already in place
+            idx = torch.tensor(keep, device=self.kv.device) + start
+            self.kv[:, :, :, start : start + len(keep)] = self.kv[:, :, :, idx]
+        self.rollback(start + len(keep))
