@@ -118,6 +118,21 @@ def _contribution(decode, anchors: list[int], heads: list[str], token: int) -> s
     return seen[0]
 
 
+def _one_token(decode, anchors: list[int], heads: list[str], token: int, piece: str | None, kinds: set[str]) -> bytes:
+    # A piece that is part of a UTF-8 character decodes as U+FFFD (one per
+    # byte, or merged with a neighbour's bytes): its bytes come from the
+    # vocabulary entry instead.
+    if "\ufffd" not in (piece or "") and any("\ufffd" in decode([a, token]) for a in anchors):
+        raw = _raw_bytes(piece, kinds)
+        if raw is None:
+            raise TokenizerUnsupported(
+                f"structured output is unavailable: token {token} ({piece!r}) writes part of a character, "
+                "and the tokenizer's decoder says of no byte it stands for"
+            )
+        return raw
+    return _contribution(decode, anchors, heads, token).encode()
+
+
 def token_bytes(tokenizer) -> list[bytes]:
     """Each id's bytes as the grammar engine needs them: what it adds to the
     decoded text; a special token's name behind SPECIAL_MARKER (it writes no
@@ -132,15 +147,5 @@ def token_bytes(tokenizer) -> list[bytes]:
         if token in specials:
             out.append(SPECIAL_MARKER + str(piece or "").encode())
             continue
-        text = _contribution(decode, anchors, heads, token)
-        if "\ufffd" in text and "\ufffd" not in (piece or ""):
-            raw = _raw_bytes(piece, kinds)
-            if raw is None:
-                raise TokenizerUnsupported(
-                    f"structured output is unavailable: token {token} ({piece!r}) writes part of a character, "
-                    "and the tokenizer's decoder says of no byte it stands for"
-                )
-            out.append(raw)
-        else:
-            out.append(text.encode())
+        out.append(_one_token(decode, anchors, heads, token, piece, kinds))
     return out
