@@ -195,7 +195,7 @@ def char_stacks(char_models):
     target, drafter, cleaned = char_models
     stacks = {"fuse": Stack(target, drafter)}
     try:
-        stacks["cleaned"] = Stack(cleaned, None)
+        stacks["cleaned"] = Stack(cleaned, None, orchestrator_args=("--method", "ngram"))
         yield stacks
     finally:
         for s in stacks.values():
