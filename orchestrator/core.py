@@ -33,7 +33,7 @@ from orchestrator.report.tracing import request_trace
 from orchestrator.spec_config import DRAFTER_METHODS
 from specd_core.errors import CapacityExceeded, ShuttingDown
 from specd_core.runtime.eagle_head import is_head_dir
-from specd_core.runtime.grammar import Constraint, GrammarEngine
+from specd_core.runtime.grammar import Constraint, GrammarEngine, engine_of, try_engine
 from specd_core.runtime.grammar import eos_ids as grammar_eos_ids
 from specd_core.runtime.models import context_length, load_tokenizer
 
@@ -90,8 +90,9 @@ class Orchestrator:
         self.vocab_size = target_cfg.vocab_size
         self.target_ctx = context_length(target_cfg)
         self.eos_ids = eos_ids(target_cfg)
-        self._grammar_eos = grammar_eos_ids(target_cfg, self.tokenizer)
-        self._grammar: GrammarEngine | None = None  # built on the first structured-output request
+        # Built at start: a tokenizer structured output cannot run over is
+        # logged once here, and each constrained request is refused with why.
+        self._grammar = try_engine(self.tokenizer, grammar_eos_ids(target_cfg, self.tokenizer))
         self.drafter_ctx = self.target_ctx
         # What the drafter pool serves: an EAGLE head directory (method eagle,
         # on the target's features) or a draft model.
@@ -169,10 +170,9 @@ class Orchestrator:
 
     @property
     def grammar(self) -> GrammarEngine:
-        """Structured output over the target's tokenizer (specd_core/runtime/grammar.py)."""
-        if self._grammar is None:
-            self._grammar = GrammarEngine(self.tokenizer, self._grammar_eos)
-        return self._grammar
+        """Structured output over the target's tokenizer (specd_core/runtime/grammar.py);
+        TokenizerUnsupported (FAILED_PRECONDITION) where it cannot run."""
+        return engine_of(self._grammar)
 
     def client_for(self, spec: ReplicaSpec):
         tls, limit = self.config.tls, self.config.max_message_bytes

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specd_core.errors import CapacityExceeded, InvalidRequest, SessionExpired, ShuttingDown
+from specd_core.errors import CapacityExceeded, InvalidRequest, SessionExpired, ShuttingDown, Unsupported
 from specd_core.net.security import TlsConfig
 from specd_core.telemetry.probe import mark
 
@@ -134,6 +134,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, _short(str(exc))
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, _short(str(exc))
+    if isinstance(exc, Unsupported):
+        return grpc.StatusCode.FAILED_PRECONDITION, _short(str(exc))
     if isinstance(exc, CapacityExceeded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, _short(str(exc))
     if isinstance(exc, ShuttingDown):
