@@ -1,12 +1,53 @@
+"""The orchestrator's settings: `OrchestratorConfig`, and the records it holds
+of the fleet - the replicas it is given (`ReplicaSpec`) and the autoscaling
+policy of a pool (`AutoscalePolicy`). Plain data at the bottom of the
+orchestrator's layers: the fleet (orchestrator/fleet/) acts on them."""
+
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from orchestrator.fleet.pool import ReplicaSpec
-from orchestrator.fleet.scaling import AutoscalePolicy
 from orchestrator.spec_config import SpeculativeConfig
 from specd_core.net.grpc_util import MAX_MESSAGE_BYTES
 from specd_core.net.security import TlsConfig
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """A running replica as the orchestrator learns of it."""
+
+    kind: str  # "verifier" | "drafter"
+    name: str  # unique in the deployment (the Ray actor name on Ray)
+    address: str  # host:port of its gRPC server
+    node: str = ""  # where it runs (Ray node), for status
+    # host:port of its Prometheus /metrics ("" if unknown); on Ray a restarted
+    # replica serves it at a new port, like its gRPC server.
+    metrics_address: str = ""
+
+
+@dataclass(frozen=True)
+class AutoscalePolicy:
+    """Replicas for a pool from its load: enough that each serves about
+    `target_sessions` sessions, within [min_replicas, max_replicas]."""
+
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_sessions: int = 8
+
+    def desired(self, sessions: int) -> int:
+        return max(self.min_replicas, min(self.max_replicas, math.ceil(sessions / self.target_sessions)))
+
+    @staticmethod
+    def parse(text: str) -> AutoscalePolicy:
+        """'MIN:MAX:TARGET_SESSIONS', e.g. '1:8:4'."""
+        try:
+            lo, hi, target = (int(x) for x in text.split(":"))
+        except ValueError:
+            raise ValueError(f"want MIN:MAX:TARGET_SESSIONS like 1:8:4, got {text!r}") from None
+        if not (0 <= lo <= hi and target >= 1):
+            raise ValueError(f"want 0 <= MIN <= MAX and TARGET_SESSIONS >= 1, got {text!r}")
+        return AutoscalePolicy(lo, hi, target)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.fleet.pool import Pool, ReplicaSpec
 from orchestrator.fleet.scaling import Scaler
-from orchestrator.report.metrics import TargetsFile
+from orchestrator.fleet.discovery import TargetsFile
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.telemetry.discovery import dumps, file_sd_targets, write_atomic
 from tests.test_pool import FakeClient, LocatingLauncher

@@ -24,7 +24,7 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     tls = _checked_tls(parser, name, args)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
-    tracing.setup(name.rsplit(".", 1)[-1])
+    tracing.setup(name.rsplit(".", 1)[-1].removesuffix("_svc"))
     prefer_latency()
     _serve(name, _config_from_args(config_cls, args, tls), start, args)
 
