@@ -10,7 +10,8 @@ default and help from there:
     index: int = field(default=0, metadata=not_flag("set per orchestrator by the Ray deployment"))
 
 A field's flag is --its-name (underscores as dashes) unless `name` says
-otherwise; its default is the field's; its type the field's (the X of `X | None`).
+otherwise, parsed to the attribute argparse names after the flag; its default
+is the field's; its type the field's (the X of `X | None`).
 A field with neither kind of metadata is an error when flags are generated, so a
 new field cannot be forgotten (tests/test_cli_flags.py checks every config).
 """
@@ -81,6 +82,14 @@ def flag_name(f: dataclasses.Field) -> str:
     return s.name or "--" + f.name.replace("_", "-")
 
 
+def dest(f: dataclasses.Field) -> str:
+    """Where argparse puts a field's flag: as it would for the flag's name, so
+    that a command's parsed arguments keep the names their flags have."""
+    s = spec(f)
+    assert isinstance(s, Flag), f.name
+    return s.options.get("dest") or flag_name(f).lstrip("-").replace("-", "_")
+
+
 def _flag_fields(cls, exclude: Collection[str]) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.name not in exclude and not isinstance(spec(f), NotFlag)]
 
@@ -95,15 +104,13 @@ def add_flags(parser, cls, exclude: Collection[str] = ()) -> None:
             s.add(parser)
             continue
         assert isinstance(s, Flag)
-        kwargs: dict[str, Any] = {"dest": f.name, "help": s.help}
+        kwargs: dict[str, Any] = {"dest": dest(f), "help": s.help}
         action = s.options.get("action")
         if action not in ("store_true", "store_false"):
             if action != "append" and (kind := _scalar(hints[f.name])) is not str:
                 kwargs["type"] = kind
             if not s.options.get("required"):
                 kwargs["default"] = _default(f)
-            if "choices" not in s.options:  # shown as argparse shows a flag's own name, not the field's
-                kwargs["metavar"] = flag_name(f).lstrip("-").replace("-", "_").upper()
         parser.add_argument(flag_name(f), **{**kwargs, **s.options})
 
 
@@ -116,8 +123,8 @@ def config_from_args(cls, args: argparse.Namespace, **given: Any):
         s = spec(f)
         if isinstance(s, FlagGroup):
             values[f.name] = s.read(args)
-        elif hasattr(args, f.name):
-            values[f.name] = getattr(args, f.name)
+        elif hasattr(args, dest(f)):
+            values[f.name] = getattr(args, dest(f))
     return cls(**values)
 
 

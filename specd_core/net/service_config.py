@@ -116,6 +116,7 @@ class ModelServiceConfig:
             "serve at once, without first running a forward of each shape (the first calls pay their one-off costs)",
             name="--no-warmup",
             action="store_false",
+            dest="warmup",
         ),
     )
     # TLS / mTLS on this server (specd_core.net.security); None = plaintext
