@@ -71,15 +71,15 @@ def _add_generate_parser(sub) -> None:
 
 def _add_admin_parsers(sub) -> None:
     """status, scale and metrics-targets: Admin calls to the orchestrator."""
-    status = sub.add_parser(
-        "status", help="pools, replicas, orchestrators, their nodes, addresses, sessions (of every orchestrator)"
-    )
-    status.add_argument("--address", help=ADDRESS_HELP)
-    status.add_argument("--timeout", type=float, default=10.0)
-    _add_client_flags(status)
-    status.set_defaults(func=cmd_status)
-    scale = sub.add_parser(
-        "scale", help="resize the drafter and/or verifier pool, or the orchestrators, live (down = drain)"
+    _admin_parser(
+        sub, "status", "pools, replicas, orchestrators, their nodes, addresses, sessions (of every orchestrator)"
+    ).set_defaults(func=cmd_status)
+    scale = _admin_parser(
+        sub,
+        "scale",
+        "resize the drafter and/or verifier pool, or the orchestrators, live (down = drain)",
+        timeout=900.0,
+        timeout_help="seconds to wait for new replicas",
     )
     scale.add_argument("--drafters", type=int, help="serving drafter replicas wanted")
     scale.add_argument("--verifiers", type=int, help="serving verifier replicas wanted")
@@ -89,17 +89,19 @@ def _add_admin_parsers(sub) -> None:
         help="orchestrators serving the one address (down: the removed ones stop listening and leave "
         "when their running streams have ended)",
     )
-    scale.add_argument("--address", help=ADDRESS_HELP)
-    scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for new replicas")
-    _add_client_flags(scale)
     scale.set_defaults(func=cmd_scale)
-    targets = sub.add_parser(
-        "metrics-targets", help="every Prometheus /metrics endpoint as file_sd JSON (from the orchestrator's status)"
-    )
-    targets.add_argument("--address", help=ADDRESS_HELP)
-    targets.add_argument("--timeout", type=float, default=10.0)
-    _add_client_flags(targets)
-    targets.set_defaults(func=cmd_metrics_targets)
+    _admin_parser(
+        sub, "metrics-targets", "every Prometheus /metrics endpoint as file_sd JSON (from the orchestrator's status)"
+    ).set_defaults(func=cmd_metrics_targets)
+
+
+def _admin_parser(sub, name: str, help: str, timeout: float = 10.0, timeout_help: str | None = None):  # noqa: A002
+    """A client command's parser: --address, --timeout, the token and TLS flags."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("--address", help=ADDRESS_HELP)
+    p.add_argument("--timeout", type=float, default=timeout, help=timeout_help)
+    _add_client_flags(p)
+    return p
 
 
 def _add_client_flags(p) -> None:
