@@ -128,11 +128,6 @@ def config_from_args(cls, args: argparse.Namespace, **given: Any):
     return cls(**values)
 
 
-def unflagged(cls) -> dict[str, str]:
-    """The fields no flag sets, with the reason for each."""
-    return {f.name: s.reason for f in dataclasses.fields(cls) if isinstance(s := spec(f), NotFlag)}
-
-
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
