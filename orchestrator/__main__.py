@@ -12,76 +12,27 @@ import asyncio
 import logging
 import signal
 
-from orchestrator.config import OrchestratorConfig, add_http_flags
+from orchestrator.config import OrchestratorConfig
 from orchestrator.edge.server import start_async
-from orchestrator.spec_config import add_speculative_flags, speculative_config_from_args
+from specd_core.net import flags
 from specd_core.net.auth import tokens_from_env_and_file
-from specd_core.net.grpc_util import MAX_MESSAGE_BYTES, prefer_latency
-from specd_core.net.security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
+from specd_core.net.flags import add_flags
+from specd_core.net.grpc_util import prefer_latency
+from specd_core.net.security import SecurityConfigError, TlsConfig, tls_from_args
 from specd_core.telemetry import metrics, tracing
 
 
 def parser() -> argparse.ArgumentParser:
+    """A flag per OrchestratorConfig field that has one, and --metrics-port."""
     p = argparse.ArgumentParser(prog="python -m orchestrator")
-    p.add_argument("--target", required=True, help="target model dir (tokenizer, context length)")
-    p.add_argument("--drafter", help="drafter model dir")
-    p.add_argument("--verifier-address", action="append", required=True)
-    p.add_argument("--drafter-address", action="append", default=[])
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument(
-        "--share-ports",
-        choices=["first", "join"],
-        default="",
-        help="serve --port and --http-port together with other orchestrators of this deployment "
-        "(SO_REUSEPORT: the kernel spreads connections over them): first = the group's first, "
-        "which checks the ports are free; join = one more on the ports the first holds",
-    )
+    add_flags(p, OrchestratorConfig)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = any free port; default: off)")
-    add_http_flags(p)
-    p.add_argument(
-        "--auth-tokens-file",
-        help="bearer tokens the public API accepts, one per line "
-        "($SPECD_AUTH_TOKENS adds comma-separated ones); default: no authentication",
-    )
-    p.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=MAX_MESSAGE_BYTES,
-        help="largest gRPC message on every link (over it: RESOURCE_EXHAUSTED)",
-    )
-    p.add_argument(
-        "--shutdown-grace", type=float, default=30.0, help="seconds running streams get to finish after SIGTERM"
-    )
-    add_tls_flags(p, server=True)
-    p.add_argument(
-        "--max-active-requests",
-        type=int,
-        default=OrchestratorConfig.max_active_requests,
-        help="concurrent Generate streams; past it RESOURCE_EXHAUSTED",
-    )
-    add_speculative_flags(p)
     return p
 
 
 def config_from_args(args: argparse.Namespace, tls: TlsConfig | None) -> OrchestratorConfig:
-    return OrchestratorConfig(
-        target_dir=args.target,
-        drafter_dir=args.drafter,
-        host=args.host,
-        port=args.port,
-        http_port=args.http_port,
-        served_model_name=args.served_model_name,
-        verifier_addresses=args.verifier_address,
-        drafter_addresses=args.drafter_address,
-        speculative=speculative_config_from_args(args),
-        tls=tls,
-        auth_tokens_file=args.auth_tokens_file,
-        max_message_bytes=args.max_message_bytes,
-        shutdown_grace_s=args.shutdown_grace,
-        max_active_requests=args.max_active_requests,
-        share_ports=args.share_ports,
-    )
+    """The config from the parsed flags (TLS as already checked)."""
+    return flags.config_from_args(OrchestratorConfig, args, tls=tls)
 
 
 async def serve(config: OrchestratorConfig, metrics_port: int | None) -> None:
