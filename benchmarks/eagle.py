@@ -15,6 +15,7 @@ the measured size. The features ride on the Propose / Verify messages a cycle
 sends anyway (tests/test_eagle.py counts the calls), so there is no extra round
 trip. Writes benchmarks/results/eagle.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,16 +54,26 @@ def run(stack: Stack, prompts, fields: dict, max_new: int, hidden: int) -> dict:
         feature_bytes += s.feature_bytes
         prompt_bytes += 2 * len(p) * hidden if s.feature_bytes else 0
         overhead += list(s.cycle_overhead_ms)
-        per_position = [a + b for a, b in zip(per_position or [0] * len(s.accepted_per_position),
-                                               s.accepted_per_position)]
-    out = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
-           "cycles": cycles, "drafted": drafted, "accepted": accepted,
-           "mean_accepted_length": round(committed / cycles, 3),
-           "acceptance_per_position": [round(a / cycles, 3) for a in per_position],
-           "cycle_overhead_ms_median": round(statistics.median(overhead), 3) if overhead else 0.0}
+        per_position = [
+            a + b for a, b in zip(per_position or [0] * len(s.accepted_per_position), s.accepted_per_position)
+        ]
+    out = {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 2),
+        "cycles": cycles,
+        "drafted": drafted,
+        "accepted": accepted,
+        "mean_accepted_length": round(committed / cycles, 3),
+        "acceptance_per_position": [round(a / cycles, 3) for a in per_position],
+        "cycle_overhead_ms_median": round(statistics.median(overhead), 3) if overhead else 0.0,
+    }
     if feature_bytes:
-        out.update(feature_bytes_total=feature_bytes, prefill_feature_bytes=prompt_bytes,
-                   feature_bytes_per_cycle=round((feature_bytes - prompt_bytes) / cycles, 1))
+        out.update(
+            feature_bytes_total=feature_bytes,
+            prefill_feature_bytes=prompt_bytes,
+            feature_bytes_per_cycle=round((feature_bytes - prompt_bytes) / cycles, 1),
+        )
     return out
 
 
@@ -107,9 +118,14 @@ def serialisation_ms(rows: int, hidden: int, reps: int = 2000) -> dict:
         m = pb.ProposeRequest.FromString(req)
         hidden_from_proto(m.hidden_states, True).decode()
     dec = (time.perf_counter() - t0) / reps * 1e3
-    return {"rows": rows, "payload_bytes": 2 * rows * hidden, "verifier_encode_ms": round(enc, 4),
-            "orchestrator_relay_ms": round(relay, 4), "drafter_decode_ms": round(dec, 4),
-            "total_ms": round(enc + relay + dec, 4)}
+    return {
+        "rows": rows,
+        "payload_bytes": 2 * rows * hidden,
+        "verifier_encode_ms": round(enc, 4),
+        "orchestrator_relay_ms": round(relay, 4),
+        "drafter_decode_ms": round(dec, 4),
+        "total_ms": round(enc + relay + dec, 4),
+    }
 
 
 def main(argv=None) -> int:
@@ -123,8 +139,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--ks", default="2,4,6")
-    ap.add_argument("--trees", nargs="*", default=["2,2,1,1", "dyn-10x6"],
-                    help="also these trees (static branching or dyn-NODESxDEPTH) for both methods")
+    ap.add_argument(
+        "--trees",
+        nargs="*",
+        default=["2,2,1,1", "dyn-10x6"],
+        help="also these trees (static branching or dyn-NODESxDEPTH) for both methods",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "eagle.json")
@@ -152,32 +172,57 @@ def main(argv=None) -> int:
                 if label == "off" and method == "eagle":
                     continue
                 r = results.setdefault(label, {})[method] = run(stack, prompts, fields, a.max_new_tokens, hidden)
-                print(f"{method:11s} {label:10s} accepted length {r['mean_accepted_length']:.2f} "
-                      f"{r['tokens_per_s']:6.1f} tok/s" + (f"  features {r['feature_bytes_per_cycle']:.0f} B/cycle"
-                                                         if "feature_bytes_per_cycle" in r else ""), flush=True)
+                print(
+                    f"{method:11s} {label:10s} accepted length {r['mean_accepted_length']:.2f} "
+                    f"{r['tokens_per_s']:6.1f} tok/s"
+                    + (
+                        f"  features {r['feature_bytes_per_cycle']:.0f} B/cycle"
+                        if "feature_bytes_per_cycle" in r
+                        else ""
+                    ),
+                    flush=True,
+                )
         finally:
             stack.stop()
     rows = [results[k]["eagle"]["feature_bytes_per_cycle"] / (2 * hidden) for k in results if "eagle" in results[k]]
     ser = serialisation_ms(max(1, round(statistics.mean(rows))), hidden)
     ser_max = serialisation_ms(a.prompt_tokens, hidden, 500)
     head_cfg = json.loads((a.head / "config.json").read_text())
-    report = {"setup": {"target": str(a.target.relative_to(ROOT)), "drafter": str(a.drafter.relative_to(ROOT)),
-                        "head": str(a.head.relative_to(ROOT)), "prompts": a.prompts,
-                        "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens, "greedy": True,
-                        "dtype": "float32", "torch_threads": a.threads, "machine": platform.machine(),
-                        "torch": torch.__version__, "head_training": head_cfg.get("training", "done")},
-              "results": results,
-              "serialisation_per_cycle": ser, "serialisation_prefill": ser_max,
-              "teacher_forced_top1": {"draft_model": round(drafter_agreement(a.target, a.drafter), 4),
-                                      "eagle_per_level": head_top1(a.head)}}
+    report = {
+        "setup": {
+            "target": str(a.target.relative_to(ROOT)),
+            "drafter": str(a.drafter.relative_to(ROOT)),
+            "head": str(a.head.relative_to(ROOT)),
+            "prompts": a.prompts,
+            "prompt_tokens": a.prompt_tokens,
+            "max_new_tokens": a.max_new_tokens,
+            "greedy": True,
+            "dtype": "float32",
+            "torch_threads": a.threads,
+            "machine": platform.machine(),
+            "torch": torch.__version__,
+            "head_training": head_cfg.get("training", "done"),
+        },
+        "results": results,
+        "serialisation_per_cycle": ser,
+        "serialisation_prefill": ser_max,
+        "teacher_forced_top1": {
+            "draft_model": round(drafter_agreement(a.target, a.drafter), 4),
+            "eagle_per_level": head_top1(a.head),
+        },
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'setting':10s} {'draft_model':>12s} {'eagle':>8s}   (mean accepted length)")
     for label, r in results.items():
         if "eagle" in r:
-            print(f"{label:10s} {r['draft_model']['mean_accepted_length']:12.2f} {r['eagle']['mean_accepted_length']:8.2f}")
-    print(f"features: {ser['payload_bytes']} B/cycle (mean), serialisation {ser['total_ms']:.3f} ms/cycle; "
-          f"prefill {ser_max['payload_bytes']} B, {ser_max['total_ms']:.3f} ms -> {a.out}")
+            print(
+                f"{label:10s} {r['draft_model']['mean_accepted_length']:12.2f} {r['eagle']['mean_accepted_length']:8.2f}"
+            )
+    print(
+        f"features: {ser['payload_bytes']} B/cycle (mean), serialisation {ser['total_ms']:.3f} ms/cycle; "
+        f"prefill {ser_max['payload_bytes']} B, {ser_max['total_ms']:.3f} ms -> {a.out}"
+    )
     return 0
 
 
