@@ -57,7 +57,8 @@ def grpc_request(address: str):
 
     def run(prompt: list[int], max_new: int, k: int):
         start = time.perf_counter()
-        first = last = None
+        first: float | None = None
+        last: float | None = None
         tokens = 0
         for r in stub.Generate(
             pb.GenerateRequest(
@@ -69,6 +70,7 @@ def grpc_request(address: str):
                 last = time.perf_counter()
                 first = first or last
                 tokens += len(r.token_ids)
+        assert first is not None and last is not None, "a stream without a token"
         return first - start, (last - first) / (tokens - 1) if tokens > 1 else None, tokens
 
     return run, channel.close
@@ -83,7 +85,8 @@ def http_request(base_url: str, model: str):
 
     def run(prompt: list[int], max_new: int, k: int):
         start = time.perf_counter()
-        first = last = None
+        first: float | None = None
+        last: float | None = None
         tokens = 0
         stream = client.completions.create(
             model=model,
@@ -100,6 +103,7 @@ def http_request(base_url: str, model: str):
                 first = first or last
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
+        assert first is not None and last is not None, "a stream without a token"
         return first - start, (last - first) / (tokens - 1) if tokens > 1 else None, tokens
 
     return run, client.close

@@ -50,7 +50,6 @@ Writes benchmarks/results/orchestrator.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -64,10 +63,10 @@ from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from verifier_svc.config import VerifierConfig
 
-from .speedup import CACHE, RESULTS
+from .common import CACHE, RESULTS, rotated, write_json
 from .stack_probe import KINDS, StackProbe, cpu_seconds
 
-METHODS = {
+METHODS: dict[str, dict] = {
     "off": {"speculative_method": "off"},
     "ngram": {"speculative_method": "ngram", "num_speculative_tokens": 4},
     "draft_model": {"speculative_method": "draft_model", "num_speculative_tokens": 3},
@@ -247,7 +246,7 @@ def measure(args) -> tuple[list[dict], dict]:
             for n in args.streams:
                 runs: dict[int, list[dict]] = {d.orchestrators: [] for d in driven}
                 for _ in range(args.rounds):
-                    for d in driven[turn % len(driven) :] + driven[: turn % len(driven)]:
+                    for d in rotated(driven, turn):
                         runs[d.orchestrators].append(
                             run(d.stubs[:n], d.probe, METHODS[method], max(args.requests, n), args.tokens)
                         )
@@ -323,8 +322,7 @@ def main(argv=None) -> int:
         "orchestrator_idle_core_share": max(max(i["orchestrator"]) for i in idle.values()),
         "idle_core_share": {str(n): i for n, i in idle.items()},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    write_json(Path(args.out), {"meta": meta, "rows": rows}, indent=1)
     print_table(rows, args.rounds)
     print(
         f"\norchestrator idle: {meta['orchestrator_idle_core_share']:.1%} of a core (included above)\nwrote {args.out}"

@@ -35,6 +35,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -99,6 +100,7 @@ def run_specd(stack: Stack, prompts, draft: Draft, mode: str, max_new: int) -> R
             prompt_token_ids={"ids": p}, max_new_tokens=max_new, temperature=temp, seed=i, **dict(draft.fields)
         )
         row.seconds += time.perf_counter() - start
+        assert last is not None, "a Generate stream ended without a message"
         s = last.stats
         row.tokens += len(ids)
         row.cycles += s.cycles
@@ -152,7 +154,7 @@ def with_off(drafts: list[Draft]) -> list[Draft]:
 
 
 def compare(
-    stack: Stack, hf_pair, prompts, drafts: list[Draft], mode: str, rounds: int, max_new: int
+    stack: Stack, hf_pair: tuple[Any, Any], prompts, drafts: list[Draft], mode: str, rounds: int, max_new: int
 ) -> tuple[dict[str, list[Row]], list[list[str]]]:
     """Every system once per round on the same prompts, in an order rotated
     each round: specd's settings through the stack, HF assisted generation
@@ -196,12 +198,26 @@ def run_once(stack: Stack, prompts, drafts: list[Draft], mode: str, max_new: int
             flush=True,
         )
     return [
-        dict(system="specd", mode=mode, method=method(r.draft), **figures([r], None if i == 0 else rows[:1]))
-        for i, r in enumerate(rows)
+        dict(system="specd", mode=mode, method=method(d), **figures([r], None if i == 0 else rows[:1]))
+        for i, (d, r) in enumerate(zip(drafts, rows))
     ]
 
 
 # ---------------------------------------------------------------- parse
+
+
+def add_extra_args(ap: argparse.ArgumentParser) -> None:
+    """The extras, off by default: each setting run once (accepted length, not ratios)."""
+    ap.add_argument(
+        "--trees",
+        action="store_true",
+        help="extra: --tree-drafts once each, greedy, fp32 (trees vs chains by accepted length)",
+    )
+    ap.add_argument("--tree-drafts", nargs="+", default=TREE_DRAFTS)
+    ap.add_argument(
+        "--code-edit", action="store_true", help="extra: --code-edit-drafts once each, greedy, on the code-edit prompts"
+    )
+    ap.add_argument("--code-edit-drafts", nargs="+", default=CODE_EDIT_DRAFTS)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -245,16 +261,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="model dtype for every system (bf16 halves the weight traffic of a CPU decode step)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0 = torch default)")
-    ap.add_argument(
-        "--trees",
-        action="store_true",
-        help="extra: --tree-drafts once each, greedy, fp32 (trees vs chains by accepted length)",
-    )
-    ap.add_argument("--tree-drafts", nargs="+", default=TREE_DRAFTS)
-    ap.add_argument(
-        "--code-edit", action="store_true", help="extra: --code-edit-drafts once each, greedy, on the code-edit prompts"
-    )
-    ap.add_argument("--code-edit-drafts", nargs="+", default=CODE_EDIT_DRAFTS)
+    add_extra_args(ap)
     ap.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, 2 rounds, chains of 2 and 4")
     ap.add_argument("--out", type=Path, default=RESULTS / "speedup.json")
     args = ap.parse_args(argv)

@@ -170,7 +170,8 @@ def summarise_mode(by_system: dict[str, list[Row]], goal_vs_off: float, goal_vs_
         )
         return ratios[-1]
 
-    vs_off, vs_hf = {}, {}
+    vs_off: dict[str, dict] = {}
+    vs_hf: dict[str, dict | None] = {}
     for s in [*settings, HF_ASSISTED, HF_TARGET]:
         r = add(s, "off")
         if r and s in settings:
@@ -207,8 +208,9 @@ def summarise_mode(by_system: dict[str, list[Row]], goal_vs_off: float, goal_vs_
     verdict = None
     if best is not None:
         verdict = {"setting": best, "vs_off": goal_check(vs_off[best], goal_vs_off)}
-        if vs_hf.get(best):
-            verdict["vs_hf_assisted"] = goal_check(vs_hf[best], goal_vs_hf)
+        hf = vs_hf.get(best)
+        if hf:
+            verdict["vs_hf_assisted"] = goal_check(hf, goal_vs_hf)
     return {"systems": systems, "ratios": ratios, "best": verdict}
 
 
