@@ -180,6 +180,20 @@ def summarise_mode(by_system: dict[str, list[Row]], goal_vs_off: float, goal_vs_
         vs_hf[s] = add(s, HF_ASSISTED)
     add(HF_ASSISTED, HF_TARGET)
 
+    add_theory(systems, settings, vs_off)
+    best = best_setting(vs_off)
+    verdict = None
+    if best is not None:
+        verdict = {"setting": best, "vs_off": goal_check(vs_off[best], goal_vs_off)}
+        hf = vs_hf.get(best)
+        if hf:
+            verdict["vs_hf_assisted"] = goal_check(hf, goal_vs_hf)
+    return {"systems": systems, "ratios": ratios, "best": verdict}
+
+
+def add_theory(systems: dict[str, dict], settings: list[str], vs_off: dict[str, dict]) -> None:
+    """Each setting's predicted speedup and its efficiency (measured over
+    predicted), written into its figures."""
     # Theory (docs/rules.md, "Expected tokens per cycle and predicted
     # speedup"): tokens per cycle / cycle cost in target steps, from the
     # measured costs. Two tokens-per-cycle inputs: the i.i.d. formula from the
@@ -203,15 +217,6 @@ def summarise_mode(by_system: dict[str, list[Row]], goal_vs_off: float, goal_vs_
                 expected_tokens_per_cycle=round(iid, 3),
                 predicted_speedup_iid=round(predicted_speedup(iid, *t_cycle), 3),
             )
-
-    best = best_setting(vs_off)
-    verdict = None
-    if best is not None:
-        verdict = {"setting": best, "vs_off": goal_check(vs_off[best], goal_vs_off)}
-        hf = vs_hf.get(best)
-        if hf:
-            verdict["vs_hf_assisted"] = goal_check(hf, goal_vs_hf)
-    return {"systems": systems, "ratios": ratios, "best": verdict}
 
 
 def goal_lines(mode: str, verdict: dict | None) -> list[str]:

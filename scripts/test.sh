@@ -11,8 +11,9 @@
 # nothing needs to be running.
 #
 # Lint: `ruff check` and `ruff format --check` on the runtime packages and the
-# benchmarks, and `mypy` (its files and settings come from pyproject.toml's [tool.mypy]). The tests run whether or not
-# lint passed, so one run reports both; the exit status is non-zero if either failed.
+# benchmarks, and `mypy` (its files and settings come from pyproject.toml's
+# [tool.mypy]). The tests run whether or not lint passed, so one run reports
+# both; the exit status is non-zero if either failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
