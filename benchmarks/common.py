@@ -119,9 +119,30 @@ def utc_now(when: float | None = None) -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when))
 
 
-def write_json(path: Path, doc: Any, indent: int = 2) -> None:
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def run_main(argv: list[str] | None, parse, run, report, indent: int = 2) -> int:
+    """A benchmark's main from its parts: the flags parsed, the run, its result
+    written to --out, the report printed."""
+    args = parse(argv)
+    result = run(args)
+    write_json(args.out, result, indent)
+    report(result, args)
+    return 0
+
+
+def write_json(path: Path | str, doc: Any, indent: int = 2) -> None:
     """A result file, its folder made if needed (called after each part of a
     long run, so that a failure later keeps what was measured)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=indent) + "\n")
 

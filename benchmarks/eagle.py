@@ -33,7 +33,7 @@ from specd_core.net.wire import hidden_from_proto, hidden_to_proto
 from specd_core.runtime.features import HiddenStates
 from specd_core.runtime.models import load_tokenizer
 
-from .common import RESULTS, ROOT, add_pair_args, heldout_prompts, write_json
+from .common import RESULTS, ROOT, add_pair_args, heldout_prompts, run_main
 
 
 def run_setting(stack: Stack, prompts, fields: dict, max_new: int, hidden: int) -> dict:
@@ -230,7 +230,7 @@ def run(a: argparse.Namespace) -> dict:
     }
 
 
-def report(result: dict, out: Path) -> None:
+def report(result: dict, a: argparse.Namespace) -> None:
     ser, ser_max = result["serialisation_per_cycle"], result["serialisation_prefill"]
     print(f"\n{'setting':10s} {'draft_model':>12s} {'eagle':>8s}   (mean accepted length)")
     for label, r in result["results"].items():
@@ -241,16 +241,12 @@ def report(result: dict, out: Path) -> None:
             )
     print(
         f"features: {ser['payload_bytes']} B/cycle (mean), serialisation {ser['total_ms']:.3f} ms/cycle; "
-        f"prefill {ser_max['payload_bytes']} B, {ser_max['total_ms']:.3f} ms -> {out}"
+        f"prefill {ser_max['payload_bytes']} B, {ser_max['total_ms']:.3f} ms -> {a.out}"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse(argv)
-    result = run(a)
-    write_json(a.out, result)
-    report(result, a.out)
-    return 0
+    return run_main(argv, parse, run, report)
 
 
 if __name__ == "__main__":

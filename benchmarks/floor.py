@@ -50,7 +50,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -58,9 +57,8 @@ import grpc
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 
-from .common import RESULTS, paired_ratio, rotated, write_json
-from .orchestrator import METHODS, drive, generate, tiny_pair
-from .orchestrator import run as run_requests
+from .common import RESULTS, paired_ratio, rotated, run_main
+from .orchestrator import METHODS, drive, generate, run_requests, tiny_pair
 from .stack_probe import cpu_seconds
 
 DRAFT = [11, 12, 13]  # the stand-in drafter's proposal, every time
@@ -394,7 +392,7 @@ class Floor:
 
 
 def measure_specd(driven, method: str, streams: int, requests: int, tokens: int) -> tuple[float, float]:
-    """The same for specd's orchestrator (benchmarks/orchestrator.py's run)."""
+    """The same for specd's orchestrator (benchmarks/orchestrator.py's run_requests)."""
     r = run_requests(driven.stubs[:streams], driven.probe, METHODS[method], requests, tokens)
     return r["cpu_s"] * 1e3 / r["cycles"], r["cycles"] / max(1, sum(r["steps"]["verifier"]))
 
@@ -504,11 +502,12 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def report(result: dict, args: argparse.Namespace) -> None:
+    print(f"wrote {args.out}")  # each row was printed as it was measured
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    write_json(Path(args.out), run(args), indent=1)
-    print(f"wrote {args.out}")
-    return 0
+    return run_main(argv, parse, run, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,8 @@ from .common import (
     random_prompts,
     random_token_pool,
     ratio_interval,
+    run_main,
     utc_now,
-    write_json,
 )
 from .load import merge_rounds, run_level
 
@@ -62,10 +62,52 @@ LLAMA3_ROPE = {
 }
 
 
+# (target, drafter) shapes: Llama-3.1-8B and Llama-3.2-1B as published, and
+# tiny versions of the same structure.
+SHAPES: dict[bool, tuple[dict[str, Any], dict[str, Any]]] = {
+    False: (
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": False,
+        },
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "tie_word_embeddings": True,
+        },
+    ),
+    True: (
+        {
+            "hidden_size": 64,
+            "intermediate_size": 224,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": False,
+        },
+        {
+            "hidden_size": 32,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+        },
+    ),
+}
+
+
 def pair_configs(tiny: bool, vocab: int) -> tuple[LlamaConfig, LlamaConfig]:
-    """(target, drafter): Llama-3.1-8B and Llama-3.2-1B as published (vocab
-    aside: the pair shares the demo tokenizer, its rows padded to 128,256), or
-    tiny versions of the same structure."""
+    """(target, drafter) of SHAPES (vocab aside: the pair shares the demo
+    tokenizer, its rows padded to 128,256 for the published shapes)."""
     common: dict[str, Any] = {
         "vocab_size": vocab,
         "rope_parameters": LLAMA3_ROPE,
@@ -75,46 +117,8 @@ def pair_configs(tiny: bool, vocab: int) -> tuple[LlamaConfig, LlamaConfig]:
         "eos_token_id": 0,
         "pad_token_id": 0,
     }
-    if tiny:
-        target = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=224,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            tie_word_embeddings=False,
-            **common,
-        )
-        drafter = LlamaConfig(
-            hidden_size=32,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            tie_word_embeddings=True,
-            **common,
-        )
-        return target, drafter
-    target = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-        **common,
-    )
-    drafter = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        tie_word_embeddings=True,
-        **common,
-    )
-    return target, drafter
+    target, drafter = SHAPES[tiny]
+    return LlamaConfig(**target, **common), LlamaConfig(**drafter, **common)
 
 
 def _sync(device: str) -> None:
@@ -297,7 +301,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"meta": meta, "verify_ms": verify, "draft_ms": draft, "streams": streams, "cycle": cycles}
 
 
-def report(result: dict, out: Path) -> None:
+def report(result: dict, args: argparse.Namespace) -> None:
     engines, cycles = result["meta"]["engines"], result["cycle"]
     print(
         f"\nengines: target {engines['target']}, drafter {engines['drafter']}; cycle overhead p50 "
@@ -310,15 +314,11 @@ def report(result: dict, out: Path) -> None:
             f"| {r['streams']} | {r['off_tokens_per_s']} | {r['k4_tokens_per_s']} | {r['k4_vs_off']} "
             f"{r['k4_vs_off_interval']} |"
         )
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    result = run(args)
-    write_json(args.out, result)
-    report(result, args.out)
-    return 0
+    return run_main(argv, parse, run, report)
 
 
 def levels_for_timing(tiny: bool) -> list[int]:

@@ -43,8 +43,8 @@ from .common import (
     log_ratio_interval,
     machine,
     pair_target,
+    run_main,
     utc_now,
-    write_json,
 )
 
 FRONTS = ("grpc", "http")
@@ -225,11 +225,12 @@ def report_level(row: dict) -> None:
     )
 
 
+def report(result: dict, args: argparse.Namespace) -> None:
+    print(f"wrote {args.out}")  # each level's figures were printed as it ended
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    write_json(args.out, run(args))
-    print(f"wrote {args.out}")
-    return 0
+    return run_main(argv, parse, run, report)
 
 
 if __name__ == "__main__":

@@ -43,9 +43,10 @@ from .common import (
     heldout_prompts,
     machine,
     pct,
+    pyplot,
     ratio_interval,
+    run_main,
     utc_now,
-    write_json,
 )
 
 SETTINGS = {  # GenerateRequest fields per setting
@@ -127,10 +128,7 @@ def merge_rounds(parts: list[dict]) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for setting in dict.fromkeys(r["setting"] for r in rows):
@@ -280,7 +278,10 @@ def run(args: argparse.Namespace) -> dict:
     return {"meta": meta, "rows": rows, "summary": summarise(rows, args.levels)}
 
 
-def report(result: dict, out: Path) -> None:
+def report(result: dict, args: argparse.Namespace) -> None:
+    out = args.out
+    plot(result["rows"], out.with_suffix(".png"))
+
     def span(d, key):
         return f" ({d[key][0]:.2f}-{d[key][1]:.2f})" if d.get(key) else ""
 
@@ -301,12 +302,7 @@ def report(result: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    result = run(args)
-    write_json(args.out, result)
-    plot(result["rows"], args.out.with_suffix(".png"))
-    report(result, args.out)
-    return 0
+    return run_main(argv, parse, run, report)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 from specd.local_stack import Stack
 from specd_core.runtime.models import load_tokenizer
 
-from .common import RESULTS, add_pair_args, heldout_prompts, machine, utc_now, write_json
+from .common import RESULTS, add_pair_args, heldout_prompts, machine, run_main, utc_now
 
 
 def read_events(directory: Path) -> list[tuple[float, str]]:
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def report(result: dict, out: Path) -> None:
+def report(result: dict, args: argparse.Namespace) -> None:
     print(f"| step | where | ms (p50 over {result['cycles']} cycles) |\n|---|---|---|")
     for r in result["steps"]:
         print(f"| {r['from']} -> {r['to']} | {r['where']} | {r['ms_p50']:.3f} |")
@@ -297,15 +297,11 @@ def report(result: dict, out: Path) -> None:
     )
     for name, ms in result.get("transport_floor_ms_p50", {}).items():
         print(f"transport floor, one message's round trip minus compute, {name}: {ms} ms")
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    result = run(args)
-    write_json(args.out, result)
-    report(result, args.out)
-    return 0
+    return run_main(argv, parse, run, report)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 from specd.local_stack import Stack
 from specd_core.runtime.models import load_tokenizer
 
-from .common import RESULTS, add_pair_args, cost_scaled_target, heldout_prompts, machine, utc_now, write_json
+from .common import RESULTS, add_pair_args, cost_scaled_target, heldout_prompts, machine, run_main, utc_now
 from .otlp import OtlpSink
 
 
@@ -160,7 +160,8 @@ def run(args: argparse.Namespace) -> dict:
     return {"meta": meta, "rows": rows}
 
 
-def report(rows: list[dict]) -> None:
+def report(result: dict, args: argparse.Namespace) -> None:
+    rows = result["rows"]
     print(
         "\n| K | pipeline (alternatives) | tok/s | vs off | cycles with a used pre-draft (of them, a rejection "
         "branch) | draft wait / call ms per cycle | draft time hidden (in-run) | verify ms/cycle | output = off |"
@@ -175,15 +176,11 @@ def report(rows: list[dict]) -> None:
             f"| {r.get('hidden', '')} ({r['hidden_in_run']}) | {r['verify_ms_per_cycle']} "
             f"| {r.get('outputs_equal_to_pipeline_off', '')} |"
         )
+    print(f"\nwrote {args.out}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    result = run(args)
-    write_json(args.out, result)
-    report(result["rows"])
-    print(f"\nwrote {args.out}")
-    return 0
+    return run_main(argv, parse, run, report)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .common import RESULTS, best_setting, cell, fmt_ratio, goal_check, goal_line, paired_ratio, pct
+from .common import RESULTS, best_setting, cell, fmt_ratio, goal_check, goal_line, paired_ratio, pct, pyplot
 from .costs import expected_tokens_per_cycle, predicted_speedup
 from .tree_search import load_searched
 
@@ -260,10 +260,7 @@ def tree_vs_chain(summary: list[dict]) -> list[dict]:
 
 def plot_trees(trees_rows: list[dict], path: Path) -> None:
     """Mean accepted length against draft nodes: chains as a line, trees as points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     chains = sorted((d["nodes"], d["mean_accepted_length"]) for d in trees_rows if d["draft"].startswith("chain-"))
@@ -294,10 +291,7 @@ def plot_trees(trees_rows: list[dict], path: Path) -> None:
 def plot(comparison: dict, path: Path) -> None:
     """Each system's tokens/s over speculation off per mode, with the rounds'
     interval as error bars, and the predicted speedup as crosses."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(10, 4.8))
     modes = list(comparison)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .common import RESULTS, add_pair_args, write_json
+from .common import RESULTS, add_pair_args, run_main
 
 Tree = frozenset  # of rank paths (tuples); closed under parents and elder siblings
 
@@ -186,12 +186,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def run(args: argparse.Namespace) -> dict:
+    return search(args.target, args.drafter, sorted(args.budgets), args.dtype, Calibration(prompts=args.prompts))
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    print(f"wrote {args.out}")  # the search logged each budget's tree as it found it
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    result = search(args.target, args.drafter, sorted(args.budgets), args.dtype, Calibration(prompts=args.prompts))
-    write_json(args.out, result, indent=1)
-    print(f"wrote {args.out}")
-    return 0
+    return run_main(argv, parse, run, report, indent=1)
 
 
 if __name__ == "__main__":
