@@ -8,7 +8,6 @@ The edges (gRPC and HTTP) parse here and hand the core the spec
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable
 
@@ -45,14 +44,13 @@ def build_spec(
     if not (1 <= max_new <= config.max_new_tokens_limit):
         raise InvalidRequest(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
 
+    # An unset top_p is 1 (off); a set one, 0 included, is checked as given.
     top_p = req.top_p if req.HasField("top_p") else 1.0
-    if math.isnan(top_p) or not (0.0 < top_p <= 1.0):  # checked here: 0 would read as "unset" downstream
-        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
     seed = req.seed if req.HasField("seed") else secrets.randbits(63)
     constraint = constraint_from_proto(req.structured_output, req.HasField("structured_output"))
+    sampling = SamplingParams(req.temperature, top_p, req.top_k, seed, constraint).validate()
     if constraint is not None and compile_constraint is not None:
         compile_constraint(constraint)
-    sampling = SamplingParams(req.temperature, top_p, req.top_k, seed, constraint).validate()
 
     if any(not s for s in req.stop):
         raise InvalidRequest("stop strings must not be empty")
