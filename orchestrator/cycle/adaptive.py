@@ -19,7 +19,7 @@ verifies others, so mostly the busier of the two counts. o is what a cycle
 costs besides the two computations (the messages, the orchestrator's work,
 waiting for a batch): measured, because it is a fixed cost per cycle that
 makes depth pay more - left out, the choice runs shallow when the forwards are
-cheap (measured at batch 1: adaptive 0.90 x fixed K = 4). The server's goodput
+cheap (docs/architecture.md gives the measurement). The server's goodput
 
     G(k) = (E(k) + E_rest) / T(k),  V = a + b*(R_rest + k + 1) + c*(S_rest + 1),  D = d*(L_rest + k)
 

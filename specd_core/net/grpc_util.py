@@ -214,8 +214,8 @@ def concurrent_stream(
     thread that completes a future (the batcher's) queues its response for this
     generator to send: a message crosses two threads on its way through (reader
     -> batcher -> sender) rather than a worker thread of its own as well, whose
-    two wake-ups per message cost about 0.5 ms of a 4 ms cycle overhead at
-    batch 1 (docs/overhead.md). Ends once the client has closed its side and
+    two wake-ups per message are a sizeable share of a cycle's overhead at
+    batch 1 (docs/overhead.md measures it). Ends once the client has closed its side and
     every message has its answer.
 
     step_cls: the stream carries steps (ProposeStep / VerifyStep in, step_cls

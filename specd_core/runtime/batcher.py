@@ -7,8 +7,8 @@ so the batch grows with load by itself (continuous batching).
 
 The gather window: with drafter and verifier as separate services, a session
 alternates between them, and continuous batching alone lets the sessions split
-into groups that take turns (measured: 16 streams averaged 5.8 sessions per
-verify forward and 3 per draft batch). So before a batch runs, when fewer
+into groups that take turns, each forward carrying a fraction of the sessions
+(docs/architecture.md, "The gather window", has the measured batch sizes). So before a batch runs, when fewer
 sessions have a call queued than are expected, the worker waits for the rest -
 at most `wait_fraction` of the last batch's run time, since a latecomer that
 misses the batch costs a whole forward of its own later. Expected are the open
