@@ -86,17 +86,17 @@ def build_spec(
     pipeline = pipelining(req, config.speculative, method, shape, constraint is not None)
     adaptive = adaptive and shape is not None
     return GenerationSpec(
-        prompt_ids,
-        max_new,
-        sampling,
-        method,
-        shape,
-        tuple(req.stop),
-        adaptive,
-        pipeline,
-        alternatives(req, config.speculative) if pipeline else 0,
-        confidence_threshold(req, config.speculative, method, shape, adaptive),
-        forced_room(req, config.speculative, constraint is not None),
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new,
+        sampling=sampling,
+        method=method,
+        shape=shape,
+        stop=tuple(req.stop),
+        adaptive=adaptive,
+        pipeline=pipeline,
+        pipeline_alternatives=alternatives(req, config.speculative) if pipeline else 0,
+        confidence=confidence_threshold(req, config.speculative, method, shape, adaptive),
+        forced_room=forced_room(req, config.speculative, constraint is not None),
     )
 
 
