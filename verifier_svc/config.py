@@ -38,8 +38,8 @@ class VerifierConfig:
     max_queued_calls: int = 1024
     engine: str = "auto"  # auto (lean forward where supported) | lean | hf
     torch_threads: int = 0  # 0 = torch default
-    # Before serving, run a forward of each shape the batcher runs (ModelCore.warm_up
-    # in specd_core/runtime/model_core.py), so that no request pays the first calls'
+    # Before serving, run a forward of each shape the batcher runs
+    # (specd_core/runtime/warmup.py), so that no request pays the first calls'
     # one-off costs. Off: start faster (tests that start many replicas).
     warmup: bool = True
     grpc_workers: int = 8
