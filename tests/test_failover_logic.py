@@ -19,6 +19,7 @@ from orchestrator.fleet.failover import FailoverDrafter, FailoverVerifier, is_lo
 from orchestrator.fleet.pool import Pool, ReplicaSpec
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
+from specd_core.runtime.propose_call import ProposeCall
 
 pytestmark = pytest.mark.unit
 
@@ -199,12 +200,12 @@ def test_drafter_taken_up_again_once_one_serves():
     async def go():
         await d.open("s", PROMPT, SamplingParams())
         seen.append(target_next(spec_prompt))
-        assert (await d.propose("s", [], seen[-1:], DraftShape.chain(2))).tokens
-        assert (await d.propose("s", [], [], DraftShape.chain(2))).tokens == []   # lost: plain step
-        assert (await d.propose("s", [], [], DraftShape.chain(2))).tokens == []   # none serving
+        assert (await d.propose(ProposeCall("s", [], seen[-1:], DraftShape.chain(2)))).tokens
+        assert (await d.propose(ProposeCall("s", [], [], DraftShape.chain(2)))).tokens == []   # lost: plain step
+        assert (await d.propose(ProposeCall("s", [], [], DraftShape.chain(2)))).tokens == []   # none serving
         back = FakeDrafter(PROMPT)
         dpool.revive("drafter-0", ReplicaSpec("drafter", "drafter-0", "h:new"), back)
-        draft = await d.propose("s", [], [], DraftShape.chain(2))
+        draft = await d.propose(ProposeCall("s", [], [], DraftShape.chain(2)))
         assert draft.tokens and back.log[0] == "open"
         d.release()
         assert back.active == 0 and d0.active == 0
