@@ -22,10 +22,12 @@ only; which branch is used depends on the verdict alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
 from drafter_svc.tree_builder import DraftTree, _choose, extends
+from specd_core.rules.sampling import SamplingParams
 
 
 @dataclass
@@ -71,20 +73,31 @@ def branch_mask(visible: list[int], own: list[list[int]], cached: int) -> torch.
     return mask
 
 
-def grow_branches(runner, groups: list, top_n: int, tops: int) -> None:
-    """Grow every branch's chain in place. groups: per session (cache, params,
-    generator, depth, branches, min_confidence); each branch's token is
+class BranchGroup(NamedTuple):
+    """One session's branches for grow_branches."""
+
+    cache: Any
+    params: SamplingParams
+    generator: torch.Generator
+    depth: int
+    branches: list[Branch]
+    min_confidence: float
+
+
+def grow_branches(runner, groups: list[BranchGroup], top_n: int, tops: int) -> None:
+    """Grow every branch's chain in place, per session (groups); each branch's token is
     forwarded first (at position = its `visible`, the row count before it),
     then its chain grows one node per level, up to `depth` nodes or its first
     node under min_confidence (each branch on its own, as a fresh chain would).
     One forward per level for all groups. tops: ranked choices kept per chain
     node (the next ahead call's alternatives)."""
     # (group, the branches whose last token goes through the model this level)
-    pending = [(g, list(g[4])) for g in groups]
+    pending = [(g, list(g.branches)) for g in groups]
     level = 0
     while pending:
         items = []
-        for (cache, *_), growing in pending:
+        for group, growing in pending:
+            cache = group.cache
             at = torch.tensor([b.visible + level for b in growing])
             toks = [b.tree.tokens[-1] if level else b.token for b in growing]
             mask = branch_mask([b.visible for b in growing], [b.rows for b in growing], cache.length)
@@ -97,7 +110,7 @@ def grow_branches(runner, groups: list, top_n: int, tops: int) -> None:
         logits = runner.forward_batch(items)
         following = []
         for (group, growing), lg in zip(pending, logits):
-            _, params, gen, depth, _, threshold = group
+            params, gen, depth, threshold = group.params, group.generator, group.depth, group.min_confidence
             ranked = torch.topk(lg, min(tops, lg.shape[-1])).indices.tolist() if tops else None
             for r, b in enumerate(growing):
                 (token,), dist, (conf,) = _choose(lg[r], 1, params, top_n, gen)
@@ -118,6 +131,6 @@ def grow_branches(runner, groups: list, top_n: int, tops: int) -> None:
         pending = following
         level += 1
     for group in groups:
-        for b in group[4]:
+        for b in group.branches:
             if b.tree.row_dists:  # the leaf's own row has no children
                 b.tree.row_dists.append(([], []))

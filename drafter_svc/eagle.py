@@ -22,18 +22,21 @@ children, batching are the draft_model code, drafter_svc/tree_builder.py):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from drafter_svc.core import Drafter, ProposeJob
+from drafter_svc.core import Drafter
+from drafter_svc.state import DraftSession, ProposeJob, commit
 from specd_core.errors import InvalidRequest
 from specd_core.runtime.eagle_head import CONFIG_NAME, load_head
 from specd_core.runtime.kv_budget import KVPool
 from specd_core.runtime.lean import LeanModel
 from specd_core.runtime.models import ModelRunner, resolve_device, resolve_dtype
+from specd_core.runtime.propose_call import ProposeCall
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -159,7 +162,7 @@ class HeadRunner:
     def __init__(self, lean: LeanModel, fc: torch.Tensor):
         self.lean, self.fc = lean, fc  # the one-layer model (build_head_model)
         self.hidden_size = fc.shape[0]
-        self.kv_pool: KVPool | None = None  # the drafter's KV budget (EagleDrafter installs it)
+        self.kv_pool: KVPool | None = None  # the drafter's KV budget (the drafter core installs it)
         self.kv_dtype = lean.kv_dtype
         # A session's rows hold K and V and, beside them, each row's output feature.
         self.kv_row_bytes = lean.kv_row_bytes + self.hidden_size * lean.embed.element_size()
@@ -196,84 +199,68 @@ class HeadRunner:
         )
 
 
-class EagleDrafter(Drafter):
-    """The drafter core for method eagle (see the module docstring)."""
+class Eagle:
+    """The drafting method of an EAGLE head (drafter_svc/method.py; the module
+    docstring says what differs). Built from the head's directory: the head
+    model the drafter core runs (`model`), and on the core's runner the
+    HeadRunner it drafts through."""
 
-    runner: HeadRunner  # replaces ModelCore's Runner: the head reads features too
+    name = "eagle"
+    # Every call of a head needs the target's features, which a replica alone
+    # does not have: no warm-up (its first calls pay their one-off costs; the
+    # orchestrator's cost model clips them, orchestrator/cycle/adaptive.py).
+    warms_up = False
 
-    def _warm_up(self, ids: list[str], prompt: list[int], depths: list[int], timings: dict[str, float]) -> None:
-        """None: every call of a head needs the target's features, which a
-        replica alone does not have (its first calls pay their one-off costs;
-        the orchestrator's cost model clips them, orchestrator/cycle/adaptive.py)."""
-
-    def __init__(self, config, model=None):
+    def __init__(self, config, built=None):
         if config.engine == "hf":
             raise ValueError("method eagle runs on the lean engine")
-        built = model or build_head_model(
-            config.model_dir, head_target_dir(config.model_dir, config.target_dir), config.device, config.dtype
+        self.tokenizer_dir = head_target_dir(config.model_dir, config.target_dir)
+        self.model, self.fc = built or build_head_model(
+            config.model_dir, self.tokenizer_dir, config.device, config.dtype
         )
-        hf_model, fc = built
-        super().__init__(config, hf_model)
-        built_runner: ModelRunner = self.runner  # still ModelCore's Runner here
-        if built_runner.lean is None:
+        self.runner: HeadRunner | None = None  # made with the core (runner_of)
+
+    def runner_of(self, runner: ModelRunner) -> HeadRunner:
+        """The head reads features too: its runner wraps the lean forward of
+        the one-layer model (the KV budget is then sized by its rows: K, V and
+        a feature)."""
+        if runner.lean is None:
             raise ValueError("method eagle runs on the lean engine")
-        self.runner = HeadRunner(built_runner.lean, fc)
-        self.install_kv_pool()  # per row: the head's K and V and a feature
+        self.runner = HeadRunner(runner.lean, self.fc)
+        return self.runner
 
-    def tokenizer_dir(self) -> str:
-        return head_target_dir(self.config.model_dir, self.config.target_dir)
-
-    def open_session(
-        self,
-        session_id: str,
-        prompt_ids: list[int],
-        params,
-        target_vocab_size: int = 0,
-        generated_from: int = 0,
-    ) -> None:
-        # Nothing to prefill yet: the head needs the prompt's features, which
-        # come from the verifier's prefill with the first Propose.
-        if self._target_vocab(target_vocab_size) != self.vocab_size:
+    def check_vocab(self, asked: int, target_vocab: int, own: int) -> None:
+        if target_vocab != own:
             # The head's table is the target's own (build_head_model checks it).
             raise InvalidRequest(
-                f"target_vocab_size {target_vocab_size} differs from the head's {self.vocab_size} "
+                f"target_vocab_size {asked} differs from the head's {own} "
                 f"(an EAGLE head drafts over its target's vocabulary)"
             )
-        self._check_request(session_id, prompt_ids, params)
-        matcher = self.constraint(params.constraint, prompt_ids, generated_from)
-        with self._lock:
-            self._check_room(session_id)
-            s = self._new_session(prompt_ids, params)
-            s.constraint = matcher
-            self._add(session_id, s)  # idle expiry counts from now
 
-    def prepare(
-        self,
-        session_id: str,
-        accepted_path: list[int],
-        committed: list[int],
-        shape,
-        ahead: bool = False,
-        rewind: bool = False,
-        hidden=None,
-        alternatives: int = 0,
-        branch: int = 0,
-        forced_room: int = 0,
-    ) -> ProposeJob:
+    def prefill(self, s: DraftSession, session_id: str, prompt_ids: list[int]) -> None:
+        """Nothing to prefill yet: the head needs the prompt's features, which
+        come from the verifier's prefill with the first Propose."""
+
+    def admit(self, call: ProposeCall) -> ProposeCall:
         # forced_room is not taken: the head's forwards read one predicted
         # feature per token, so a forced run would cost a level per token
         # anyway; its masked q drafts forced positions (q = 1) as it goes.
-        if ahead or rewind or alternatives or branch:
+        if call.ahead or call.rewind or call.alternatives or call.branch:
             raise InvalidRequest("method eagle does not draft ahead (pipelined drafting is for draft_model)")
-        job = super().prepare(session_id, accepted_path, committed, shape)
-        s = job.session
-        need = len(s.tokens) + len(committed) - 1 - s.base  # features not yet fed
+        return dataclasses.replace(call, hidden=None, forced_room=0)
+
+    def ready(self, job: ProposeJob, call: ProposeCall) -> ProposeJob:
+        """The job with the features of the tokens committed before the newest, decoded."""
+        assert self.runner is not None  # made with the core
+        s, hidden = job.session, call.hidden
+        need = len(s.tokens) + len(job.committed) - 1 - s.base  # features not yet fed
         got = hidden.rows if hidden is not None else 0
         if need < 1 or got != need:
             raise InvalidRequest(
                 f"method eagle: hidden_states must hold the features of the {need} tokens "
                 f"committed before the newest, got {got} rows"
             )
+        assert hidden is not None  # got == need >= 1
         if hidden.hidden_size != self.runner.hidden_size:
             raise InvalidRequest(
                 f"hidden_states are {hidden.hidden_size} wide; the head reads {self.runner.hidden_size}"
@@ -286,27 +273,30 @@ class EagleDrafter(Drafter):
             raise InvalidRequest("hidden_states hold non-finite values")
         return job
 
-    def _catch_up(self, j: ProposeJob) -> None:
+    def catch_up(self, j: ProposeJob) -> None:
         # The last tree's rows were computed on predicted features: drop them
         # all; the kept path comes back below with the target's true features.
         s = j.session
         s.cache.rollback(s.base)
-        s.tokens += j.committed
-        if s.constraint is not None:
-            s.constraint.commit(j.committed)
+        commit(s, j.committed)
 
-    def _root_logits(self, live: list[ProposeJob]) -> list[torch.Tensor]:
+    def root_logits(self, forwards, live: list[ProposeJob]) -> list[torch.Tensor]:
+        assert self.runner is not None  # made with the core
         items = []
         for j in live:
             s, rows = j.session, j.session.cache.length
-            assert j.hidden is not None  # prepare refuses a call without the features
+            assert j.hidden is not None  # ready refuses a call without the features
             items.append((s.cache, s.tokens[rows + 1 : rows + 1 + j.hidden.shape[0]], j.hidden))
         return self.runner.feed_batch(items)
 
 
 def make_drafter(config, model=None) -> Drafter:
-    """The core a drafter directory asks for: an EAGLE head directory gets
-    EagleDrafter, a causal LM the draft_model Drafter."""
+    """The core a drafter directory asks for: on an EAGLE head directory the
+    Drafter drafting with it (model: (head model, fc weight) already built), on
+    a causal LM the draft_model Drafter."""
     from specd_core.runtime.eagle_head import is_head_dir
 
-    return (EagleDrafter if is_head_dir(config.model_dir) else Drafter)(config, model)
+    if is_head_dir(config.model_dir):
+        eagle = Eagle(config, model)
+        return Drafter(config, eagle.model, eagle)
+    return Drafter(config, model)

@@ -9,12 +9,7 @@ from drafter_svc.metrics import DrafterMetrics
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors, then
-from specd_core.net.wire import (
-    dists_to_proto,
-    hidden_from_proto,
-    sampling_from_proto,
-    shape_from_proto,
-)
+from specd_core.net.wire import dists_to_proto, propose_from_proto, sampling_from_proto
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.runtime.batcher import Batcher
 from specd_core.telemetry import tracing
@@ -92,29 +87,16 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
         queued to be sent (a callback registered after the one that answers)."""
         span = tracing.start_server_span("drafter.propose", request.traceparent)
         try:
-            shape = (
-                shape_from_proto(request.shape)
-                if request.HasField("shape")
-                else DraftShape.chain(request.num_draft_tokens, self.core.config.max_draft_tokens)
-            )
-            job = self.core.prepare(
-                request.session_id,
-                list(request.accepted_path),
-                list(request.committed_token_ids),
-                shape,
-                request.ahead,
-                request.rewind,
-                hidden_from_proto(request.hidden_states, request.HasField("hidden_states")),
-                request.ahead_alternatives,
-                request.ahead_branch,
-                request.forced_room,
-            )
+            call = propose_from_proto(request, self.core.config.max_draft_tokens)
+            job = self.core.prepare(call)
             proposal = self.batcher.submit(job)
         except Exception as exc:
             tracing.end_span(span, exc)
             raise
         response = then(proposal, propose_response)
-        proposal.add_done_callback(lambda done: self.batcher.later(lambda: self._proposed(request, shape, done, span)))
+        proposal.add_done_callback(
+            lambda done: self.batcher.later(lambda: self._proposed(request, call.shape, done, span))
+        )
         return response
 
     def _proposed(self, request, shape: DraftShape, done: Future, span) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -209,14 +210,25 @@ def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen, th
         g.tree.row_dists = [dists.get(r, ([], [])) for r in range(len(g.tree.tokens) + 1)]
 
 
-def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTree]:
+class Chain(NamedTuple):
+    """One session's chain for grow_chains."""
+
+    cache: Any  # holding exactly the session's committed tokens
+    params: SamplingParams
+    generator: torch.Generator
+    depth: int
+    root: torch.Tensor  # the logits after the last committed token
+    min_confidence: float = 0.0
+    constraint: Constraint | None = None  # structured output
+    room: int = 0  # forced nodes it may take besides its depth
+
+
+def grow_chains(runner, chains: list[Chain], top_n: int, tops: int = 0) -> list[DraftTree]:
     """Chains of several sessions with one batched forward per level (what
-    _grow_static does for one chain): chains are (cache, params, generator,
-    depth, root logits, min_confidence[, constraint, room]); each level picks
-    every session's next token and forwards those still drafting together: a
-    chain stops at its depth or after its first token under its
-    min_confidence, each on its own. The caches must hold exactly the
-    committed tokens. tops: ranked choices kept per node (DraftTree.tops).
+    _grow_static does for one chain): each level picks every session's next
+    token and forwards those still drafting together: a chain stops at its
+    depth or after its first token under its min_confidence, each on its own.
+    tops: ranked choices kept per node (DraftTree.tops).
 
     With an output constraint, masked laws choose every token, and where the
     constraint forces tokens (after the last committed token or after a
@@ -225,54 +237,69 @@ def grow_chains(runner, chains: list, top_n: int, tops: int = 0) -> list[DraftTr
     in a forward of their own) and do not count towards the depth."""
     grown = [DraftTree() for _ in chains]
     levels = [0] * len(chains)  # tokens chosen (not forced) per chain
-    constraints = [c[6] if len(c) > 6 else None for c in chains]
-    forcing = [(constraints[i], chains[i][7] if len(chains[i]) > 7 else 0, chains[i][1]) for i in range(len(chains))]
-    active = [(i, chains[i][4]) for i in range(len(chains))]
-    # Forced at the root: one forward for those chains before the first level.
-    first = [(i, _force(*forcing[i], grown[i], tops > 0)) for i in range(len(chains))]
-    first = [(i, run) for i, run in first if run]
-    if first:
-        after = runner.forward_batch([(chains[i][0], run, None, None) for i, run in first])
-        ahead = {i: lg[-1] for (i, _), lg in zip(first, after)}
-        for i, run in first:
-            grown[i].forwarded += range(len(run))
-        active = [(i, ahead.get(i, lg)) for i, lg in active]
+    active = _force_at_roots(runner, chains, grown, tops)
     while active:
         forward = []
-        active = [(i, masked_row(constraints[i], lg, grown[i].tokens)) for i, lg in active]
+        active = [(i, masked_row(chains[i].constraint, lg, grown[i].tokens)) for i, lg in active]
         ranked = _ranked_greedy(chains, active, tops)
         for i, logits in active:
-            cache, params, gen, depth, _, threshold = chains[i][:6]
-            tree = grown[i]
-            if i in ranked:
-                (token, *_), conf = ranked[i]
-                dist = None
-            else:
-                (token,), dist, (conf,) = _choose(logits, 1, params, top_n, gen)
-            if dist:
-                tree.row_dists.append(dist)
-            tree.tokens.append(token)
-            tree.parents.append(len(tree.tokens) - 2)
-            tree.confidences.append(conf)
-            if tops:
-                top = ranked[i][0] if i in ranked else torch.topk(logits, min(tops, logits.shape[-1])).indices.tolist()
-                tree.tops.append(top[:tops])
             levels[i] += 1
-            node = len(tree.tokens) - 1
-            run = _force(*forcing[i], tree, tops > 0)
-            if levels[i] < depth and not extends(conf, threshold):
-                tree.pruned = 1
-            elif levels[i] < depth:
-                tree.forwarded += range(node, node + 1 + len(run))
-                forward.append((i, [token, *run]))
+            ids = _chain_step(chains[i], grown[i], logits, ranked.get(i), levels[i], top_n, tops)
+            if ids:
+                forward.append((i, ids))
         if not forward:
             break
-        logits = runner.forward_batch([(chains[i][0], ids, None, None) for i, ids in forward])
+        logits = runner.forward_batch([(chains[i].cache, ids, None, None) for i, ids in forward])
         active = [(i, lg[-1]) for (i, _), lg in zip(forward, logits)]
     for tree in grown:
         if tree.row_dists:  # the leaf's own row has no children
             tree.row_dists.append(([], []))
     return grown
+
+
+def _force_at_roots(runner, chains: list[Chain], grown: list[DraftTree], tops: int) -> list:
+    """What the constraint forces right after each chain's last committed token
+    joins it first, in one forward for those chains; (chain, the logits its
+    first chosen token is drawn from) for every chain."""
+    first = [(i, _force(c.constraint, c.room, c.params, grown[i], tops > 0)) for i, c in enumerate(chains)]
+    first = [(i, run) for i, run in first if run]
+    roots = [(i, c.root) for i, c in enumerate(chains)]
+    if not first:
+        return roots
+    after = runner.forward_batch([(chains[i].cache, run, None, None) for i, run in first])
+    ahead = {i: lg[-1] for (i, _), lg in zip(first, after)}
+    for i, run in first:
+        grown[i].forwarded += range(len(run))
+    return [(i, ahead.get(i, lg)) for i, lg in roots]
+
+
+def _chain_step(
+    chain: Chain, tree: DraftTree, logits, ranked: tuple[list[int], float] | None, level: int, top_n: int, tops: int
+) -> list[int]:
+    """Choose the chain's next token (ranked: its greedy choices, _ranked_greedy)
+    and what the constraint forces after it; the ids to forward for the next
+    level, or none when the chain is done."""
+    if ranked is not None:
+        (token, *_), conf = ranked
+        dist = None
+    else:
+        (token,), dist, (conf,) = _choose(logits, 1, chain.params, top_n, chain.generator)
+    if dist:
+        tree.row_dists.append(dist)
+    tree.tokens.append(token)
+    tree.parents.append(len(tree.tokens) - 2)
+    tree.confidences.append(conf)
+    if tops:
+        top = ranked[0] if ranked is not None else torch.topk(logits, min(tops, logits.shape[-1])).indices.tolist()
+        tree.tops.append(top[:tops])
+    node = len(tree.tokens) - 1
+    run = _force(chain.constraint, chain.room, chain.params, tree, tops > 0)
+    if level < chain.depth and not extends(conf, chain.min_confidence):
+        tree.pruned = 1
+    elif level < chain.depth:
+        tree.forwarded += range(node, node + 1 + len(run))
+        return [token, *run]
+    return []
 
 
 def _force(constraint: Constraint | None, room: int, params, tree: DraftTree, tops: bool) -> list[int]:
@@ -293,14 +320,14 @@ def _force(constraint: Constraint | None, room: int, params, tree: DraftTree, to
     return run
 
 
-def _ranked_greedy(chains: list, active: list, tops: int) -> dict[int, tuple[list[int], float]]:
+def _ranked_greedy(chains: list[Chain], active: list, tops: int) -> dict[int, tuple[list[int], float]]:
     """The greedy chains' ranked choices at this level, {chain: (ids best first
     (max(1, tops) of them), the first one's probability)}, from ONE top-k over
     all their rows and one transfer to the host - not a host sync per session,
     which on a GPU would cost more than the level's forward at a large batch."""
     by_width: dict[int, list] = {}  # rows of one width stack (a padded pair's are cut to the target's ids)
     for i, lg in active:
-        if chains[i][1].greedy:
+        if chains[i].params.greedy:
             by_width.setdefault(lg.shape[-1], []).append((i, lg))
     out: dict[int, tuple[list[int], float]] = {}
     for width, greedy in by_width.items():

@@ -34,7 +34,7 @@ import torch
 
 from drafter_svc.config import DrafterConfig
 from drafter_svc.core import Drafter
-from drafter_svc.tree_builder import build_tree, grow_chains
+from drafter_svc.tree_builder import Chain, build_tree, grow_chains
 from orchestrator.config import OrchestratorConfig
 from orchestrator.cycle.adaptive import CostModel, SessionDepth
 from orchestrator.cycle.confidence import (
@@ -59,6 +59,7 @@ from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams, logits_to_probs
 from specd_core.rules.tree import TokenTree, accept_tree_deterministic, accept_tree_sampled, dense_q, path_to
 from specd_core.runtime.models import load_model
+from specd_core.runtime.propose_call import ProposeCall
 from tests.test_acceptance import BOS, GoodnessOfFit, L, V, exact_sequence_law, goodness_of_fit, model_tables
 from tests.test_cores import assert_batch_equals_solo
 
@@ -97,7 +98,7 @@ def toy_draft(table: torch.Tensor, last: int, shape: DraftShape, params, gen):
     batched chain builder, trees through build_tree."""
     cache = MarkovCache(table)
     if shape.is_chain:
-        chain = (cache, params, gen, shape.depth, table[last], shape.min_confidence)
+        chain = Chain(cache, params, gen, shape.depth, table[last], shape.min_confidence)
         return grow_chains(MarkovRunner(), [chain], 32)[0]
     return build_tree(cache, table[last], shape, params, 32, gen)
 
@@ -187,7 +188,7 @@ def threshold_for(drafter: Drafter, prompt: list[int], quantile: float) -> float
     (tiny random models are far less sure than real ones)."""
     drafter.open_session("probe", prompt, GREEDY)
     try:
-        confs = drafter.propose("probe", [], [prompt[-1]], DraftShape.chain(8)).tree.confidences
+        confs = drafter.propose(ProposeCall("probe", [], [prompt[-1]], DraftShape.chain(8))).tree.confidences
     finally:
         drafter.close_session("probe")
     return float(np.quantile(confs, quantile))
@@ -205,14 +206,14 @@ def test_chain_is_the_unstopped_chain_cut_after_its_first_unsure_token(drafter):
     committed, path, stopped = [7], [], 0
     try:
         for cycle in range(8):
-            full = drafter.propose("full", path, committed, DraftShape.chain(k)).tree
-            got = drafter.propose("stop", path, committed, DraftShape.chain(k).with_confidence(t)).tree
+            full = drafter.propose(ProposeCall("full", path, committed, DraftShape.chain(k))).tree
+            got = drafter.propose(ProposeCall("stop", path, committed, DraftShape.chain(k).with_confidence(t))).tree
             n = first_unsure(full.confidences, t)
             assert got.tokens == full.tokens[:n] and got.confidences == pytest.approx(full.confidences[:n]), cycle
             assert got.pruned == (n < k) and got.forwarded == list(range(n - 1)), cycle
             stopped += n < k
             # The confidence is the drafter's probability of its (greedy: its top) token.
-            tokens = drafter._sessions["stop"].tokens
+            tokens = drafter.sessions["stop"].tokens
             p = probs_after(drafter.model, tokens)
             assert got.confidences[0] == pytest.approx(float(p.max()), abs=1e-5)
             assert got.tokens[0] == int(p.argmax())
@@ -233,7 +234,7 @@ def test_sampled_chain_confidences_are_q_of_the_drawn_tokens(drafter):
     committed, path, lengths = [5], [], set()
     try:
         for cycle in range(6):
-            tree = drafter.propose("s", path, committed, DraftShape.chain(4).with_confidence(t)).tree
+            tree = drafter.propose(ProposeCall("s", path, committed, DraftShape.chain(4).with_confidence(t))).tree
             for i, (tok, conf) in enumerate(zip(tree.tokens, tree.confidences)):
                 ids, probs = tree.row_dists[i]
                 assert conf == pytest.approx(probs[ids.index(tok)])   # its q, the law it was drawn from
@@ -269,8 +270,8 @@ def test_static_tree_grows_nothing_below_an_unsure_node(drafter):
     for sid in ("full", "stop"):
         drafter.open_session(sid, prompt, GREEDY)
     try:
-        full = drafter.propose("full", [], [9], shape).tree
-        got = drafter.propose("stop", [], [9], shape.with_confidence(t)).tree
+        full = drafter.propose(ProposeCall("full", [], [9], shape)).tree
+        got = drafter.propose(ProposeCall("stop", [], [9], shape.with_confidence(t))).tree
         full_tree = TokenTree(tuple(full.tokens), tuple(full.parents))
         # The nodes every strict ancestor of which is sure enough, in the same order.
         keep = [i for i in range(len(full.tokens)) if all(full.confidences[a] >= t for a in path_to(full_tree, i)[:-1])]
@@ -293,7 +294,7 @@ def test_dynamic_tree_expands_only_sure_nodes(drafter):
     shape = DraftShape(node_budget=12, max_depth=4, top_k=3)
     drafter.open_session("probe", prompt, GREEDY)
     try:
-        full = drafter.propose("probe", [], [9], shape).tree
+        full = drafter.propose(ProposeCall("probe", [], [9], shape)).tree
     finally:
         drafter.close_session("probe")
     # Between the root's two best children: the best is expanded, the others not.
@@ -301,12 +302,12 @@ def test_dynamic_tree_expands_only_sure_nodes(drafter):
     t = (first + second) / 2
     drafter.open_session("dyn", prompt, GREEDY)
     try:
-        tree = drafter.propose("dyn", [], [9], shape.with_confidence(t)).tree
+        tree = drafter.propose(ProposeCall("dyn", [], [9], shape.with_confidence(t))).tree
         parents = {p for p in tree.parents if p >= 0}
         assert parents and all(tree.confidences[p] >= t for p in parents)
         assert tree.pruned > 0
         # Confidences are the drafter's probabilities of the nodes' tokens.
-        tokens = list(drafter._sessions["dyn"].tokens)
+        tokens = list(drafter.sessions["dyn"].tokens)
         p = probs_after(drafter.model, tokens)
         for i, parent in enumerate(tree.parents):
             if parent < 0:
@@ -314,13 +315,14 @@ def test_dynamic_tree_expands_only_sure_nodes(drafter):
         # The next cycle still drafts what a fresh session drafts (its rows were kept right).
         path = [0] + [i for i, q in enumerate(tree.parents) if q == 0][:1]
         committed = [tree.tokens[i] for i in path] + [3]
-        again = drafter.propose("dyn", path, committed, shape.with_confidence(t)).tree
+        again = drafter.propose(ProposeCall("dyn", path, committed, shape.with_confidence(t))).tree
         drafter.open_session("fresh", tokens + committed[:-1], GREEDY)
-        fresh = drafter.propose("fresh", [], committed[-1:], shape.with_confidence(t)).tree
+        fresh = drafter.propose(ProposeCall("fresh", [], committed[-1:], shape.with_confidence(t))).tree
         assert (again.tokens, again.parents) == (fresh.tokens, fresh.parents)
     finally:
         drafter.close_session("dyn")
-        drafter._sessions.pop("fresh", None)
+        if "fresh" in drafter.sessions:
+            drafter.close_session("fresh")
 
 
 def test_ahead_branches_stop_too_and_taking_one_equals_a_fresh_draft(pairs):
@@ -332,21 +334,21 @@ def test_ahead_branches_stop_too_and_taking_one_equals_a_fresh_draft(pairs):
     shape = DraftShape.chain(k).with_confidence(t)
     for d in (plain, piped):
         d.open_session("a", prompt, GREEDY)
-    first = piped.propose("a", [], [prompt[-1]], DraftShape.chain(k)).tree
-    plain.propose("a", [], [prompt[-1]], DraftShape.chain(k))
+    first = piped.propose(ProposeCall("a", [], [prompt[-1]], DraftShape.chain(k))).tree
+    plain.propose(ProposeCall("a", [], [prompt[-1]], DraftShape.chain(k)))
     chain = first.tokens
-    ahead = piped.propose("a", [0, 1, 2], chain, shape, ahead=True, alternatives=2)
+    ahead = piped.propose(ProposeCall("a", [0, 1, 2], chain, shape, ahead=True, alternatives=2))
     branches = [ahead.tree] + [b.tree for b in ahead.branches]
     for b in branches:
         n = first_unsure(b.confidences, t)
         assert len(b.tokens) == n and b.pruned == (n < k) and len(b.confidences) == n
     assert len({len(b.tokens) for b in branches}) > 1, "no branch stopped early, or all did"
     index, branch = next((i + 1, b) for i, b in enumerate(ahead.branches) if b.kept == 1)
-    want = plain.propose("a", [0], [chain[0], branch.token], shape).tree
+    want = plain.propose(ProposeCall("a", [0], [chain[0], branch.token], shape)).tree
     assert branch.tree.tokens == want.tokens
     nxt = ([0], [branch.tree.tokens[0], 5])
-    assert piped.propose("a", *nxt, shape, branch=index).tree.tokens == plain.propose("a", *nxt, shape).tree.tokens
-    a, b = piped._sessions["a"], plain._sessions["a"]
+    assert piped.propose(ProposeCall("a", *nxt, shape, branch=index)).tree.tokens == plain.propose(ProposeCall("a", *nxt, shape)).tree.tokens
+    a, b = piped.sessions["a"], plain.sessions["a"]
     assert (a.tokens, a.cache.length, a.last.tokens) == (b.tokens, b.cache.length, b.last.tokens)
 
 
@@ -355,7 +357,7 @@ def test_drafter_refuses_a_bad_threshold(drafter):
     try:
         for t in (-0.1, 1.0, math.nan):
             with pytest.raises(InvalidRequest, match="min_confidence must be in"):
-                drafter.propose("bad", [], [4], DraftShape.chain(2).with_confidence(t))
+                drafter.propose(ProposeCall("bad", [], [4], DraftShape.chain(2).with_confidence(t)))
     finally:
         drafter.close_session("bad")
 

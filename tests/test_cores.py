@@ -10,6 +10,7 @@ from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
 from specd_core.rules.tree import TokenTree, path_to, paths_to_parents
 from specd_core.runtime.models import Runner, load_model
+from specd_core.runtime.propose_call import ProposeCall
 from verifier_svc.config import VerifierConfig
 from verifier_svc.core import Verifier
 
@@ -60,7 +61,7 @@ def test_caches_track_committed_tokens_across_cycles(cores, shape):
     kept = []
     try:
         for cycle in range(6):
-            tree = drafter.propose("a", path, unsent, shape).tree
+            tree = drafter.propose(ProposeCall("a", path, unsent, shape)).tree
             assert len(tree.tokens) <= shape.max_nodes
             if shape.paths:   # exactly the listed nodes (the parents say which is which)
                 assert tree.parents == paths_to_parents(list(shape.paths))
@@ -75,7 +76,7 @@ def test_caches_track_committed_tokens_across_cycles(cores, shape):
             unsent, path = result.tokens, result.path
             kept.append(len(path))
             # Verifier invariant: the cache holds every committed token but the pending one.
-            assert verifier._sessions["a"].cache.length == len(tokens) - 1
+            assert verifier.sessions["a"].cache.length == len(tokens) - 1
         assert sum(kept) > 0
     finally:
         verifier.close_session("a")
@@ -119,10 +120,10 @@ def test_compacted_cache_equals_fresh_prefill(cores, temperature):
     shapes = [DraftShape(branching=(3, 2, 1)), DraftShape(node_budget=9, max_depth=4, top_k=3), DraftShape.chain(4)]
     try:
         for cycle in range(15):
-            tree = drafter.propose("c", path, unsent, shapes[cycle % 3]).tree
+            tree = drafter.propose(ProposeCall("c", path, unsent, shapes[cycle % 3])).tree
             result = verifier.verify("c", tree.tokens, tree.parents, tree.row_dists or None)
             unsent, path = result.tokens, result.path
-        s = verifier._sessions["c"]
+        s = verifier.sessions["c"]
         got = s.cache.forward([s.tokens[-1]])[-1]
         want = verifier.model(torch.tensor([s.tokens])).logits[0, -1].float()
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
@@ -154,8 +155,8 @@ def assert_batch_equals_solo(drafter, params, prompts: dict, shapes: dict, cycle
     try:
         outcome = {k: ([], [p[-1] + 100]) for k, p in prompts.items()}   # (accepted path, committed)
         for cycle in range(cycles):
-            solo = {k: drafter.propose(f"solo-{k}", *outcome[k], shapes[k]).tree for k in prompts}
-            jobs = [drafter.prepare(f"batch-{k}", *outcome[k], shapes[k]) for k in prompts]
+            solo = {k: drafter.propose(ProposeCall(f"solo-{k}", *outcome[k], shapes[k])).tree for k in prompts}
+            jobs = [drafter.prepare(ProposeCall(f"batch-{k}", *outcome[k], shapes[k])) for k in prompts]
             batch = dict(zip(prompts, (p.tree for p in drafter.propose_batch(jobs))))
             for k in prompts:
                 a, b = solo[k], batch[k]
@@ -184,29 +185,30 @@ def test_resumed_session_continues_exactly(cores):
     drafter.open_session("a", prompt, GREEDY)
     try:
         for _ in range(5):
-            tree = drafter.propose("a", path, unsent, shape).tree
+            tree = drafter.propose(ProposeCall("a", path, unsent, shape)).tree
             result = verifier.verify("a", tree.tokens, tree.parents)
             unsent, path = result.tokens, result.path
-        tokens = list(verifier._sessions["a"].tokens)
+        tokens = list(verifier.sessions["a"].tokens)
         with pytest.raises(InvalidRequest, match="at least one generated token"):
             verifier.open_session("b", tokens[:1], GREEDY, resume=True)
         assert verifier.open_session("b", tokens, GREEDY, resume=True) is None
-        assert verifier._sessions["b"].tokens == tokens and verifier._sessions["b"].cache.length == len(tokens) - 1
+        assert verifier.sessions["b"].tokens == tokens and verifier.sessions["b"].cache.length == len(tokens) - 1
         drafter.open_session("b", tokens[:-1], GREEDY)
         b_unsent, b_path = tokens[-1:], []
         for _ in range(5):
-            tree = drafter.propose("a", path, unsent, shape).tree
-            b_tree = drafter.propose("b", b_path, b_unsent, shape).tree
+            tree = drafter.propose(ProposeCall("a", path, unsent, shape)).tree
+            b_tree = drafter.propose(ProposeCall("b", b_path, b_unsent, shape)).tree
             assert (b_tree.tokens, b_tree.parents) == (tree.tokens, tree.parents)
             result = verifier.verify("a", tree.tokens, tree.parents)
             b_result = verifier.verify("b", tree.tokens, tree.parents)
             assert (b_result.path, b_result.tokens) == (result.path, result.tokens)
             unsent, path, b_unsent, b_path = result.tokens, result.path, b_result.tokens, b_result.path
-        assert verifier._sessions["b"].tokens == verifier._sessions["a"].tokens
+        assert verifier.sessions["b"].tokens == verifier.sessions["a"].tokens
     finally:
         for core in (verifier, drafter):
             for sid in ("a", "b"):
-                core._sessions.pop(sid, None)
+                if sid in core.sessions:
+                    core.close_session(sid)
 
 
 def test_prefills_share_a_forward_and_admission_counts_the_batch(pairs):
@@ -242,5 +244,5 @@ def test_prefills_share_a_forward_and_admission_counts_the_batch(pairs):
         for sid in "bc":
             v.verify(sid, [1])
         time.sleep(0.02)
-    assert v._call_interval_s < 0.3, v._call_interval_s
+    assert v.sessions.call_interval_s < 0.3, v.sessions.call_interval_s
     assert v.active_sessions() == 2

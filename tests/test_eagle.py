@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from drafter_svc.config import DrafterConfig
-from drafter_svc.eagle import EagleDrafter
+from drafter_svc.eagle import make_drafter
 from specd.local_stack import Stack
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams, logits_to_probs
 from specd_core.runtime.eagle_head import EagleHead, HeadConfig, TargetParts, load_head, save_head
 from specd_core.runtime.features import HiddenStates
 from specd_core.runtime.models import load_model, load_tokenizer
+from specd_core.runtime.propose_call import ProposeCall
 from tests.test_greedy_exact import MAX_NEW, assert_same_or_near_tie, prompts, reference
 from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold, tv
 from tests.tiny_models import corpus_lines
@@ -88,23 +89,23 @@ def test_head_lean_forward_equals_reference(eagle_pair):
     target_dir, head_dir = eagle_pair
     target = load_model(target_dir, "cpu")
     head, parts = load_head(head_dir), TargetParts.of(target)
-    d = EagleDrafter(DrafterConfig(head_dir, device="cpu"))
+    d = make_drafter(DrafterConfig(head_dir, device="cpu"))
     prompt = [40, 41, 42, 43, 44, 45, 46]
     feats = target_features(target, torch.tensor([prompt]))[0]            # (P, C)
     first = 17
     d.open_session("s", prompt, SamplingParams(0.0))
     hs = HiddenStates.encode(feats, "float16")
-    prop = d.propose("s", [], [first], DraftShape.chain(4), hidden=hs)
+    prop = d.propose(ProposeCall("s", [], [first], DraftShape.chain(4), hidden=hs))
     want = reference_draft(head, parts, hs.decode(), prompt + [first], 4)
     assert prop.tree.tokens == want
     # Row features of the committed pairs equal the module's outputs.
     emb = parts.embed[torch.tensor(prompt[1:] + [first])][None]
     ref = head(emb, hs.decode()[None])[0]
-    got = d._sessions["s"].cache.feats[:len(prompt)]
+    got = d.sessions["s"].cache.feats[:len(prompt)]
     assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
     # A static tree's first-choice chain is the same chain (parents from the mask).
     d.open_session("t", prompt, SamplingParams(0.0))
-    tree = d.propose("t", [], [first], DraftShape(branching=(2, 2, 1, 1)), hidden=hs).tree
+    tree = d.propose(ProposeCall("t", [], [first], DraftShape(branching=(2, 2, 1, 1)), hidden=hs)).tree
     chain, node = [], -1
     for _ in range(4):
         node = [i for i, p in enumerate(tree.parents) if p == node][0]
@@ -269,16 +270,18 @@ def test_loop_forwards_features_without_extra_calls(pairs):
         async def open(self, sid, prompt, sampling):
             pass
 
-        async def propose(self, sid, path, committed, shape, *, ahead=False, rewind=False, hidden=None):
+        async def propose(self, call):
             calls["propose"] += 1
-            sent_positions.extend(hidden.decode()[:, 0].tolist())
-            return Draft([9] * shape.depth, list(range(-1, shape.depth - 1)))
+            sent_positions.extend(call.hidden.decode()[:, 0].tolist())
+            return Draft([9] * call.shape.depth, list(range(-1, call.shape.depth - 1)))
 
         async def close(self, sid):
             pass
 
     prompt = [1, 2, 3, 4]
-    spec = GenerationSpec(prompt, 20, SamplingParams(0.0), "eagle", DraftShape.chain(4))
+    spec = GenerationSpec(
+        prompt_ids=prompt, max_new_tokens=20, sampling=SamplingParams(0.0), method="eagle", shape=DraftShape.chain(4)
+    )
     tracker = OutputTracker(tok, set(), 20, 200)
     verifier = Verifier()
 
@@ -300,17 +303,17 @@ def test_eagle_drafter_refuses_bad_features(eagle_pair):
     from specd_core.errors import InvalidRequest
 
     _, head_dir = eagle_pair
-    d = EagleDrafter(DrafterConfig(head_dir, device="cpu"))
+    d = make_drafter(DrafterConfig(head_dir, device="cpu"))
     prompt = [40, 41, 42]
     d.open_session("s", prompt, SamplingParams(0.0))
     good = HiddenStates.encode(torch.zeros(3, 64))
     for bad in (None, HiddenStates.encode(torch.zeros(2, 64)), HiddenStates.encode(torch.zeros(3, 32)),
                 HiddenStates(good.data[:-2], 3, 64), HiddenStates.encode(torch.full((3, 64), float("inf")))):
         with pytest.raises(InvalidRequest):
-            d.propose("s", [], [17], DraftShape.chain(2), hidden=bad)
+            d.propose(ProposeCall("s", [], [17], DraftShape.chain(2), hidden=bad))
     with pytest.raises(InvalidRequest):
-        d.propose("s", [], [17], DraftShape.chain(2), ahead=True, hidden=good)
-    assert len(d.propose("s", [], [17], DraftShape.chain(2), hidden=good).tree.tokens) == 2
+        d.propose(ProposeCall("s", [], [17], DraftShape.chain(2), ahead=True, hidden=good))
+    assert len(d.propose(ProposeCall("s", [], [17], DraftShape.chain(2), hidden=good)).tree.tokens) == 2
 
 
 @pytest.mark.parametrize("dtype,tol", [("float16", 1e-3), ("bfloat16", 8e-3)])

@@ -19,6 +19,7 @@ from orchestrator.fleet.failover import FailoverDrafter, FailoverVerifier, is_lo
 from orchestrator.fleet.pool import Pool, ReplicaSpec
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
+from specd_core.runtime.propose_call import ProposeCall
 
 pytestmark = pytest.mark.unit
 
@@ -100,8 +101,9 @@ class FakeDrafter(FakeReplica):
         self._call("open")
         self.sessions[session_id] = {"seq": list(prompt_ids), "last": []}
 
-    async def propose(self, session_id, accepted_path, committed, shape, *, ahead=False, rewind=False):
-        assert not ahead and not rewind    # these runs do not pipeline
+    async def propose(self, call):
+        session_id, accepted_path, committed, shape = call.session_id, call.accepted_path, call.committed, call.shape
+        assert not call.ahead and not call.rewind    # these runs do not pipeline
         self._call(("propose", tuple(accepted_path), tuple(committed)))
         s = self.sessions[session_id]
         assert list(committed[:len(accepted_path)]) == [s["last"][i] for i in accepted_path]
@@ -134,7 +136,9 @@ PROMPT = [3, 1, 4, 1, 5]
 def run(verifiers, drafters, n=40, max_failovers=3):
     """Generate n tokens through the real loop; return (streamed ids, pools)."""
     vpool, dpool = pool_of("verifier", verifiers), pool_of("drafter", drafters)
-    spec = GenerationSpec(PROMPT, n, SamplingParams(seed=11), "draft_model", DraftShape.chain(3))
+    spec = GenerationSpec(
+        prompt_ids=PROMPT, max_new_tokens=n, sampling=SamplingParams(seed=11), method="draft_model", shape=DraftShape.chain(3)
+    )
     tracker = OutputTracker(Tok(), set(), n, 1000)
     committed = lambda: spec.prompt_ids + tracker.ids   # noqa: E731
     v = FailoverVerifier(vpool, committed, max_failovers)
@@ -196,12 +200,12 @@ def test_drafter_taken_up_again_once_one_serves():
     async def go():
         await d.open("s", PROMPT, SamplingParams())
         seen.append(target_next(spec_prompt))
-        assert (await d.propose("s", [], seen[-1:], DraftShape.chain(2))).tokens
-        assert (await d.propose("s", [], [], DraftShape.chain(2))).tokens == []   # lost: plain step
-        assert (await d.propose("s", [], [], DraftShape.chain(2))).tokens == []   # none serving
+        assert (await d.propose(ProposeCall("s", [], seen[-1:], DraftShape.chain(2)))).tokens
+        assert (await d.propose(ProposeCall("s", [], [], DraftShape.chain(2)))).tokens == []   # lost: plain step
+        assert (await d.propose(ProposeCall("s", [], [], DraftShape.chain(2)))).tokens == []   # none serving
         back = FakeDrafter(PROMPT)
         dpool.revive("drafter-0", ReplicaSpec("drafter", "drafter-0", "h:new"), back)
-        draft = await d.propose("s", [], [], DraftShape.chain(2))
+        draft = await d.propose(ProposeCall("s", [], [], DraftShape.chain(2)))
         assert draft.tokens and back.log[0] == "open"
         d.release()
         assert back.active == 0 and d0.active == 0
@@ -260,11 +264,11 @@ def test_drafter_full_mid_stream_continues_as_plain_decoding():
     """A Propose refused for the drafter's KV budget: the session frees its
     drafter session and goes on without drafts, output unchanged."""
     class Full(FakeDrafter):
-        async def propose(self, session_id, accepted_path, committed, shape, **kw):
+        async def propose(self, call):
             if self.calls >= 3:
                 self._call("refused")
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "drafter KV budget full: ...")
-            return await super().propose(session_id, accepted_path, committed, shape, **kw)
+            return await super().propose(call)
     d, v = Full(PROMPT), FakeVerifier()
     ids, _, dpool = run([v], [d])
     assert ids == truth(PROMPT, 40)[len(PROMPT):]

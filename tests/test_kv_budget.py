@@ -16,6 +16,7 @@ from specd_core.rules.sampling import SamplingParams
 from specd_core.runtime.kv_budget import DEFAULT_FRACTION, KVPool, budget_bytes, parse_memory
 from specd_core.runtime.lean import LeanModel
 from specd_core.runtime.models import Runner, SessionCache, checkpoint_dtype, load_model
+from specd_core.runtime.propose_call import ProposeCall
 from verifier_svc.config import VerifierConfig
 from verifier_svc.core import Verifier
 
@@ -178,12 +179,12 @@ def test_verifier_running_session_past_the_budget_fails_alone(pairs, llama, engi
     v.open_session("a", list(range(40, 60)), GREEDY)  # 20 rows: 3 blocks
     v.open_session("b", [1, 2, 3], GREEDY)  # 1 block
     assert v.kv_pool.free_blocks == 0
-    tokens = list(v._sessions["a"].tokens)
+    tokens = list(v.sessions["a"].tokens)
     jobs = [v.prepare("a", [5, 6, 7, 8]), v.prepare("b", [9])]
     results = v.verify_batch(jobs)
     assert isinstance(results[0], CapacityExceeded) and "session 'a'" in str(results[0])
     assert not isinstance(results[1], Exception)
-    assert v._sessions["a"].tokens == tokens and v._sessions["a"].cache.length == len(tokens) - 1
+    assert v.sessions["a"].tokens == tokens and v.sessions["a"].cache.length == len(tokens) - 1
     v.close_session("b")
     assert len(v.verify("a", [5, 6, 7, 8]).tokens) >= 1
     v.close_session("a")
@@ -202,11 +203,11 @@ def test_drafter_budget(pairs):
     assert d.kv_pool.used_blocks == 0 and d.num_sessions == 0
     d.open_session("a", list(range(40, 62)), GREEDY)  # 21 rows prefilled, 3 blocks (24 rows)
     with pytest.raises(CapacityExceeded, match="session 'a'"):
-        d.propose("a", [], [62], DraftShape.chain(4))  # 23 rows cached, then 3 drafted
+        d.propose(ProposeCall("a", [], [62], DraftShape.chain(4)))  # 23 rows cached, then 3 drafted
     d.close_session("a")
     assert d.kv_pool.used_blocks == 0
     d.open_session("a", list(range(40, 50)), GREEDY)
-    assert len(d.propose("a", [], [50], DraftShape.chain(4)).tree.tokens) == 4
+    assert len(d.propose(ProposeCall("a", [], [50], DraftShape.chain(4))).tree.tokens) == 4
     d.close_session("a")
     assert d.kv_pool.used_blocks == 0
 

@@ -68,20 +68,21 @@ class Drafter:
             out.append(t if (len(seq) + j + self.n) % 9 else (t + 1) % V)
         return out
 
-    def settle(self, kw):
+    def settle(self, call):
         """What became of the last ahead draft, as this call says: undone
         (rewind) or held, in the branch it names (none: the all-kept one)."""
         if self.assumed is None:
-            assert not kw.get("rewind") and not kw.get("branch")
-        elif not kw.get("rewind"):
-            self.known += self.assumed[kw.get("branch", 0)]
+            assert not call.rewind and not call.branch
+        elif not call.rewind:
+            self.known += self.assumed[call.branch]
         self.assumed = None
 
-    async def propose(self, session_id, accepted_path, committed, shape, **kw):
+    async def propose(self, call):
+        committed, shape = call.committed, call.shape
         self.n += 1
-        self.calls.append(kw)
-        self.settle(kw)
-        if not kw.get("ahead"):
+        self.calls.append(call)
+        self.settle(call)
+        if not call.ahead:
             self.known += committed
             assert self.known == self.verifier.seq, "drafter state diverged"
             tokens = self.chain(self.known, shape.depth)
@@ -90,7 +91,7 @@ class Drafter:
         guess = target_next(self.known + committed) if self.n % 3 else 0
         tokens = self.chain(self.known + committed + [guess], shape.depth)
         self.assumed, branches = [committed + [guess]], []
-        for kept in range(kw.get("alternatives", 0)):
+        for kept in range(call.alternatives):
             token = target_next(self.known + committed[:kept]) if (self.n + kept) % 2 else 0
             self.assumed.append(committed[:kept] + [token])
             chain = self.chain(self.known + self.assumed[-1], shape.depth)
@@ -103,7 +104,15 @@ class Drafter:
 
 def test_pipelined_loop_is_exact_and_reports_each_ahead_draft():
     n = 120
-    spec = GenerationSpec(PROMPT, n, SamplingParams(seed=1), "draft_model", DraftShape.chain(4), (), False, True, 2)
+    spec = GenerationSpec(
+        prompt_ids=PROMPT,
+        max_new_tokens=n,
+        sampling=SamplingParams(seed=1),
+        method="draft_model",
+        shape=DraftShape.chain(4),
+        pipeline=True,
+        pipeline_alternatives=2,
+    )
     verifier = Verifier()
     drafter = Drafter(verifier)
     tracker = OutputTracker(Tok(), set(), n, 1000)
@@ -115,9 +124,9 @@ def test_pipelined_loop_is_exact_and_reports_each_ahead_draft():
     chunks = asyncio.run(go())
     stats = chunks[-1].stats
     assert PROMPT + tracker.ids == truth(n)
-    aheads = sum(bool(c.get("ahead")) for c in drafter.calls)
-    rewinds = sum(bool(c.get("rewind")) for c in drafter.calls)
-    branches = sum(bool(c.get("branch")) for c in drafter.calls)
+    aheads = sum(c.ahead for c in drafter.calls)
+    rewinds = sum(c.rewind for c in drafter.calls)
+    branches = sum(bool(c.branch) for c in drafter.calls)
     assert stats.pipelined_drafts and stats.pipelined_alternative_drafts and rewinds
     # Every ahead draft is verified, or undone by the next Propose, or dropped at the end.
     assert aheads - stats.pipelined_drafts - rewinds in (0, 1)
@@ -140,7 +149,9 @@ def test_plain_loop_sends_the_next_propose_before_streaming_the_cycle():
     (the Drafter fake checks that). The cycle's wall time runs verdict to
     verdict, so a slow consumer shows in it. The last verdict sends none."""
     n = 40
-    spec = GenerationSpec(PROMPT, n, SamplingParams(seed=1), "draft_model", DraftShape.chain(3))
+    spec = GenerationSpec(
+        prompt_ids=PROMPT, max_new_tokens=n, sampling=SamplingParams(seed=1), method="draft_model", shape=DraftShape.chain(3)
+    )
     verifier = Verifier()
     drafter = Drafter(verifier)
     tracker = OutputTracker(Tok(), set(), n, 1000)
@@ -169,12 +180,14 @@ def test_plain_loop_sends_the_next_propose_before_streaming_the_cycle():
 def test_a_stream_ended_early_drops_the_prefetched_propose():
     """A consumer that stops after two cycles leaves a Propose in flight: it
     is cancelled and the session is closed on both replicas."""
-    spec = GenerationSpec(PROMPT, 40, SamplingParams(seed=1), "draft_model", DraftShape.chain(3))
+    spec = GenerationSpec(
+        prompt_ids=PROMPT, max_new_tokens=40, sampling=SamplingParams(seed=1), method="draft_model", shape=DraftShape.chain(3)
+    )
     verifier = Verifier()
     closed = []
 
     class SlowDrafter(Drafter):
-        async def propose(self, *args, **kw):
+        async def propose(self, call):
             self.asked = getattr(self, "asked", 0) + 1
             if self.n >= 2:
                 try:
@@ -182,7 +195,7 @@ def test_a_stream_ended_early_drops_the_prefetched_propose():
                 except asyncio.CancelledError:
                     self.cancelled = True
                     raise
-            return await super().propose(*args, **kw)
+            return await super().propose(call)
 
         async def close(self, session_id):
             closed.append("drafter")

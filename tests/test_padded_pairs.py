@@ -22,6 +22,7 @@ from specd.local_stack import Stack
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
 from specd_core.runtime.models import load_model, load_tokenizer
+from specd_core.runtime.propose_call import ProposeCall
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts, reference
 from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold, tv
 from tests.tiny_models import VOCAB, build_padded_pair
@@ -112,7 +113,7 @@ def test_bigger_drafter_sends_q_over_the_targets_ids_only(padded):
     outside = 0
     for _ in range(20):
         for sid in ("padded", "own"):
-            tree = core.propose(sid, [], [], DraftShape.chain(3, 8)).tree
+            tree = core.propose(ProposeCall(sid, [], [], DraftShape.chain(3, 8))).tree
             ids = [i for row, _ in tree.row_dists for i in row]
             if sid == "padded":
                 assert all(i < SMALL for i in ids + tree.tokens)

@@ -19,6 +19,7 @@ from specd_core.errors import InvalidRequest
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
 from specd_core.runtime.models import load_model, load_tokenizer
+from specd_core.runtime.propose_call import ProposeCall
 from tests.test_greedy_exact import assert_same_or_near_tie, prompts, reference
 from tests.test_sampling_lossless import exact_joint, generate_seeds, null_threshold, tv
 
@@ -37,7 +38,7 @@ def drafter_pair(request, pairs):
 def _open_both(drafters, prompt, sid):
     for d in drafters:
         d.open_session(sid, prompt, GREEDY)
-    return [d.propose(sid, [], [prompt[-1] + 1], CHAIN) for d in drafters]
+    return [d.propose(ProposeCall(sid, [], [prompt[-1] + 1], CHAIN)) for d in drafters]
 
 
 @pytest.mark.unit
@@ -46,18 +47,18 @@ def test_rewound_ahead_leaves_no_trace(drafter_pair):
     prompt = [5, 9, 14, 3, 7, 21]
     first, _ = _open_both(drafter_pair, prompt, "rw")
     chain = first.tree.tokens
-    ahead = piped.propose("rw", [0, 1, 2], chain, CHAIN, ahead=True)
+    ahead = piped.propose(ProposeCall("rw", [0, 1, 2], chain, CHAIN, ahead=True))
     assert ahead.guess is not None and len(ahead.tree.tokens) == 3
     # The verifier kept one token and corrected the second: a miss.
     outcome = ([0], [chain[0], (chain[1] + 1) % 100])
-    want = plain.propose("rw", *outcome, CHAIN)
-    got = piped.propose("rw", *outcome, CHAIN, rewind=True)
+    want = plain.propose(ProposeCall("rw", *outcome, CHAIN))
+    got = piped.propose(ProposeCall("rw", *outcome, CHAIN, rewind=True))
     assert got.tree.tokens == want.tree.tokens
-    assert piped._sessions["rw"].tokens == plain._sessions["rw"].tokens
-    assert piped._sessions["rw"].cache.length == plain._sessions["rw"].cache.length
+    assert piped.sessions["rw"].tokens == plain.sessions["rw"].tokens
+    assert piped.sessions["rw"].cache.length == plain.sessions["rw"].cache.length
     # And the cycle after that still agrees (the rolled-back rows were really gone).
     nxt = ([0, 1, 2], got.tree.tokens + [4])
-    assert piped.propose("rw", *nxt, CHAIN).tree.tokens == plain.propose("rw", *nxt, CHAIN).tree.tokens
+    assert piped.propose(ProposeCall("rw", *nxt, CHAIN)).tree.tokens == plain.propose(ProposeCall("rw", *nxt, CHAIN)).tree.tokens
 
 
 @pytest.mark.unit
@@ -66,15 +67,15 @@ def test_confirmed_ahead_equals_an_ordinary_proposal(drafter_pair):
     prompt = [11, 2, 8, 30, 4]
     first, _ = _open_both(drafter_pair, prompt, "ok")
     chain = first.tree.tokens
-    ahead = piped.propose("ok", [0, 1, 2], chain, CHAIN, ahead=True)
-    want = plain.propose("ok", [0, 1, 2], chain + [ahead.guess], CHAIN)
+    ahead = piped.propose(ProposeCall("ok", [0, 1, 2], chain, CHAIN, ahead=True))
+    want = plain.propose(ProposeCall("ok", [0, 1, 2], chain + [ahead.guess], CHAIN))
     assert ahead.tree.tokens == want.tree.tokens
     # Confirmed by the next ordinary call (no rewind); it continues from there.
     nxt = ([0], [ahead.tree.tokens[0], 17])
-    assert piped.propose("ok", *nxt, CHAIN).tree.tokens == plain.propose("ok", *nxt, CHAIN).tree.tokens
-    assert piped._sessions["ok"].checkpoint is None
+    assert piped.propose(ProposeCall("ok", *nxt, CHAIN)).tree.tokens == plain.propose(ProposeCall("ok", *nxt, CHAIN)).tree.tokens
+    assert piped.sessions["ok"].checkpoint is None
     with pytest.raises(InvalidRequest, match="no ahead proposal"):
-        piped.prepare("ok", [], [], CHAIN, rewind=True)
+        piped.prepare(ProposeCall("ok", [], [], CHAIN, rewind=True))
 
 
 @pytest.mark.unit
@@ -83,13 +84,13 @@ def test_malformed_ahead_calls_are_refused(drafter_pair):
     first = _open_both([piped], [3, 4, 5, 6], "bad")[0]
     chain = first.tree.tokens
     with pytest.raises(InvalidRequest, match="whole last chain"):
-        piped.prepare("bad", [0, 1], chain[:2], CHAIN, ahead=True)
+        piped.prepare(ProposeCall("bad", [0, 1], chain[:2], CHAIN, ahead=True))
     with pytest.raises(InvalidRequest, match="whole last chain"):
-        piped.prepare("bad", [0, 1, 2], chain + [1], CHAIN, ahead=True)
+        piped.prepare(ProposeCall("bad", [0, 1, 2], chain + [1], CHAIN, ahead=True))
     with pytest.raises(InvalidRequest, match="only chains"):
-        piped.prepare("bad", [0, 1, 2], chain, DraftShape(branching=(2, 1)), ahead=True)
+        piped.prepare(ProposeCall("bad", [0, 1, 2], chain, DraftShape(branching=(2, 1)), ahead=True))
     with pytest.raises(InvalidRequest, match="no ahead proposal"):
-        piped.prepare("bad", [0, 1, 2], chain + [1], CHAIN, rewind=True)
+        piped.prepare(ProposeCall("bad", [0, 1, 2], chain + [1], CHAIN, rewind=True))
 
 
 # ------------------------------------------------- branches (rejection outcomes) --
@@ -114,14 +115,14 @@ ALTS = 2
 
 
 def _state(d, sid):
-    s = d._sessions[sid]
+    s = d.sessions[sid]
     return s.tokens, s.cache.length, s.last.tokens
 
 
 def _same_cache(a, b, sid):
     """Both drafters' KV rows for the session agree (up to float noise: different
     batch shapes round differently)."""
-    ca, cb = a._sessions[sid].cache, b._sessions[sid].cache
+    ca, cb = a.sessions[sid].cache, b.sessions[sid].cache
     assert ca.length == cb.length
     assert torch.allclose(ca.kv[..., :ca.length, :], cb.kv[..., :cb.length, :], atol=1e-4)
 
@@ -143,15 +144,15 @@ def test_taking_a_branch_equals_a_fresh_draft(lean_pair, kept):
     sid = f"br{kept}"
     first, _ = _open_both(lean_pair, [8, 3, 19, 4, 25, 6], sid)
     chain = first.tree.tokens
-    ahead = piped.propose(sid, [0, 1, 2], chain, CHAIN, ahead=True, alternatives=ALTS)
+    ahead = piped.propose(ProposeCall(sid, [0, 1, 2], chain, CHAIN, ahead=True, alternatives=ALTS))
     assert len(ahead.branches) == ALTS * 4
     index, branch = next((i + 1, b) for i, b in enumerate(ahead.branches) if b.kept == kept)
     verdict = (list(range(kept)), chain[:kept] + [branch.token])
-    want = plain.propose(sid, *verdict, CHAIN)
+    want = plain.propose(ProposeCall(sid, *verdict, CHAIN))
     assert branch.tree.tokens == want.tree.tokens
     nxt = ([0], [branch.tree.tokens[0], 5])
-    got = piped.propose(sid, *nxt, CHAIN, branch=index)
-    want = plain.propose(sid, *nxt, CHAIN)
+    got = piped.propose(ProposeCall(sid, *nxt, CHAIN, branch=index))
+    want = plain.propose(ProposeCall(sid, *nxt, CHAIN))
     assert got.tree.tokens == want.tree.tokens
     assert _state(piped, sid) == _state(plain, sid)
     _same_cache(plain, piped, sid)       # the branch's rows were compacted into place, not recomputed
@@ -165,24 +166,24 @@ def test_branched_ahead_rewinds_and_chains_of_branches(lean_pair):
     sid = "brw"
     first, _ = _open_both(lean_pair, [2, 30, 11, 9], sid)
     chain = first.tree.tokens
-    ahead = piped.propose(sid, [0, 1, 2], chain, CHAIN, ahead=True, alternatives=ALTS)
+    ahead = piped.propose(ProposeCall(sid, [0, 1, 2], chain, CHAIN, ahead=True, alternatives=ALTS))
     miss = [t for t in range(100) if t not in {chain[1]} | {b.token for b in ahead.branches if b.kept == 1}][0]
     verdict = ([0], [chain[0], miss])
-    got = piped.propose(sid, *verdict, CHAIN, rewind=True)
-    want = plain.propose(sid, *verdict, CHAIN)
+    got = piped.propose(ProposeCall(sid, *verdict, CHAIN, rewind=True))
+    want = plain.propose(ProposeCall(sid, *verdict, CHAIN))
     assert got.tree.tokens == want.tree.tokens and _state(piped, sid) == _state(plain, sid)
     _same_cache(plain, piped, sid)
     # Ahead again; the verdict is the all-kept branch's 2nd bonus guess, and the
     # next ahead call takes that branch as it goes.
     chain = got.tree.tokens
-    ahead = piped.propose(sid, [0, 1, 2], chain, CHAIN, ahead=True, alternatives=1)
+    ahead = piped.propose(ProposeCall(sid, [0, 1, 2], chain, CHAIN, ahead=True, alternatives=1))
     index, branch = next((i + 1, b) for i, b in enumerate(ahead.branches) if b.kept == 3)
-    plain.propose(sid, [0, 1, 2], chain + [branch.token], CHAIN)
-    again = piped.propose(sid, [0, 1, 2], branch.tree.tokens, CHAIN, ahead=True, alternatives=1, branch=index)
-    want = plain.propose(sid, [0, 1, 2], branch.tree.tokens + [again.guess], CHAIN)
+    plain.propose(ProposeCall(sid, [0, 1, 2], chain + [branch.token], CHAIN))
+    again = piped.propose(ProposeCall(sid, [0, 1, 2], branch.tree.tokens, CHAIN, ahead=True, alternatives=1, branch=index))
+    want = plain.propose(ProposeCall(sid, [0, 1, 2], branch.tree.tokens + [again.guess], CHAIN))
     assert again.tree.tokens == want.tree.tokens
-    got = piped.propose(sid, [0], [again.tree.tokens[0], 1], CHAIN)     # branch 0 by default
-    assert got.tree.tokens == plain.propose(sid, [0], [again.tree.tokens[0], 1], CHAIN).tree.tokens
+    got = piped.propose(ProposeCall(sid, [0], [again.tree.tokens[0], 1], CHAIN))     # branch 0 by default
+    assert got.tree.tokens == plain.propose(ProposeCall(sid, [0], [again.tree.tokens[0], 1], CHAIN)).tree.tokens
     assert _state(piped, sid) == _state(plain, sid)
     _same_cache(plain, piped, sid)
 
@@ -193,33 +194,33 @@ def test_malformed_branch_calls_are_refused(lean_pair):
     first = _open_both([piped], [3, 4, 5, 6], "badbr")[0]
     chain = first.tree.tokens
     with pytest.raises(InvalidRequest, match="only for ahead"):
-        piped.prepare("badbr", [0], chain[:1] + [1], CHAIN, alternatives=1)
+        piped.prepare(ProposeCall("badbr", [0], chain[:1] + [1], CHAIN, alternatives=1))
     with pytest.raises(InvalidRequest, match="outside"):
-        piped.prepare("badbr", [0, 1, 2], chain, CHAIN, ahead=True, alternatives=-1)
+        piped.prepare(ProposeCall("badbr", [0, 1, 2], chain, CHAIN, ahead=True, alternatives=-1))
     with pytest.raises(InvalidRequest, match="outside"):
-        piped.prepare("badbr", [0, 1, 2], chain, CHAIN, ahead=True, alternatives=99)
+        piped.prepare(ProposeCall("badbr", [0, 1, 2], chain, CHAIN, ahead=True, alternatives=99))
     with pytest.raises(InvalidRequest, match="no ahead proposal"):
-        piped.prepare("badbr", [0], chain[:1] + [1], CHAIN, branch=1)
-    ahead = piped.propose("badbr", [0, 1, 2], chain, CHAIN, ahead=True, alternatives=1)
+        piped.prepare(ProposeCall("badbr", [0], chain[:1] + [1], CHAIN, branch=1))
+    ahead = piped.propose(ProposeCall("badbr", [0, 1, 2], chain, CHAIN, ahead=True, alternatives=1))
     n = len(ahead.branches) + 1
     with pytest.raises(InvalidRequest, match=f"branches 0..{n - 1}"):
-        piped.prepare("badbr", [0], ahead.tree.tokens[:1] + [1], CHAIN, branch=n)
+        piped.prepare(ProposeCall("badbr", [0], ahead.tree.tokens[:1] + [1], CHAIN, branch=n))
     with pytest.raises(InvalidRequest, match=f"branches 0..{n - 1}"):
-        piped.prepare("badbr", [0], ahead.tree.tokens[:1] + [1], CHAIN, branch=-1)
+        piped.prepare(ProposeCall("badbr", [0], ahead.tree.tokens[:1] + [1], CHAIN, branch=-1))
     with pytest.raises(InvalidRequest, match="exclude"):
-        piped.prepare("badbr", [0], chain[:1] + [1], CHAIN, branch=1, rewind=True)
+        piped.prepare(ProposeCall("badbr", [0], chain[:1] + [1], CHAIN, branch=1, rewind=True))
     # The outcome is checked against the branch's own chain.
     b = ahead.branches[0]
     with pytest.raises(InvalidRequest, match="committed_token_ids"):
-        piped.prepare("badbr", [0], ahead.tree.tokens[:1] + [1], CHAIN, branch=1)
-    piped.prepare("badbr", [0], b.tree.tokens[:1] + [1], CHAIN, branch=1)
+        piped.prepare(ProposeCall("badbr", [0], ahead.tree.tokens[:1] + [1], CHAIN, branch=1))
+    piped.prepare(ProposeCall("badbr", [0], b.tree.tokens[:1] + [1], CHAIN, branch=1))
 
 
 @pytest.mark.unit
 def test_hf_engine_makes_only_the_all_kept_branch(drafter_pair):
     _, piped = drafter_pair
     first = _open_both([piped], [7, 7, 2, 40], "hfbr")[0]
-    ahead = piped.propose("hfbr", [0, 1, 2], first.tree.tokens, CHAIN, ahead=True, alternatives=2)
+    ahead = piped.propose(ProposeCall("hfbr", [0, 1, 2], first.tree.tokens, CHAIN, ahead=True, alternatives=2))
     lean = piped.runner.lean is not None
     assert (len(ahead.branches) == 2 * 4) if lean else not ahead.branches
 

@@ -19,6 +19,7 @@ from specd_core.errors import SessionExpired, UnknownSession
 from specd_core.net.grpc_util import status_for
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
+from specd_core.runtime.propose_call import ProposeCall
 from tests.test_metrics import scrape, value
 from verifier_svc.config import VerifierConfig
 from verifier_svc.core import Verifier
@@ -32,7 +33,7 @@ def test_verifier_core_expires_only_idle_sessions(pairs):
     core.open_session("busy", [4, 5, 6, 7], SamplingParams())
     t0 = time.monotonic()
     assert core.expire_idle(t0 + 50) == [] and core.num_sessions == 2       # not yet
-    core._touched["idle"] -= 200                                            # as if untouched for 200 s
+    core.sessions._touched["idle"] -= 200                                           # as if untouched for 200 s
     core.verify("busy", [])                                                 # a call keeps a session alive
     assert core.expire_idle(time.monotonic() + 50) == ["idle"]
     # Its KV went with it: what is left is busy's 4 prompt + 2 generated tokens, less the pending one.
@@ -60,7 +61,7 @@ def test_timeout_zero_never_expires(pairs):
     core = Drafter(DrafterConfig(model_dir=drafter, session_idle_timeout_s=0))
     core.open_session("a", [1, 2, 3], SamplingParams())
     assert core.expire_idle(time.monotonic() + 10**9) == [] and core.num_sessions == 1
-    core.propose("a", [], [4], DraftShape.chain(2))
+    core.propose(ProposeCall("a", [], [4], DraftShape.chain(2)))
 
 
 @pytest.mark.services

@@ -162,7 +162,7 @@ class CostModel:
     Cold start: what a fresh system learns from its first request must be what
     it will cost later, or a short request runs at the depth its first cycles
     chose. So (1) the model services warm up before they serve (a forward of
-    each shape their batchers run; specd_core/runtime/model_core.py), so that first
+    each shape their batchers run; specd_core/runtime/warmup.py), so that first
     forwards, allocations and kernel selection are not in the first verify and
     draft times; (2) draft and overhead times are normalised, winsorised means
     (RunningMean) that take their first observations at face value and clip

@@ -28,7 +28,7 @@ from orchestrator.cycle.depth import DraftShaper, draft_budget
 from orchestrator.cycle.ports import DrafterClient
 from orchestrator.cycle.records import Draft, Verdict
 from orchestrator.cycle.session import CycleState, after_ahead
-from specd_core.rules.draft_shape import DraftShape
+from specd_core.runtime.propose_call import ProposeCall
 
 
 def ahead_branch(draft: Draft, verdict: Verdict, ahead: Draft) -> int | None:
@@ -62,14 +62,12 @@ async def _no_draft() -> Draft:
     return Draft()
 
 
-async def timed_propose(
-    drafter: DrafterClient, session_id: str, accepted_path: list[int], committed: list[int], shape: DraftShape, /, **kw
-) -> Draft:
+async def timed_propose(drafter: DrafterClient, call: ProposeCall) -> Draft:
     """DrafterClient.propose, its wall time and its shape's threshold noted on the draft."""
     start = time.perf_counter()
-    draft = await drafter.propose(session_id, accepted_path, committed, shape, **kw)
+    draft = await drafter.propose(call)
     draft.call_ms = (time.perf_counter() - start) * 1e3
-    draft.min_confidence = shape.min_confidence
+    draft.min_confidence = call.shape.min_confidence
     return draft
 
 
@@ -126,14 +124,16 @@ class PlainDrafting(Drafting):
         shape = self.shaper.next(state.committed, remaining)
         if shape is None:
             return _no_draft()
-        args = (self.session_id, state.kept_path, state.unsent, shape)
         more = state.news()
         if self.forced_room and shape.is_chain:
             s = self.shaper
             budget = draft_budget(self.forced_room, remaining, state.committed, s.target_ctx, s.drafter_ctx)
             if budget > shape.depth:
                 more["forced_room"] = budget - shape.depth
-        propose = timed_propose(self.drafter, *args, **more)
+        call = ProposeCall(
+            session_id=self.session_id, accepted_path=state.kept_path, committed=state.unsent, shape=shape, **more
+        )
+        propose = timed_propose(self.drafter, call)
         state.heard()  # the call carries all of it
         return propose
 
@@ -175,10 +175,16 @@ class PipelinedDrafting(PlainDrafting):
         shape = self.shaper.next(state.committed + n, remaining - n)
         if shape is None:
             return
-        alts = {"alternatives": self.alternatives} if self.alternatives else {}
-        args = (self.session_id, list(range(n - 1)), draft.tokens, shape)
-        propose = timed_propose(self.drafter, *args, ahead=True, **after_ahead(False, state.branch), **alts)
-        self._ahead = asyncio.ensure_future(propose)
+        call = ProposeCall(
+            session_id=self.session_id,
+            accepted_path=list(range(n - 1)),
+            committed=draft.tokens,
+            shape=shape,
+            ahead=True,
+            alternatives=self.alternatives,
+            **after_ahead(False, state.branch),
+        )
+        self._ahead = asyncio.ensure_future(timed_propose(self.drafter, call))
         state.branch = 0
 
     async def drop(self) -> None:

@@ -12,7 +12,7 @@ import time
 
 from orchestrator.cycle.records import Draft
 from specd_core.rules.ngram import NgramIndex
-from specd_core.runtime.features import HiddenStates
+from specd_core.runtime.propose_call import ProposeCall
 from specd_core.telemetry import tracing
 
 
@@ -25,29 +25,16 @@ class NgramDrafter:
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None:
         self.contexts[session_id] = NgramIndex(self.n_max, self.n_min, list(prompt_ids))
 
-    async def propose(
-        self,
-        session_id: str,
-        accepted_path: list[int],
-        committed: list[int],
-        shape,
-        *,
-        ahead: bool = False,
-        rewind: bool = False,
-        hidden: HiddenStates | None = None,
-        alternatives: int = 0,
-        branch: int = 0,
-        forced_room: int = 0,
-    ) -> Draft:
+    async def propose(self, call: ProposeCall) -> Draft:
         # Never ahead / rewind / alternatives / branch: build_spec pipelines
         # draft_model chains only; never hidden: features are eagle's. Never
         # forced_room: the loop cuts and extends an n-gram draft itself
         # (orchestrator/cycle/structured.py).
         start = time.perf_counter()
-        index = self.contexts[session_id]
-        index.extend(committed)
+        index = self.contexts[call.session_id]
+        index.extend(call.committed)
         with tracing.span("specdec.draft"):  # in-process: an INTERNAL span, no server side
-            tokens = index.propose(shape.depth)
+            tokens = index.propose(call.shape.depth)
         # A chain; children chosen without sampling, so no q travels and the
         # verifier applies the deterministic rule (lossless at any temperature).
         return Draft(tokens, list(range(-1, len(tokens) - 1)), [], (time.perf_counter() - start) * 1e3)

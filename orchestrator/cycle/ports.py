@@ -9,8 +9,7 @@ import contextlib
 from typing import Any, Protocol
 
 from orchestrator.cycle.records import CycleRecord, Draft, Verdict
-from specd_core.rules.draft_shape import DraftShape
-from specd_core.runtime.features import HiddenStates
+from specd_core.runtime.propose_call import ProposeCall
 
 
 class VerifierClient(Protocol):
@@ -22,23 +21,8 @@ class VerifierClient(Protocol):
 
 class DrafterClient(Protocol):
     async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None: ...
-    # alternatives (ahead calls) / branch (the call after one): ProposeRequest's
-    # ahead_alternatives / ahead_branch; forced_room: ProposeRequest's (structured
-    # output); each sent only when not 0.
-    async def propose(
-        self,
-        session_id: str,
-        accepted_path: list[int],
-        committed: list[int],
-        shape: DraftShape,
-        *,
-        ahead: bool = False,
-        rewind: bool = False,
-        hidden: HiddenStates | None = None,
-        alternatives: int = 0,
-        branch: int = 0,
-        forced_room: int = 0,
-    ) -> Draft: ...
+    # The call's fields are ProposeRequest's (specd_core/net/wire.py converts).
+    async def propose(self, call: ProposeCall) -> Draft: ...
     async def close(self, session_id: str) -> None: ...
 
 

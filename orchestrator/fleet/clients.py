@@ -35,10 +35,10 @@ from specd_core.net.wire import (
     dists_from_proto,
     dists_to_proto,
     hidden_from_proto,
-    hidden_to_proto,
+    propose_to_proto,
     sampling_to_proto,
-    shape_to_proto,
 )
+from specd_core.runtime.propose_call import ProposeCall
 from specd_core.telemetry import tracing
 from specd_core.telemetry.probe import mark
 
@@ -306,36 +306,8 @@ class GrpcDrafter(_Client):
             "OpenSession",
         )
 
-    async def propose(
-        self,
-        session_id,
-        accepted_path,
-        committed,
-        shape,
-        *,
-        ahead=False,
-        rewind=False,
-        hidden=None,
-        alternatives=0,
-        branch=0,
-        forced_room=0,
-    ) -> Draft:
-        r = await self._stream(
-            pb.ProposeRequest(
-                session_id=session_id,
-                accepted_path=accepted_path,
-                committed_token_ids=committed,
-                shape=shape_to_proto(shape),
-                ahead=ahead,
-                rewind=rewind,
-                hidden_states=hidden_to_proto(hidden),
-                ahead_alternatives=alternatives,
-                ahead_branch=branch,
-                forced_room=forced_room,
-            ),
-            "specdec.draft",
-            "ProposeSteps",
-        )
+    async def propose(self, call: ProposeCall) -> Draft:
+        r = await self._stream(propose_to_proto(call), "specdec.draft", "ProposeSteps")
         return Draft(
             list(r.draft_token_ids),
             list(r.draft_parents),

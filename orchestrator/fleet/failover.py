@@ -54,6 +54,7 @@ from orchestrator.cycle.records import Draft, Verdict
 from orchestrator.fleet.clients import ServiceError
 from orchestrator.fleet.pool import Pool, Replica
 from specd_core.errors import CapacityExceeded
+from specd_core.runtime.propose_call import ProposeCall
 
 log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1
@@ -255,11 +256,11 @@ class FailoverDrafter:
         self.sampling, self.prompt_len = sampling, len(prompt_ids)
         await self._open_any(session_id, prompt_ids, sampling, rebuild=False)
 
-    async def propose(self, session_id: str, accepted_path: list[int], committed: list[int], shape, **kw) -> Draft:
-        """kw: passed through (pipelined drafting's ahead / rewind). A rebuilt
-        drafter has no earlier proposal: its first one starts from the last
-        committed token, nothing to rewind, and it cannot draft ahead of a
-        chain it never made (an empty draft instead)."""
+    async def propose(self, call: ProposeCall) -> Draft:
+        """A rebuilt drafter has no earlier proposal: its first one starts from
+        the last committed token, nothing to rewind, and it cannot draft ahead
+        of a chain it never made (an empty draft instead)."""
+        session_id = call.session_id
         while True:
             if not self.opened and not (
                 self.rebuild
@@ -269,15 +270,15 @@ class FailoverDrafter:
             ):
                 return Draft()  # no drafter: a plain decode step
             if self.fresh:
-                if kw.get("ahead"):
+                if call.ahead:
                     return Draft()
                 # From base on: normally just the last token; more if tokens were
                 # committed since the rebuild (a concurrent, pipelined verify).
-                accepted_path, committed = [], self.committed()[self.base :]
-                kw.pop("rewind", None)
-                kw.pop("branch", None)
+                call = dataclasses.replace(
+                    call, accepted_path=[], committed=self.committed()[self.base :], rewind=False, branch=0
+                )
             try:
-                draft = await self.lease.client.propose(session_id, accepted_path, committed, shape, **kw)
+                draft = await self.lease.client.propose(call)
             except ServiceError as exc:
                 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._give_up(session_id, exc)

@@ -107,8 +107,8 @@ class ModelServiceConfig:
     max_message_bytes: int = field(
         default=MAX_MESSAGE_BYTES, metadata=flag("largest gRPC message either way (over it: RESOURCE_EXHAUSTED)")
     )
-    # Before serving, run a forward of each shape the batcher runs (ModelCore.warm_up
-    # in specd_core/runtime/model_core.py), so that no request pays the first calls'
+    # Before serving, run a forward of each shape the batcher runs
+    # (specd_core/runtime/warmup.py), so that no request pays the first calls'
     # one-off costs. Off: start faster (tests that start many replicas).
     warmup: bool = field(
         default=True,

@@ -6,6 +6,7 @@ from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.errors import InvalidRequest
 from specd_core.rules.sampling import SamplingParams
 from specd_core.rules.structured import OutputConstraint
+from specd_core.runtime.propose_call import ProposeCall
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -70,6 +71,45 @@ def hidden_from_proto(msg, present: bool):
     from specd_core.runtime.features import HiddenStates
 
     return HiddenStates(msg.data, msg.rows, msg.hidden_size, msg.dtype) if present else None
+
+
+def propose_to_proto(call: ProposeCall) -> pb.ProposeRequest:
+    return pb.ProposeRequest(
+        session_id=call.session_id,
+        accepted_path=call.accepted_path,
+        committed_token_ids=call.committed,
+        shape=shape_to_proto(call.shape),
+        ahead=call.ahead,
+        rewind=call.rewind,
+        hidden_states=hidden_to_proto(call.hidden),
+        ahead_alternatives=call.alternatives,
+        ahead_branch=call.branch,
+        forced_room=call.forced_room,
+    )
+
+
+def propose_from_proto(msg: pb.ProposeRequest, max_draft_tokens: int) -> ProposeCall:
+    """max_draft_tokens: the drafter's limit, for a chain asked by
+    num_draft_tokens alone (no `shape`)."""
+    from specd_core.rules.draft_shape import DraftShape
+
+    shape = (
+        shape_from_proto(msg.shape)
+        if msg.HasField("shape")
+        else DraftShape.chain(msg.num_draft_tokens, max_draft_tokens)
+    )
+    return ProposeCall(
+        session_id=msg.session_id,
+        accepted_path=list(msg.accepted_path),
+        committed=list(msg.committed_token_ids),
+        shape=shape,
+        ahead=msg.ahead,
+        rewind=msg.rewind,
+        hidden=hidden_from_proto(msg.hidden_states, msg.HasField("hidden_states")),
+        alternatives=msg.ahead_alternatives,
+        branch=msg.ahead_branch,
+        forced_room=msg.forced_room,
+    )
 
 
 def constraint_to_proto(c: OutputConstraint | None) -> pb.StructuredOutput | None:

@@ -12,7 +12,7 @@ into groups that take turns, each forward carrying a fraction of the sessions
 sessions have a call queued than are expected, the worker waits for the rest -
 at most `wait_fraction` of the last batch's run time, since a latecomer that
 misses the batch costs a whole forward of its own later. Expected are the open
-sessions that called lately (`active_sessions()`, see ModelCore): a session
+sessions that called lately (`active_sessions()`, see SessionTable.active in sessions.py): a session
 stalled by a slow client must not make every batch wait. A lone session, or a
 full batch, never waits.
 """

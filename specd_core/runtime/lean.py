@@ -20,13 +20,7 @@ Qwen3/Gemma-3's per-head q/k norms; Phi-3's fused weights and partial rotary;
 sliding windows per layer; RoPE per layer type (specd_core/runtime/rope.py, HF's own
 frequency functions).
 
-Sliding windows: a key is attended when the query's position minus its position
-is below the window (Hugging Face's rule). Positions are not stored per cache
-row; instead a row attends to the last `window` keys that its mask lets it see.
-The rows a mask shows a query (the committed sequence, then its tree ancestors,
-then itself) are its own sequence, at consecutive positions - so the last
-`window` of them are exactly the keys within the window, trees included. A window
-at least as long as the cache is plain attention.
+Sliding windows and how new rows attend: specd_core/runtime/lean_attention.py.
 
 The KV cache is float32 on a CPU even when the weights are bf16/fp16: CPU
 attention kernels have no fast half-precision path (measured here: one
@@ -47,6 +41,7 @@ import torch.nn.functional as F
 
 from specd_core.runtime.arch import Arch, describe
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, kv_row_bytes
+from specd_core.runtime.lean_attention import Attend, attend_rows, capped_attention
 from specd_core.runtime.rope import Rope
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -76,14 +71,6 @@ def _fused(module, fused: str, parts: tuple[str, ...]) -> tuple[torch.Tensor, to
     return torch.cat([x.weight for x in linears]), bias
 
 
-class _Attend(NamedTuple):
-    """How one item's new rows attend in layers of one window size."""
-
-    k0: int  # first cache row they may see (a window shorter than the cache starts later)
-    mask: torch.Tensor | None  # additive, (1, 1, n, end - k0); None: see causal
-    causal: bool  # without a mask: causal over the new rows (no cached rows before)
-
-
 class _Plan(NamedTuple):
     """One item of a batched forward: where its rows go and how they attend."""
 
@@ -91,7 +78,7 @@ class _Plan(NamedTuple):
     n: int  # rows it adds
     start: int  # its cache length before them
     end: int
-    attend: tuple[_Attend, ...]  # per distinct window of the model's layers (LeanModel.windows)
+    attend: tuple[Attend, ...]  # per distinct window of the model's layers (LeanModel.windows)
 
 
 class LeanModel:
@@ -173,10 +160,6 @@ class LeanModel:
         """Bytes of one cache row over all layers (the KV budget's unit, specd_core/runtime/kv_budget.py)."""
         return kv_row_bytes(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype)
 
-    @property
-    def hf_config(self):
-        return self.config
-
     def _rms(self, x, w):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -254,51 +237,16 @@ class LeanModel:
             default = positions is None
             pos = torch.arange(start, end, device=self.device) if default else positions.to(self.device)
             rope_items.append((pos, start, end, default))
-            attend = tuple(self._attend(mask, n, start, end, window) for window in self.windows)
+            attend = tuple(
+                attend_rows(mask, n, start, end, window, self.kv_dtype, self.device, self.softcap)
+                for window in self.windows
+            )
             plans.append(_Plan(s, n, start, end, attend))
         rope = []
         for r in self.ropes:
             cos, sin = r.cos_sin(rope_items)
             rope.append((cos[:, None], sin[:, None]))
         return plans, rope
-
-    def _attend(self, mask: torch.Tensor | None, n: int, start: int, end: int, window: int | None) -> _Attend:
-        """How n new rows after start cached ones attend, in layers with this window."""
-        kvt = self.kv_dtype
-        if window is None or window >= end:  # every key the mask allows is within the window
-            attn_mask, causal = self._attn_mask(mask, n, start, end)
-            if causal and self.softcap is not None:  # the explicit path needs the mask itself
-                attn_mask = torch.full((n, n), float("-inf"), dtype=kvt, device=self.device).triu(1)[None, None]
-                causal = False
-            return _Attend(0, attn_mask, causal)
-        if mask is None:
-            # A row at r sees keys (r - window, r]: slice the cache from the first row's first key.
-            k0 = max(0, start - window + 1)
-            if n == 1:
-                return _Attend(k0, None, False)
-            rows = torch.arange(start, end, device=self.device)[:, None]
-            keys = torch.arange(k0, end, device=self.device)[None]
-            seen = (keys <= rows) & (keys > rows - window)
-            attn_mask = torch.zeros(n, end - k0, dtype=kvt, device=self.device).masked_fill_(~seen, float("-inf"))
-            return _Attend(k0, attn_mask[None, None], False)
-        # A given mask (a tree): keep the last `window` keys each row may see.
-        attn_mask = mask.to(self.device, kvt)
-        seen = attn_mask > torch.finfo(kvt).min / 2
-        later = seen.flip(-1).cumsum(-1).flip(-1)  # keys seen at or after each column
-        return _Attend(0, attn_mask.masked_fill(later > window, float("-inf"))[None, None], False)
-
-    def _attn_mask(self, mask: torch.Tensor | None, n: int, start: int, end: int) -> tuple[torch.Tensor | None, bool]:
-        """(additive mask (1, 1, n, end) or None, is_causal) for n new rows after start cached ones."""
-        kvt = self.kv_dtype
-        if mask is not None:
-            return mask.to(self.device, kvt)[None, None], False
-        if n > 1 and start > 0:
-            # Causal over the new rows, full attention to the past.
-            attn_mask = torch.full((n, end), float("-inf"), dtype=kvt, device=self.device)
-            attn_mask[:, :start] = 0
-            attn_mask[:, start:] = torch.triu(attn_mask[:, start:], diagonal=1)
-            return attn_mask[None, None], False
-        return None, n > 1
 
     def _attention(self, i: int, L: dict, x: torch.Tensor, plans: list[_Plan], rope, rows: int):
         """Layer i's attention block over all rows: its output projection, (R, C).
@@ -322,7 +270,11 @@ class LeanModel:
             s.kv[i, 0, :, start:end] = k[:, r0 : r0 + n]
             s.kv[i, 1, :, start:end] = v[:, r0 : r0 + n]
             if cap is not None:
-                ys.append(self._capped(q[:, r0 : r0 + n], s.kv[i, 0, :, k0:end], s.kv[i, 1, :, k0:end], attn_mask, cap))
+                ys.append(
+                    capped_attention(
+                        q[:, r0 : r0 + n], s.kv[i, 0, :, k0:end], s.kv[i, 1, :, k0:end], attn_mask, cap, self.scale
+                    )
+                )
             else:
                 # 4-D (batch of 1): with 3-D inputs PyTorch's CPU dispatch takes the
                 # unfused "math" attention, ~3.5x slower per call here (334 vs 94 us
@@ -343,20 +295,6 @@ class LeanModel:
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # (nh, R, hd)
         out = F.linear(y.transpose(0, 1).reshape(rows, nh * hd).to(x.dtype), L["o"], L["o_b"])
         return out if L["post_attn"] is None else self._rms(out, L["post_attn"])
-
-    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, cap: float):
-        """Attention with tanh soft-capped scores (Gemma-2), in Hugging Face's
-        eager order: scale, cap, mask, softmax in float32. SDPA has no cap, so
-        this is explicit. q (nh, n, hd), k/v (nkv, L, hd) -> (nh, n, hd)."""
-        nh, n, hd = q.shape
-        nkv = k.shape[0]
-        g = nh // nkv  # query heads per KV head, grouped as HF's repeat_kv does
-        scores = torch.matmul(q.reshape(nkv, g * n, hd), k.transpose(1, 2)).view(nh, n, -1) * self.scale
-        scores = torch.tanh(scores / cap) * cap
-        if attn_mask is not None:
-            scores = scores + attn_mask[0]
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs.view(nkv, g * n, -1), v).view(nh, n, hd)
 
     def _mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         """The layer's MLP block (SwiGLU / GeGLU), (R, C)."""

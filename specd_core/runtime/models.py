@@ -68,10 +68,6 @@ def context_length(config) -> int:
     raise ValueError(f"cannot tell the context length of a {type(config).__name__}")
 
 
-def model_context_length(model_dir: str) -> int:
-    return context_length(AutoConfig.from_pretrained(model_dir))
-
-
 def architecture(config) -> str:
     """What a replica reports as its model: the config's architectures[0]
     (e.g. LlamaForCausalLM), else its model_type."""

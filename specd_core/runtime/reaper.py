@@ -1,6 +1,6 @@
 """Closing idle sessions (drafter and verifier): a daemon thread that calls the
 core's `expire_idle` every so often. The rule itself (what is idle, what is
-remembered) lives in the core (specd_core/runtime/model_core.py) and is tested there."""
+remembered) lives in the session table (specd_core/runtime/sessions.py) and is tested there."""
 
 from __future__ import annotations
 

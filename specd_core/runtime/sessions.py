@@ -1,0 +1,164 @@
+"""A replica's session table, held by the drafter and verifier cores: the open
+sessions, the lock their forwards run under, admission of a new id, idle
+expiry, and what a late or unknown id is told. What a session is (its cache,
+its tokens) is the core's; the table only needs `session.cache.release()` and
+an optional `session.constraint`."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+from specd_core.errors import CapacityExceeded, InvalidRequest, SessionExpired, UnknownSession
+
+log = logging.getLogger(__name__)
+
+# Ids of expired sessions remembered, so that a late call hears "expired" rather
+# than "unknown"; bounded so that a stream of abandoned sessions cannot grow it.
+EXPIRED_IDS_KEPT = 4096
+# active(): a session with a call within this many typical call intervals
+# is expected to call again soon; the moving average's weight per call.
+ACTIVE_INTERVALS = 3.0
+INTERVAL_EMA = 0.05
+
+
+class SessionTable:
+    """Sessions by id. `lock`: one forward at a time (concurrent forwards on 2
+    CPU cores only thrash; concurrent sessions share a forward through the
+    batcher instead, specd_core/runtime/batcher.py); adding, closing and
+    expiring take it too."""
+
+    def __init__(self, role: str, max_sessions: int, idle_timeout_s: float):
+        self.role, self.max_sessions, self.idle_timeout_s = role, max_sessions, idle_timeout_s
+        self.lock = threading.Lock()
+        self._sessions: dict = {}
+        self._touched: dict[str, float] = {}  # session id -> time.monotonic() of its last call
+        self._expired: collections.OrderedDict[str, float] = collections.OrderedDict()  # id -> idle seconds
+        self.call_interval_s = 0.0  # moving average of the time between a session's calls
+        # Ids closed before they were opened (bounded like _expired). A caller
+        # that gives up while its OpenSession is in flight closes the id at once;
+        # that close can overtake the open (another thread, a queued call), and
+        # without this note the open would then create a session nobody closes
+        # (tests/test_cancellation.py).
+        self._closed_unopened: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def __getitem__(self, session_id: str):
+        """The session, without counting a call (for reading its state)."""
+        return self._sessions[session_id]
+
+    def values(self) -> list:
+        # A copy: a metrics scrape reads this from another thread while sessions open.
+        return list(self._sessions.values())
+
+    def active(self) -> int:
+        """Open sessions expected to call soon: those with a call within the last
+        ACTIVE_INTERVALS typical intervals between a session's calls (the
+        batcher's gather window waits for these; specd_core/runtime/batcher.py). A session
+        stalled by a slow client drops out, so it makes no batch wait."""
+        since = time.monotonic() - ACTIVE_INTERVALS * self.call_interval_s
+        return sum(1 for sid, t in list(self._touched.items()) if t >= since and sid in self._sessions)
+
+    def check_room(self, session_id: str, pending: int = 0) -> None:
+        """Under the lock: the id is new and the table has room (beside
+        `pending` sessions admitted to the same batch but not yet added)."""
+        if session_id in self._sessions:
+            raise InvalidRequest(f"session {session_id!r} is already open")
+        if session_id in self._closed_unopened:
+            del self._closed_unopened[session_id]
+            raise InvalidRequest(
+                f"session {session_id!r} was closed before it was opened (its caller gave up "
+                f"on it); open it under a new id"
+            )
+        if len(self._sessions) + pending >= self.max_sessions:
+            raise CapacityExceeded(f"{self.role} is at its limit of {self.max_sessions} sessions")
+
+    def add(self, session_id: str, session) -> None:
+        """Under the lock: register a new session (and forget an old expiry of its id)."""
+        self._sessions[session_id] = session
+        self._touched[session_id] = time.monotonic()
+        self._expired.pop(session_id, None)
+
+    @staticmethod
+    def _free(session) -> None:
+        """What a closed session held, freed now: its KV blocks go back to the
+        pool, its structured-output matcher goes. A job of the session still in
+        a batch (or in a frame an exception kept) may outlive it by a while; what
+        it holds must not."""
+        session.cache.release()
+        if getattr(session, "constraint", None) is not None:
+            session.constraint = None
+
+    def close(self, session_id: str) -> None:
+        with self.lock:
+            self._touched.pop(session_id, None)
+            session = self._sessions.pop(session_id, None)
+            if session is not None:
+                self._free(session)
+            else:
+                if session_id not in self._expired:
+                    self._closed_unopened[session_id] = None
+                    while len(self._closed_unopened) > EXPIRED_IDS_KEPT:
+                        self._closed_unopened.popitem(last=False)
+                self._raise_missing(session_id)
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Close the sessions without a call for `idle_timeout_s` (their KV
+        cache goes with them); return their ids. A client that vanished without
+        closing (crashed orchestrator, lost close) must not hold memory forever."""
+        timeout = self.idle_timeout_s
+        if timeout <= 0:
+            return []
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            stale = [sid for sid in self._sessions if now - self._touched.get(sid, now) > timeout]
+            for sid in stale:
+                self._free(self._sessions.pop(sid))
+                self._expired[sid] = now - self._touched.pop(sid)
+            for sid in [sid for sid in list(self._touched) if sid not in self._sessions]:
+                self._touched.pop(sid, None)  # left by a call racing its session's close
+            while len(self._expired) > EXPIRED_IDS_KEPT:
+                self._expired.popitem(last=False)
+        for sid in stale:
+            log.info("%s session %r expired after %.0f s idle", self.role, sid, self._expired.get(sid, timeout))
+        return stale
+
+    def _raise_missing(self, session_id: str):
+        idle = self._expired.get(session_id)
+        if idle is not None:
+            raise SessionExpired(
+                f"session {session_id!r} expired: no call for {idle:.1f} s (this {self.role}'s "
+                f"session_idle_timeout_s is {self.idle_timeout_s:g}); "
+                f"open a new session"
+            )
+        raise UnknownSession(f"unknown session id {session_id!r}")
+
+    def live(self, jobs: list) -> list:
+        """The jobs (checked calls) whose session is still the one they were
+        checked against: not closed while they waited for their batch."""
+        return [j for j in jobs if self._sessions.get(j.session_id) is j.session]
+
+    def get(self, session_id: str):
+        """The session of a call (counted as a call: idle expiry and the
+        batcher's active count read it)."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            self._raise_missing(session_id)
+        # Plain dict stores, atomic under the GIL; a stale entry left by a
+        # session closed meanwhile is ignored and dropped by expire_idle.
+        now = time.monotonic()
+        last = self._touched.get(session_id)
+        self._touched[session_id] = now
+        if last is not None:  # a moving average over all sessions' calls (races only blur it)
+            ema = self.call_interval_s
+            # Clipped: one session back after a long stall must not make every
+            # other session look active for minutes.
+            self.call_interval_s = (now - last) if ema == 0 else ema + INTERVAL_EMA * (min(now - last, 4 * ema) - ema)
+        return s

@@ -1,0 +1,173 @@
+"""The records of a verify batch and its phases after the forward (the
+verifier core, verifier_svc/core.py, runs them in order under its lock):
+plan the rows, pick each job's accepted path by its rule, attach the
+features of the kept rows, compact the caches, stamp the batch's figures.
+No grpc, no lock here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from specd_core.rules.tree import (
+    TokenTree,
+    accept_tree_argmax,
+    accept_tree_deterministic,
+    accept_tree_sampled,
+    compaction_indices,
+    tree_attention,
+)
+from specd_core.runtime.features import HiddenStates
+from specd_core.runtime.grammar import Constraint, apply_masks
+from specd_core.runtime.models import ModelSession
+
+
+@dataclass
+class VerifyResult:
+    path: list[int]  # accepted node indices, root-down
+    tokens: list[int]  # path tokens + correction or bonus
+    compute_ms: float  # forward + acceptance + compaction (of the whole batch it ran in)
+    phases: list = field(default_factory=list)  # (name, start_ns, end_ns): forward, accept, compact
+    batch_sessions: int = 1  # sessions in the same forward (verified or prefilled)
+    batch_tokens: int = 0  # rows of that forward (every session's pending token + nodes)
+    batch_id: int = 0  # the forward's id (Verifier._batch_ids; 0 = none)
+    hidden: HiddenStates | None = None  # sessions that asked: features of the root and the kept path
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+@dataclass
+class VerifySession:
+    cache: ModelSession
+    params: SamplingParams
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    hidden: bool = False  # return the target's features (EAGLE drafting)
+    # Structured output: the target's logits are masked to what it allows at
+    # every row before the rule, and it advances only on committed tokens.
+    constraint: Constraint | None = None
+
+
+@dataclass
+class VerifyJob:
+    """A checked verify call, ready to join a batch."""
+
+    session_id: str
+    session: VerifySession
+    tree: TokenTree
+    q: torch.Tensor | None  # dense per-row q when children were sampled
+
+
+@dataclass
+class OpenJob:
+    """A checked OpenSession call: its prefill joins a batch like a verify."""
+
+    session_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    resume: bool = False
+    hidden: bool = False
+    constraint: Constraint | None = None  # structured output, standing at the committed tokens
+
+
+def is_chain(tree: TokenTree) -> bool:
+    return all(p == i - 1 for i, p in enumerate(tree.parents))
+
+
+def plan_rows(live: list[VerifyJob], admitted: list[tuple[OpenJob, VerifySession]]) -> tuple[list, list[bool]]:
+    """The forward's items (cache, ids, positions, mask) and last-only flags:
+    each verify's pending token and nodes (a tree's mask; a chain's is the
+    causal one), then each prefill's prompt (all but the pending last token
+    after a resume: the cache holds all committed tokens but the last)."""
+    items, last_only = [], []
+    for j in live:
+        s, base = j.session, j.session.cache.length  # base == len(tokens) - 1
+        positions = mask = None
+        if not is_chain(j.tree):
+            mask4, pos2 = tree_attention(j.tree, base)
+            mask, positions = mask4[0, 0], pos2[0]
+        items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), positions, mask))
+        last_only.append(False)
+    for o, s in admitted:
+        items.append((s.cache, o.prompt_ids[:-1] if o.resume else o.prompt_ids, None, None))
+        last_only.append(True)
+    return items, last_only
+
+
+def masked(c: Constraint, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
+    """The rows (root + nodes) with what the constraint forbids at -inf:
+    each row masked at its node's path, the matcher moved there
+    tentatively (specd_core/runtime/grammar.py)."""
+    return apply_masks(logits, c.tree_masks(list(tree.tokens), list(tree.parents)))
+
+
+def argmaxes(logits: list[torch.Tensor]) -> list[list[int]]:
+    """Each greedy session's per-row argmax, in one device call and one
+    transfer to the host (not a host sync per session)."""
+    if not logits:
+        return []
+    flat = torch.cat(logits).argmax(-1).tolist() if len(logits) > 1 else logits[0].argmax(-1).tolist()
+    out, r0 = [], 0
+    for lg in logits:
+        out.append(flat[r0 : r0 + lg.shape[0]])
+        r0 += lg.shape[0]
+    return out
+
+
+def accept_all(live: list[VerifyJob], logits: list[torch.Tensor]) -> list[VerifyResult]:
+    """Each verify's lossless outcome from its rows' logits, masked first
+    where a constraint holds; the greedy sessions' argmaxes in one go."""
+    logits = [
+        lg if j.session.constraint is None else masked(j.session.constraint, lg, j.tree) for j, lg in zip(live, logits)
+    ]
+    best = iter(argmaxes([lg for j, lg in zip(live, logits) if j.session.params.greedy]))
+    return [accept(j, lg, best) for j, lg in zip(live, logits)]
+
+
+def accept(job: VerifyJob, logits: torch.Tensor, best: Iterator[list[int]]) -> VerifyResult:
+    """best: the greedy sessions' argmaxes in batch order (argmaxes),
+    consumed here in the same order."""
+    s, tree = job.session, job.tree
+    if s.params.greedy:
+        result = accept_tree_argmax(next(best), tree)
+    else:
+        # The rule walks the tree with host-side decisions and draws from the
+        # session's CPU generator: its rows come over once, not per node.
+        p = logits_to_probs(logits, s.params).cpu()
+        result = (
+            accept_tree_sampled(p, tree, job.q, s.generator)
+            if job.q is not None
+            else accept_tree_deterministic(p, tree, s.generator)
+        )
+    return VerifyResult(result.path, result.tokens, 0.0)
+
+
+def attach_features(live: list[VerifyJob], accepted: list[VerifyResult], states: list, dtype: str) -> None:
+    """Sessions that return features: those of the rows the cache keeps (root
+    + path), the tokens committed before the new pending one."""
+    for j, r, h in zip(live, accepted, states):
+        if j.session.hidden:
+            r.hidden = HiddenStates.encode(h[compaction_indices(r.path)], dtype)
+
+
+def compact(live: list[VerifyJob], accepted: list[VerifyResult]) -> None:
+    """Keep the root and the accepted path's rows; commit the tokens (the new
+    last one is pending)."""
+    for j, r in zip(live, accepted):
+        j.session.cache.compact(len(j.session.tokens) - 1, compaction_indices(r.path))
+        j.session.tokens += r.tokens
+        if j.session.constraint is not None:
+            j.session.constraint.commit(r.tokens)
+
+
+def stamp(accepted: list[VerifyResult], ms: float, phases: list, items: list, batch_id: int) -> None:
+    """The batch's figures on each result: its time, phases, sessions, rows and id."""
+    rows = sum(len(ids) for _, ids, _, _ in items)
+    for r in accepted:
+        r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases, len(items), rows
+        r.batch_id = batch_id
