@@ -202,3 +202,28 @@ def test_architecture_doc_graph_matches_the_imports():
         f"docs/architecture.md's graph misses {sorted(found - drawn)} "
         f"and lists {sorted(drawn - found)} that are not imports"
     )
+
+
+def _layout_rows() -> dict[str, str]:
+    """docs/architecture.md's layout table: path -> what the row says."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    return dict(re.findall(r"^\| `([\w./]+)` \| (.*) \|$", text, re.M))
+
+
+def test_the_layout_table_lists_every_module():
+    """Each module is named (in backticks) on the row of its own path or of the
+    nearest folder above it that has a row, so a new module cannot go undocumented."""
+    rows = _layout_rows()
+    missing = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if path.name == "__init__.py" or rel.startswith(f"{CORE}/api/"):
+            continue
+        if rel in rows:
+            continue
+        parts = rel.split("/")
+        folders = ["/".join(parts[:i]) + "/" for i in range(len(parts) - 1, 0, -1)]
+        row = next((rows[f] for f in folders if f in rows), None)
+        if row is None or not re.search(rf"`{re.escape(path.stem)}[`/]", row):
+            missing.append(rel)
+    assert not missing, f"docs/architecture.md's layout table does not name {missing}"
