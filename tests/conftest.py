@@ -88,20 +88,31 @@ LONGEST_FIRST = (
 )
 
 
+# The long pure statistical modules (each sums to a good part of the unit
+# tier): their tests share no costly fixture, so each test is a group of its
+# own, spread over both workers, instead of one module holding a worker to
+# the end of `--fast` while the other idles.
+SPLIT_BY_TEST = ("tests/test_acceptance.py", "tests/test_confidence.py", "tests/test_tree.py")
+
+
 def group_of(item) -> str:
     if item.get_closest_marker("cluster"):
         return "ray"
     module = item.nodeid.split("::")[0]
+    if module in SPLIT_BY_TEST:
+        return item.nodeid
     return SHARED_STACK_GROUPS.get(module, module)
 
 
 def group_rank(group: str, item) -> tuple[int, int]:
     """Where `item` would put its group in the schedule (the group takes its
     lowest): the longest groups in their order, then groups with a services
-    test, then the rest (unit)."""
+    test, then the rest (unit), the long statistical ones first."""
     if group in LONGEST_FIRST:
         return (0, LONGEST_FIRST.index(group))
-    return (1 if item.get_closest_marker("services") else 2, 0)
+    if item.get_closest_marker("services"):
+        return (1, 0)
+    return (2, 0 if item.nodeid.split("::")[0] in SPLIT_BY_TEST else 1)
 
 
 @pytest.fixture(scope="session")
