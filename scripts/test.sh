@@ -7,8 +7,9 @@
 #   ./scripts/test.sh --no-lint ...   skip the lint step (e.g. while iterating on a test)
 #
 # The tiers (unit, services, cluster; statistical across them) are described in
-# tests/README.md. Every test starts and stops its own services and Ray cluster;
-# nothing needs to be running.
+# tests/README.md. The tests start and stop the services and Ray clusters they
+# need (shared between tests where the same one serves); nothing needs to be
+# running.
 #
 # Lint: `ruff check` and `ruff format --check` on the runtime packages, and `mypy` (its files and
 # settings come from pyproject.toml's [tool.mypy]). The tests run whether or not

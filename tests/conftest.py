@@ -88,11 +88,13 @@ LONGEST_FIRST = (
 )
 
 
-# The long pure statistical modules (each sums to a good part of the unit
-# tier): their tests share no costly fixture, so each test is a group of its
-# own, spread over both workers, instead of one module holding a worker to
-# the end of `--fast` while the other idles.
-SPLIT_BY_TEST = ("tests/test_acceptance.py", "tests/test_confidence.py", "tests/test_tree.py")
+# The long pure statistical modules (each a good part of the unit tier),
+# handed out first within it. Those whose tests share no module fixture have
+# each test a group of its own, spread over both workers, instead of one
+# module holding a worker to the end of `--fast` while the other idles
+# (test_confidence.py keeps its module: its drafter cores are module fixtures).
+LONG_UNIT = ("tests/test_acceptance.py", "tests/test_confidence.py", "tests/test_tree.py")
+SPLIT_BY_TEST = ("tests/test_acceptance.py", "tests/test_tree.py")
 
 
 def group_of(item) -> str:
@@ -112,7 +114,7 @@ def group_rank(group: str, item) -> tuple[int, int]:
         return (0, LONGEST_FIRST.index(group))
     if item.get_closest_marker("services"):
         return (1, 0)
-    return (2, 0 if item.nodeid.split("::")[0] in SPLIT_BY_TEST else 1)
+    return (2, 0 if item.nodeid.split("::")[0] in LONG_UNIT else 1)
 
 
 @pytest.fixture(scope="session")
