@@ -7,8 +7,9 @@
 #   ./scripts/test.sh --no-lint ...   skip the lint step (e.g. while iterating on a test)
 #
 # The tiers (unit, services, cluster; statistical across them) are described in
-# tests/README.md. Every test starts and stops its own services and Ray cluster;
-# nothing needs to be running.
+# tests/README.md. The tests start and stop the services and Ray clusters they
+# need (shared between tests where the same one serves); nothing needs to be
+# running.
 #
 # Lint: `ruff check` and `ruff format --check` on the runtime packages and the
 # benchmarks, and `mypy` (its files and settings come from pyproject.toml's
@@ -61,19 +62,21 @@ run_pytest() {
 }
 
 # Two workers (pytest-xdist): most tests wait on processes and sockets, so one
-# worker leaves a core idle; loadgroup keeps a module's tests on one worker
-# (tests/conftest.py). SPECD_TEST_WORKERS=0 runs everything in this process.
-xdist=(-n "${SPECD_TEST_WORKERS:-2}" --dist loadgroup)
-if [ "${#args[@]}" -eq 0 ]; then
-  # The whole suite: every tier but the cluster one on both workers, then the
-  # cluster tier alone, one test at a time. Its tests run Ray clusters whose
-  # scaling and draining steps have timeouts; beside a second worker's load
-  # on 2 cores they would measure the machine, not specd.
-  run_pytest "(all but cluster)" "${xdist[@]}" -m "not cluster"
-  run_pytest "(cluster)" -n 0 -m cluster
-else
-  run_pytest "" "${xdist[@]}" "${args[@]}"
-fi
+# worker leaves a core idle; loadgroup keeps a module's tests on one worker,
+# and the groups are taken in tests/conftest.py's order, the longest first
+# (--no-loadscope-reorder: xdist's own order is by number of tests, which
+# left the longest modules for the end). SPECD_TEST_WORKERS=0 runs
+# everything in this process.
+#
+# The whole suite is one run: the cluster tier is one of the groups (its
+# tests one after another on one worker, one Ray cluster at a time), taken
+# once the longest services modules have been handed out, so it runs beside
+# the other worker's shorter modules instead of after everything with a core
+# idle. Its timeouts are not at risk there: they are minutes where the steps
+# take seconds, and the whole tier passed at load averages of 15-25 on these
+# 2 cores (tests/README.md).
+xdist=(-n "${SPECD_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)
+run_pytest "" "${xdist[@]}" "${args[@]}"
 
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "test.sh: FAILED: $(IFS=';'; echo "${failed[*]}" | sed 's/;/; /g')" >&2

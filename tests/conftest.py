@@ -1,4 +1,6 @@
 import os
+import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -39,12 +41,80 @@ def pytest_collection_modifyitems(config, items):
             "(a module-level `pytestmark` or a per-test mark):\n" + "\n".join(bad))
     # Under pytest-xdist (scripts/test.sh runs two workers with --dist
     # loadgroup), a module's tests stay on one worker, so its module fixtures
-    # start once and its tests run in their order; the cluster tier runs on one
-    # worker, one test at a time: two Ray heads on one machine would contend
-    # for Ray's fixed default ports (client server, dashboard agent).
+    # start once and its tests run in their order; the cluster tier is one
+    # group, one test at a time: two Ray heads on one machine would contend
+    # for Ray's fixed default ports (client server, dashboard agent), and its
+    # tests share one head (`ray_head`). Modules that are the only users of a
+    # session stack share a group too (SHARED_STACK_GROUPS), so that it starts
+    # once, not once per worker.
+    groups = {}
     for item in items:
-        group = "ray" if item.get_closest_marker("cluster") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = group_of(item)
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    ranks: dict[str, tuple[int, int]] = {}
+    for item, group in groups.items():
+        ranks[group] = min(ranks.get(group, (3, 0)), group_rank(group, item))
+    # The groups in the order the workers take them (scripts/test.sh passes
+    # --no-loadscope-reorder; xdist's own order is by number of tests): the
+    # longest first, the many short unit modules last, where they fill the
+    # gap while the other worker finishes its last group (the longest-first
+    # rule for two machines). The sort is stable: a group's tests keep their
+    # order, and a group's tests stay together (also without xdist, so that
+    # module fixtures start once).
+    # Within the ray group, the tests on the shared head (ray_cluster) last and
+    # one after the other, so that the head is started once.
+    items.sort(key=lambda item: (ranks[groups[item]], groups[item] == "ray" and "ray_cluster" in item.fixturenames))
+
+
+# Modules that alone use a session stack: one xdist group each, so the stack
+# starts once per run (under xdist every worker has its own session).
+SHARED_STACK_GROUPS = {
+    "tests/test_http_api.py": "http_stack",
+    "tests/test_http_structured.py": "http_stack",
+    "tests/test_batching.py": "metered",
+    "tests/test_cancellation.py": "metered",
+    "tests/test_fuzz_rpc.py": "metered",
+    "tests/test_memory.py": "metered",
+    "tests/test_metrics.py": "metered",
+}
+# The longest groups, roughly longest first (tests/README.md); they start
+# before the rest. The cluster tier ("ray", one group of several minutes) is
+# handed out once the longest services groups have been: it then runs beside
+# the other worker's shorter modules, and still ends well before the suite.
+LONGEST_FIRST = (
+    "metered", "tests/test_sampling_lossless.py", "tests/test_family_services.py", "http_stack", "ray",
+    "tests/test_adaptive_cold_start.py", "tests/test_structured_lossless.py", "tests/test_overload.py",
+    "tests/test_pipeline.py", "tests/test_eagle.py", "tests/test_greedy_exact.py", "tests/test_padded_pairs.py",
+)
+
+
+# The long pure statistical modules (each a good part of the unit tier),
+# handed out first within it. Those whose tests share no module fixture have
+# each test a group of its own, spread over both workers, instead of one
+# module holding a worker to the end of `--fast` while the other idles
+# (test_confidence.py keeps its module: its drafter cores are module fixtures).
+LONG_UNIT = ("tests/test_acceptance.py", "tests/test_confidence.py", "tests/test_tree.py")
+SPLIT_BY_TEST = ("tests/test_acceptance.py", "tests/test_tree.py")
+
+
+def group_of(item) -> str:
+    if item.get_closest_marker("cluster"):
+        return "ray"
+    module = item.nodeid.split("::")[0]
+    if module in SPLIT_BY_TEST:
+        return item.nodeid
+    return SHARED_STACK_GROUPS.get(module, module)
+
+
+def group_rank(group: str, item) -> tuple[int, int]:
+    """Where `item` would put its group in the schedule (the group takes its
+    lowest): the longest groups in their order, then groups with a services
+    test, then the rest (unit), the long statistical ones first."""
+    if group in LONGEST_FIRST:
+        return (0, LONGEST_FIRST.index(group))
+    if item.get_closest_marker("services"):
+        return (1, 0)
+    return (2, 0 if item.nodeid.split("::")[0] in LONG_UNIT else 1)
 
 
 @pytest.fixture(scope="session")
@@ -63,21 +133,32 @@ def pairs(model_root):
     return out
 
 
+class LazyStacks(dict):
+    """family -> running Stack, each started on its first use: most modules use
+    only the llama stack, and a start costs each of its three processes
+    seconds of CPU (importing torch and transformers). Thread-safe: a first
+    use may come from a test's thread pool."""
+
+    def __init__(self, pairs):
+        super().__init__()
+        self.pairs = pairs
+        self.lock = threading.Lock()
+
+    def __missing__(self, family):
+        with self.lock:
+            if not dict.__contains__(self, family):
+                self[family] = Stack(*self.pairs[family])
+            return dict.__getitem__(self, family)
+
+
 @pytest.fixture(scope="session")
 def stacks(pairs):
-    """family -> running Stack (real processes on real ports)."""
-    # Started and stopped together: each start spends seconds importing and
-    # loading, each stop waits for its processes to drain and exit.
-    with ThreadPoolExecutor(len(pairs)) as pool:
-        started = {family: pool.submit(Stack, target, drafter) for family, (target, drafter) in pairs.items()}
-    running = {family: f.result() for family, f in started.items() if f.exception() is None}
-    try:
-        for f in started.values():
-            f.result()  # the first failure to start, if any
-        yield running
-    finally:
-        with ThreadPoolExecutor(len(pairs)) as pool:
-            list(pool.map(Stack.stop, running.values()))
+    """family -> running Stack (real processes on real ports), started on first use."""
+    running = LazyStacks(pairs)
+    yield running
+    # Stopped together: each stop waits for its processes to drain and exit.
+    with ThreadPoolExecutor(max(1, len(running))) as pool:
+        list(pool.map(Stack.stop, list(running.values())))
 
 
 @pytest.fixture(scope="session")
@@ -90,11 +171,80 @@ def metered(pairs):
     stack.stop()
 
 
+# The chat template of the HTTP stack's target (tests/test_http_api.py's chat tests).
+HTTP_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def http_stack(pairs, tmp_path_factory):
+    """A llama Stack serving the OpenAI-compatible HTTP API, with metrics, whose
+    target carries a chat template (HTTP_CHAT_TEMPLATE; the model is named
+    "llama-chat" after its directory): tests/test_http_api.py and
+    tests/test_http_structured.py (one xdist group, SHARED_STACK_GROUPS)."""
+    from specd_core.runtime.models import load_tokenizer
+
+    target, drafter = pairs["llama"]
+    chat_target = tmp_path_factory.mktemp("http") / "llama-chat"
+    shutil.copytree(target, chat_target)
+    tok = load_tokenizer(str(chat_target))
+    tok.chat_template = HTTP_CHAT_TEMPLATE
+    tok.save_pretrained(str(chat_target))
+    stack = Stack(str(chat_target), drafter, metrics=True, http=True)
+    yield stack
+    stack.stop()
+
+
+# The local Ray head the cluster tests that attach to one share: (address,
+# process group) while it runs. A head costs seconds of CPU to start and stop
+# (GCS, raylet, workers); its users are scheduled one after the other (ray
+# group, schedule_rank) and it is stopped after the last of them, because the
+# other cluster tests start heads of their own (`specd demo`, `specd up`
+# without an address, a multi-node cluster), which would contend with it for
+# Ray's fixed default ports.
+_RAY_HEAD: dict = {}
+
+
 @pytest.fixture
-def ray_cluster(tmp_path):
-    """A local Ray head (`ray start`) for one test; its address, as RAY_ADDRESS takes it."""
-    address, pid = local_ray.start_local_ray(log_dir=str(tmp_path))
+def ray_cluster(request, tmp_path_factory):
+    """The shared local Ray head (`ray start`); its address, as RAY_ADDRESS takes
+    it. Each user leaves it as it found it (`specd down`, or a refused `specd
+    up` that cleans up after itself, which these tests check); after a test
+    that failed, any specd actor it left is killed, so that the next test does
+    not inherit it."""
+    if not _RAY_HEAD:
+        address, pid = local_ray.start_local_ray(log_dir=str(tmp_path_factory.mktemp("ray-head")))
+        _RAY_HEAD.update(address=address, pid=pid)
+    yield _RAY_HEAD["address"]
+    report = getattr(request.node, "rep_call", None)
+    if report is None or report.failed:
+        kill_specd_actors(_RAY_HEAD["address"])
+
+
+def kill_specd_actors(address: str) -> None:
+    import ray
+
+    ray.init(address=address, logging_level="ERROR")
     try:
-        yield address
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["name"].startswith("specd-"):
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
     finally:
-        local_ray.stop_local_ray(pid)
+        ray.shutdown()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.rep_call = report  # ray_cluster reads whether its test failed
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared Ray head once its last consecutive user is torn down."""
+    yield
+    if _RAY_HEAD and (nextitem is None or "ray_cluster" not in nextitem.fixturenames):
+        local_ray.stop_local_ray(_RAY_HEAD.pop("pid"))
+        _RAY_HEAD.clear()

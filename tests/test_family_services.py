@@ -26,7 +26,8 @@ MAX_NEW = 24
 # structure with default RoPE) and Mistral differ from these only inside the forward,
 # which tests/test_families.py checks for every family against Hugging Face.
 # Mistral's one quirk, a sliding window, is crossed here by Gemma-2 and Gemma-3.
-SERVED = ("llama3", "qwen3", "phi3.5", "gemma2", "gemma3")
+# Gemma-2 last: its stack then also serves the sampling test (family_stacks).
+SERVED = ("llama3", "qwen3", "phi3.5", "gemma3", "gemma2")
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,28 @@ def family_pairs(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def family_stacks(family_pairs):
+    """family -> a running Stack, one at a time (starting another stops the
+    last): Gemma-2 is served last in SERVED, so its stack serves both its greedy
+    and its sampling test (default flags for both; the law test's requests
+    are seeded, the greedy test's stats are per request, so neither sees the
+    other)."""
+    running: dict = {}
+
+    def get(family):
+        if family not in running:
+            for other in running.values():
+                other.stop()
+            running.clear()
+            running[family] = Stack(*family_pairs[family])
+        return running[family]
+
+    yield get
+    for stack in running.values():
+        stack.stop()
+
+
 def _prompts(tok, n=3):
     lines = [line for line in corpus_lines() if len(line.strip()) > 30]
     # Long enough that prompt + output pass the tiny models' sliding windows.
@@ -49,28 +72,25 @@ def _prompts(tok, n=3):
 
 
 @pytest.mark.parametrize("family", SERVED)
-def test_greedy_through_the_services_equals_target_only(family, family_pairs):
-    target, drafter = family_pairs[family]
+def test_greedy_through_the_services_equals_target_only(family, family_pairs, family_stacks):
+    target, _ = family_pairs[family]
     model, tok = load_model(target, "cpu"), load_tokenizer(target)
-    stack = Stack(target, drafter)
-    try:
-        status = pb_grpc.AdminServiceStub(stack.channel).Status(pb.StatusRequest(), timeout=30)
-        assert sorted((r.kind, r.engine) for r in status.replicas) == [("drafter", "lean"), ("verifier", "lean")]
-        accepted = 0
-        for n, p in enumerate(_prompts(tok)):
-            want, gaps = reference(model, p)
-            want, gaps = want[:MAX_NEW], gaps[:MAX_NEW]
-            for draft in ({"num_speculative_tokens": 3}, {"tree": {"branching": [2, 2, 1]}}):
-                got, last = stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=MAX_NEW, **draft)
-                assert_same_or_near_tie(got, want, gaps, f"{family} prompt {n} {draft}")
-                accepted += last.stats.accepted_tokens
-        assert accepted > 0  # drafts were really kept
-    finally:
-        stack.stop()
+    stack = family_stacks(family)
+    status = pb_grpc.AdminServiceStub(stack.channel).Status(pb.StatusRequest(), timeout=30)
+    assert sorted((r.kind, r.engine) for r in status.replicas) == [("drafter", "lean"), ("verifier", "lean")]
+    accepted = 0
+    for n, p in enumerate(_prompts(tok)):
+        want, gaps = reference(model, p)
+        want, gaps = want[:MAX_NEW], gaps[:MAX_NEW]
+        for draft in ({"num_speculative_tokens": 3}, {"tree": {"branching": [2, 2, 1]}}):
+            got, last = stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=MAX_NEW, **draft)
+            assert_same_or_near_tie(got, want, gaps, f"{family} prompt {n} {draft}")
+            accepted += last.stats.accepted_tokens
+    assert accepted > 0  # drafts were really kept
 
 
 @pytest.mark.statistical
-def test_sampling_is_lossless_on_gemma2(family_pairs):
+def test_sampling_is_lossless_on_gemma2(family_pairs, family_stacks):
     target, drafter = family_pairs["gemma2"]
     prompt = [40, 41, 42, 43, 44]
     params = SamplingParams(1.0, 1.0, 6)
@@ -78,10 +98,6 @@ def test_sampling_is_lossless_on_gemma2(family_pairs):
     threshold = null_threshold(joint, N)
     drafter_joint = exact_joint(drafter, prompt, params)
     assert tv(joint, {k: v * N for k, v in drafter_joint.items()}, N) > 2 * threshold  # the test has power
-    stack = Stack(target, drafter)
-    try:
-        check_stream_law(stack, prompt, joint, threshold,
-                         {"temperature": 1.0, "top_p": 1.0, "top_k": 6, "num_speculative_tokens": 2})
-    finally:
-        stack.stop()
+    check_stream_law(family_stacks("gemma2"), prompt, joint, threshold,
+                     {"temperature": 1.0, "top_p": 1.0, "top_k": 6, "num_speculative_tokens": 2})
 

@@ -16,23 +16,18 @@ import asyncio
 import collections
 import json
 import random
-import shutil
 import time
 
 import httpx2
 import openai
 import pytest
 
-from specd.local_stack import Stack
 from specd_core.api.v1 import specdec_pb2 as pb
-from specd_core.runtime.models import load_tokenizer
 from tests.test_cancellation import live_state
 from tests.test_metrics import scrape, value
 
 pytestmark = pytest.mark.services
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
 PROMPT = "def read_config(path):\n    with open(path) as f:"
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def read_config(path):"}]
 GREEDY = dict(temperature=0, max_tokens=20)
@@ -40,16 +35,11 @@ K3 = {"num_speculative_tokens": 3}  # a fixed K: adaptive depth would vary with 
 
 
 @pytest.fixture(scope="module")
-def stack(pairs, tmp_path_factory):
-    target, drafter = pairs["llama"]
-    chat_target = tmp_path_factory.mktemp("http") / "llama-chat"
-    shutil.copytree(target, chat_target)
-    tok = load_tokenizer(str(chat_target))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(chat_target))
-    s = Stack(str(chat_target), drafter, metrics=True, http=True)
-    yield s
-    s.stop()
+def stack(http_stack):
+    """The session's HTTP stack (tests/conftest.py), shared with
+    tests/test_http_structured.py: its tests compare counters by their
+    increase and end with no session open."""
+    return http_stack
 
 
 @pytest.fixture(scope="module")

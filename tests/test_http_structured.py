@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 
 from specd_core.api.v1 import specdec_pb2 as pb
 from tests.test_cancellation import live_state
-from tests.test_http_api import client, grpc_generate, stack  # noqa: F401 (fixtures: the same stack as test_http_api.py's, its own instance)
+from tests.test_http_api import client, grpc_generate, stack  # noqa: F401 (fixtures: the session's http_stack, as test_http_api.py's)
 
 pytestmark = pytest.mark.services
 

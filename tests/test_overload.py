@@ -10,6 +10,7 @@ can finish (and free its session) while the others are being refused."""
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from pathlib import Path
 
@@ -53,8 +54,9 @@ def _reference(target_dir: str, prompt: tuple[int, ...], n: int) -> tuple[int, .
 def running_prompts(target_dir: str, candidates, k: int, n: int = MAX_NEW) -> list[list[int]]:
     """The first k candidate prompts whose greedy continuation does not stop at
     EOS within n tokens: a stream that ended early would free its session and
-    let a later request in, which is not what these tests are about."""
-    out = [p for p in candidates if len(reference(target_dir, p, n)) == n][:k]
+    let a later request in, which is not what these tests are about.
+    Candidates are decoded only until k are found (each is a decode of n tokens)."""
+    out = list(itertools.islice((p for p in candidates if len(reference(target_dir, p, n)) == n), k))
     assert len(out) == k, "not enough prompts that run to max_new_tokens"
     return out
 
