@@ -214,5 +214,8 @@ class Stack:
         self.channel.close()
         with ThreadPoolExecutor(len(self.orchestrators)) as pool:  # each waits for its streams to drain
             list(pool.map(ServiceProcess.stop, self.orchestrators))
-        for p in (*self.drafters, *self.verifiers):
-            p.stop()
+        # The replicas once no orchestrator calls them, all at once: each one's
+        # graceful shutdown is a wait, and waits taken in turn add up.
+        replicas = [*self.drafters, *self.verifiers]
+        with ThreadPoolExecutor(max(1, len(replicas))) as pool:
+            list(pool.map(ServiceProcess.stop, replicas))
