@@ -47,7 +47,7 @@ fi
 rc=0
 run_pytest() {
   local label=${1:+ $1}; shift
-  python -m pytest -q -ra --durations=10 "$@"
+  python -m pytest -q -ra --durations=20 "$@"
   local code=$?
   if [ "$code" -eq 5 ]; then
     # pytest's "no tests were collected" (also: a -m selection that matched
