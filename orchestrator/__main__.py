@@ -11,23 +11,26 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 
 from orchestrator.config import OrchestratorConfig, add_http_flags
 from orchestrator.edge.server import start_async
 from orchestrator.spec_config import add_speculative_flags, speculative_config_from_args
 from specd_core.net.auth import tokens_from_env_and_file
+from specd_core.net.exposure import add_exposure_flags, check_exposure
 from specd_core.net.grpc_util import MAX_MESSAGE_BYTES, prefer_latency
 from specd_core.net.security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
+from specd_core.runtime.hub import ModelSpecError, resolve_model
 from specd_core.telemetry import metrics, tracing
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m orchestrator")
-    p.add_argument("--target", required=True, help="target model dir (tokenizer, context length)")
-    p.add_argument("--drafter", help="drafter model dir")
+    p.add_argument("--target", required=True, help="target model dir or repo id (tokenizer, context length)")
+    p.add_argument("--drafter", help="drafter model dir or repo id")
     p.add_argument("--verifier-address", action="append", required=True)
     p.add_argument("--drafter-address", action="append", default=[])
-    p.add_argument("--host", default="0.0.0.0")
+    add_exposure_flags(p)
     p.add_argument("--port", type=int, default=50051)
     p.add_argument(
         "--share-ports",
@@ -108,8 +111,16 @@ def main(argv=None):
         tls = tls_from_args(args)
         if tls:
             tls.check(server=True)
-        tokens_from_env_and_file(args.auth_tokens_file)  # fail now, naming the file
+        tokens = tokens_from_env_and_file(args.auth_tokens_file)  # fail now, naming the file
+        warning = check_exposure(args.host, tls, bool(tokens), args.insecure)
     except SecurityConfigError as exc:
+        p.exit(2, f"orchestrator: {exc}\n")
+    if warning:
+        print(f"orchestrator: {warning}", file=sys.stderr, flush=True)
+    try:  # repo ids (org/name@rev): their directories in the Hugging Face cache
+        args.target = resolve_model(args.target, what="--target").path
+        args.drafter = args.drafter and resolve_model(args.drafter, what="--drafter").path
+    except ModelSpecError as exc:
         p.exit(2, f"orchestrator: {exc}\n")
     logging.basicConfig(level=logging.INFO)
     tracing.setup("orchestrator")  # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set

@@ -13,7 +13,7 @@ from specd_core.net.security import TlsConfig
 class OrchestratorConfig:
     target_dir: str  # the verifier's model dir (tokenizer + context length)
     drafter_dir: str | None = None  # None: no drafter, speculation off
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback; another address needs credentials (specd_core/net/exposure.py)
     port: int = 50051  # public Generate port; 0 = any free port
     # The OpenAI-compatible HTTP API (docs/http.md) on the same host: 0 = off,
     # -1 = any free port (tests, where several orchestrators run at once).

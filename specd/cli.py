@@ -24,8 +24,10 @@ from orchestrator.spec_config import (
 )
 from specd import ray_cluster
 from specd_core.net.auth import CLIENT_TOKEN_ENV, bearer_metadata, tokens_from_env_and_file
+from specd_core.net.exposure import add_exposure_flags, check_exposure
 from specd_core.net.grpc_util import MAX_MESSAGE_BYTES, open_channel
 from specd_core.net.security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
+from specd_core.runtime.hub import ModelSpecError, add_model_flags, resolve_pair
 
 TARGETS_FILE_NAME = "prometheus_targets.json"  # in $SPECD_HOME unless --metrics-targets-file
 
@@ -44,6 +46,7 @@ class _UpFlags:
     autoscale: dict  # "verifier" | "drafter" -> AutoscalePolicy
     tls: TlsConfig | None
     tokens_file: str | None
+    exposure_warning: str | None = None  # --insecure beyond loopback: what is exposed
 
 
 def cmd_up(args, print_address: bool = True) -> int:
@@ -59,6 +62,8 @@ def cmd_up(args, print_address: bool = True) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 2
+    if flags.exposure_warning:
+        print(f"specd up: {flags.exposure_warning}", file=sys.stderr)
     try:
         ray_address, ray_pid = _ray_cluster(args)
         address = _deploy_on_ray(args, flags, ray_address, ray_pid).replace("0.0.0.0", "127.0.0.1")
@@ -108,9 +113,10 @@ def _check_up_flags(args) -> _UpFlags:
     if tls:
         tls.check(server=True)
     tokens_file = str(Path(args.auth_tokens_file).resolve()) if args.auth_tokens_file else None
-    tokens_from_env_and_file(tokens_file)
+    tokens = tokens_from_env_and_file(tokens_file)
+    warning = check_exposure(args.host, tls, bool(tokens), args.insecure)
     _check_targets_file(_targets_file(args))
-    return _UpFlags(sc, autoscale, tls, tokens_file)
+    return _UpFlags(sc, autoscale, tls, tokens_file, warning)
 
 
 def _targets_file(args) -> str:
@@ -145,9 +151,13 @@ def _choose_drafter(args, sc: SpeculativeConfig) -> str | None:
         else (sc.model or str(DEMO_EAGLE if sc.method == "eagle" else DEMO_DRAFTER))
     )
     args.drafter = drafter or None
-    for label, d in (("target", args.target), ("drafter", args.drafter)):
-        if d and not (Path(d) / "config.json").exists():
-            return f"--{label} {d}: not a Hugging Face model directory (no config.json)"
+    try:  # a repo id becomes its directory in the Hugging Face cache; args.models keeps the ids
+        args.models = resolve_pair(
+            args.target, args.drafter, args.target_revision, args.drafter_revision, args.allow_pickle_weights
+        )
+    except ModelSpecError as exc:
+        return f"specd up: {exc}"
+    args.target, args.drafter = args.models.target.path, args.models.drafter and args.models.drafter.path
     if sc.method in DRAFTER_METHODS and not args.drafter:
         return f"specd up: speculative_config.method is {sc.method} but no drafter is given"
     return None
@@ -171,8 +181,8 @@ def _ray_cluster(args) -> tuple[str, int | None]:
     ray_address = args.ray_address or os.environ.get("RAY_ADDRESS")
     if ray_address:
         return ray_address, None
-    ray_address, ray_pid = ray_cluster.start_local_ray()
-    print(f"started a local Ray cluster at {ray_address}", file=sys.stderr)
+    ray_address, ray_pid = ray_cluster.start_private_ray()
+    print(f"started a local Ray cluster at {ray_address} (loopback, token authentication)", file=sys.stderr)
     return ray_address, ray_pid
 
 
@@ -193,6 +203,10 @@ def _deploy_on_ray(args, flags: _UpFlags, ray_address: str, ray_pid: int | None)
             DeploymentConfig(
                 target_dir=str(Path(args.target).resolve()),
                 drafter_dir=str(Path(args.drafter).resolve()) if args.drafter else None,
+                target_model=args.models.target.spec,
+                drafter_model=args.models.drafter.spec if args.models.drafter else "",
+                allow_pickle_weights=args.allow_pickle_weights,
+                host=args.host,
                 port=args.port,
                 http_port=args.http_port,
                 served_model_name=getattr(args, "served_model_name", None),  # `specd demo` has no such flag
@@ -591,10 +605,16 @@ def _bench_config(args):
 
 
 def _add_deploy_flags(p) -> None:
-    p.add_argument("--target", default=str(DEMO_TARGET), help="target model dir (default: the demo pair)")
     p.add_argument(
-        "--drafter", help="drafter model dir (default: the config's `model`, else the demo drafter; '' = none)"
+        "--target", default=str(DEMO_TARGET), help="target model: a dir or a Hugging Face repo id (default: the demo)"
     )
+    p.add_argument(
+        "--drafter",
+        help="drafter model: a dir or a Hugging Face repo id (default: the config's `model`, else the demo drafter; "
+        "'' = none)",
+    )
+    add_model_flags(p)
+    add_exposure_flags(p)
     p.add_argument("--verifiers", type=int, default=1, help="verifier replicas")
     p.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     p.add_argument(

@@ -32,6 +32,7 @@ from orchestrator.spec_config import SpeculativeConfig
 from specd_core.net.auth import TOKENS_ENV
 from specd_core.net.grpc_util import MAX_MESSAGE_BYTES, prefer_latency
 from specd_core.net.security import TlsConfig
+from specd_core.runtime.hub import resolve_model
 from specd_core.telemetry import metrics, tracing
 from verifier_svc.config import VerifierConfig
 
@@ -91,6 +92,15 @@ def startup_error(exc: BaseException) -> str:
 class DeploymentConfig:
     target_dir: str
     drafter_dir: str | None
+    # The replicas' models as each node resolves them into its own Hugging
+    # Face cache (`org/name@commit`, specd_core/runtime/hub.py); "": the
+    # directories above, which must then exist on every node.
+    target_model: str = ""
+    drafter_model: str = ""
+    allow_pickle_weights: bool = False  # load .bin/.pt weights where a model has no safetensors
+    # Where Generate and the HTTP API listen on the orchestrator's node:
+    # loopback unless given (specd_core/net/exposure.py checks credentials).
+    host: str = "127.0.0.1"
     port: int = 50051  # public Generate port
     http_port: int = 8000  # the OpenAI-compatible HTTP API (0 = off; -1 = any free port)
     served_model_name: str | None = None  # its model name (None: the target directory's name)
@@ -148,6 +158,9 @@ class ModelServiceActor:
         # The services default to loopback, which the orchestrator on another
         # node could not reach: bind this node's IP unless told otherwise.
         config_fields = dict(config_fields, host=config_fields.get("host") or ray.util.get_node_ip_address())
+        # A repo id resolves here, into this node's cache (checked on the head before deploying).
+        allow_pickle = config_fields.pop("allow_pickle_weights")
+        config_fields["model_dir"] = resolve_model(config_fields["model_dir"], allow_pickle=allow_pickle).path
         config: VerifierConfig | DrafterConfig
         if kind == "verifier":
             from verifier_svc.core import Verifier
@@ -168,7 +181,7 @@ class ModelServiceActor:
         # The address the orchestrator dials: the bound host, or this node's IP
         # when bound to every interface.
         self.bound_host = config.host
-        self.host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
+        self.host = dial_host(config.host)
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -188,6 +201,12 @@ class ModelServiceActor:
     def info(self) -> dict:
         """Its engine, model, dtype and KV budget (the service's Info)."""
         return self._info()
+
+
+def dial_host(bound: str) -> str:
+    """The address others reach a server bound to `bound` at: this node's IP
+    when it is bound to every interface."""
+    return ray.util.get_node_ip_address() if bound in ("0.0.0.0", "::", "") else bound
 
 
 def orchestrator_name(index: int) -> str:
@@ -223,7 +242,8 @@ class OrchestratorActor:
             logging.basicConfig(level=logging.INFO)
             tracing.setup("orchestrator")
             prefer_latency()
-            self.host = ray.util.get_node_ip_address()
+            node_ip = ray.util.get_node_ip_address()
+            self.host = dial_host(config.host)  # where clients reach Generate and the HTTP API
             context = ray.get_runtime_context()
             name = orchestrator_name(config.index)
             # A first orchestrator restarted by Ray finds its port held by the
@@ -231,7 +251,7 @@ class OrchestratorActor:
             # when the deployment started).
             share = "join" if config.index > 0 or context.was_current_actor_reconstructed else "first"
             # Served before the core starts: it reports the address (Status, the targets file).
-            self._metrics = f"{self.host}:{metrics.serve(deployment.metrics_port, self.host)}"
+            self._metrics = f"{node_ip}:{metrics.serve(deployment.metrics_port, node_ip)}"
             config = dataclasses.replace(
                 config,
                 name=name,
@@ -296,9 +316,10 @@ def _actor_env(extra_env: tuple[str, ...] = ()) -> dict:
 
 def replica_fields(cfg: DeploymentConfig, kind: str) -> dict:
     """The replica's service config fields (host None: the actor's node IP)."""
-    model_dir = cfg.target_dir if kind == "verifier" else cfg.drafter_dir
+    model_dir = (cfg.target_model or cfg.target_dir) if kind == "verifier" else (cfg.drafter_model or cfg.drafter_dir)
     return {
         "model_dir": model_dir,
+        "allow_pickle_weights": cfg.allow_pickle_weights,
         "host": cfg.replica_host,
         "port": 0,
         "device": cfg.device,
@@ -584,6 +605,7 @@ def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | 
         admission_total=cfg.max_active_requests,
         target_dir=cfg.target_dir,
         drafter_dir=cfg.drafter_dir,
+        host=cfg.host,
         port=cfg.port,
         http_port=cfg.http_port,
         served_model_name=cfg.served_model_name,

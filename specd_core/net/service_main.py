@@ -13,6 +13,7 @@ import threading
 
 from specd_core.net.grpc_util import prefer_latency
 from specd_core.net.security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
+from specd_core.runtime.hub import PICKLE_HINT, ModelSpecError, resolve_model
 from specd_core.runtime.kv_budget import parse_memory
 from specd_core.runtime.models import DTYPE_CHOICES
 from specd_core.telemetry import metrics, tracing
@@ -22,6 +23,10 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     parser = _build_parser(name, config_cls)
     args = parser.parse_args(argv)
     tls = _checked_tls(parser, name, args)
+    try:  # a repo id: its directory in the Hugging Face cache, fetched now if missing
+        args.model = resolve_model(args.model, args.revision, args.allow_pickle_weights, "--model").path
+    except ModelSpecError as exc:
+        parser.exit(2, f"{name}: {exc}\n")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
     tracing.setup(name.rsplit(".", 1)[-1])
@@ -49,7 +54,9 @@ def _build_parser(name: str, config_cls) -> argparse.ArgumentParser:
 
 def _add_model_flags(parser: argparse.ArgumentParser, config_cls) -> None:
     """Which model, where it listens, how it runs."""
-    parser.add_argument("--model", required=True, help="Hugging Face causal LM directory")
+    parser.add_argument("--model", required=True, help="Hugging Face causal LM: a directory or a repo id (org/name)")
+    parser.add_argument("--revision", help="with a repo id: a branch, tag or commit (or --model org/name@rev)")
+    parser.add_argument("--allow-pickle-weights", action="store_true", help=f"no safetensors weights: {PICKLE_HINT}")
     parser.add_argument("--port", type=int, default=config_cls.port, help="0 = any free port")
     parser.add_argument(
         "--host",
