@@ -118,8 +118,8 @@ def main(argv=None):
     if warning:
         print(f"orchestrator: {warning}", file=sys.stderr, flush=True)
     try:  # repo ids (org/name@rev): their directories in the Hugging Face cache
-        args.target = resolve_model(args.target, what="--target").path
-        args.drafter = args.drafter and resolve_model(args.drafter, what="--drafter").path
+        args.target = resolve_model(args.target, what="--target", weights=False).path
+        args.drafter = args.drafter and resolve_model(args.drafter, what="--drafter", weights=False).path
     except ModelSpecError as exc:
         p.exit(2, f"orchestrator: {exc}\n")
     logging.basicConfig(level=logging.INFO)

@@ -88,32 +88,34 @@ def looks_like_repo_id(spec: str) -> bool:
 
 
 def resolve_model(
-    spec: str, revision: str | None = None, allow_pickle: bool = False, what: str = "model"
+    spec: str, revision: str | None = None, allow_pickle: bool = False, what: str = "model", weights: bool = True
 ) -> ResolvedModel:
     """The local directory of a model given as a directory or a repo id.
-    what: how messages name it (e.g. "--target")."""
+    what: how messages name it (e.g. "--target"); weights=False: only its
+    configs and tokenizer (the orchestrator), unchecked weights."""
     if not looks_like_repo_id(spec):
         if revision:
             raise ModelSpecError(f"{what} {spec}: a revision applies to a Hugging Face repo id, not a directory")
         path = Path(spec).expanduser()
-        check_model_dir(path, allow_pickle, f"{what} {spec}")
+        check_model_dir(path, allow_pickle or not weights, f"{what} {spec}", weights)
         return ResolvedModel(str(path.resolve()))
     repo_id, rev = split_spec(spec, revision)
     label = f"{what} {repo_id}" + (f"@{rev}" if rev else "")
-    path = Path(_download(repo_id, rev, SERVING_PATTERNS, label))
-    if not _weights(path, ("*.safetensors",)) and allow_pickle:
+    patterns = SERVING_PATTERNS if weights else [p for p in SERVING_PATTERNS if p != "*.safetensors"]
+    path = Path(_download(repo_id, rev, patterns, label))
+    if weights and allow_pickle and not _weights(path, ("*.safetensors",)):
         path = Path(_download(repo_id, rev, SERVING_PATTERNS + PICKLE_PATTERNS, label))
-    check_model_dir(path, allow_pickle, label)
+    check_model_dir(path, allow_pickle, label, weights)
     return ResolvedModel(str(path), repo_id, path.name)
 
 
-def check_model_dir(path: Path, allow_pickle: bool, label: str) -> None:
-    """A Hugging Face model directory with weights it may load."""
+def check_model_dir(path: Path, allow_pickle: bool, label: str, weights: bool = True) -> None:
+    """A Hugging Face model directory with weights it may load (weights=False: any)."""
     if not path.is_dir():
         raise ModelSpecError(f"{label}: no such directory, and not a Hugging Face repo id (org/name)")
     if not (path / "config.json").exists():
         raise ModelSpecError(f"{label}: not a Hugging Face model directory (no config.json)")
-    if _weights(path, ("*.safetensors",)):
+    if not weights or _weights(path, ("*.safetensors",)):
         return
     pickled = _weights(path, tuple(PICKLE_PATTERNS))
     if pickled and not allow_pickle:
