@@ -40,6 +40,7 @@ from specd_core.runtime.models import context_length, load_tokenizer
 log = logging.getLogger(__name__)
 # ReplicaInfo fields (the replica's own report) that Status passes on in ReplicaStatus.
 REPLICA_INFO_FIELDS = (
+    "model",
     "engine",
     "architecture",
     "model_type",

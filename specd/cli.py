@@ -419,12 +419,23 @@ def print_status(status) -> None:
         print_orchestrators(status)
     elif status.metrics_address:
         print(f"orchestrator metrics: {status.metrics_address}  (all targets: specd metrics-targets)")
+    for model, names in _models(status.replicas).items():
+        print(f"model {model}: {', '.join(names)}")
     for r in status.replicas:
         if r.engine == "hf":
             print(
                 f"note: {r.name} runs the Hugging Face fallback engine for {r.model_type or r.architecture} "
                 "(slower than lean; docs/models.md)"
             )
+
+
+def _models(replicas) -> dict[str, list[str]]:
+    """Each model the replicas loaded (repo id at its commit, or directory) -> their names."""
+    out: dict[str, list[str]] = {}
+    for r in sorted(replicas, key=lambda r: (r.kind != "verifier", r.name)):
+        if r.model:
+            out.setdefault(r.model, []).append(r.name)
+    return out
 
 
 def print_orchestrators(status) -> None:
@@ -537,9 +548,12 @@ def cmd_bench(args) -> int:
         )
         return 2
     try:
+        if args.address is None:  # repo ids (org/name@rev): their directories in the Hugging Face cache
+            pair = resolve_pair(args.target, args.drafter or None, None, None, args.allow_pickle_weights)
+            args.target, args.drafter = pair.target.path, pair.drafter and pair.drafter.path
         cfg = _bench_config(args)
         channel_args = None if args.address is None else _client_channel(args, args.address)
-    except (bench.BenchError, SecurityConfigError) as exc:
+    except (bench.BenchError, SecurityConfigError, ModelSpecError) as exc:
         print(f"specd bench: {exc}", file=sys.stderr)
         return 2
     stack = None
@@ -548,7 +562,9 @@ def cmd_bench(args) -> int:
             from specd.local_stack import Stack
 
             print(f"starting a local stack: target {args.target}, drafter {args.drafter}", file=sys.stderr)
-            stack = Stack(args.target, args.drafter or None, ("--dtype", args.dtype, "--device", args.device))
+            service_args = ("--dtype", args.dtype, "--device", args.device)
+            service_args += ("--allow-pickle-weights",) if args.allow_pickle_weights else ()
+            stack = Stack(args.target, args.drafter or None, service_args)
             channel = stack.channel
         else:
             channel = channel_args
@@ -720,8 +736,11 @@ def _add_bench_parser(sub) -> None:
         "rounds; writes a JSON report and a PNG plot (docs/bench.md).",
     )
     b.add_argument("--address", help="benchmark this running orchestrator (default: start a local stack)")
-    b.add_argument("--target", default=str(DEMO_TARGET), help="local stack: target model dir (default: demo)")
-    b.add_argument("--drafter", default=str(DEMO_DRAFTER), help="local stack: drafter model dir (default: demo)")
+    b.add_argument(
+        "--target", default=str(DEMO_TARGET), help="local stack: target dir or repo id (org/name[@rev]; default: demo)"
+    )
+    b.add_argument("--drafter", default=str(DEMO_DRAFTER), help="local stack: drafter dir or repo id (default: demo)")
+    b.add_argument("--allow-pickle-weights", action="store_true", help="local stack: see `specd up --help`")
     b.add_argument("--device", default="auto", help="local stack: auto | cpu | cuda")
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     b.add_argument(

@@ -98,6 +98,7 @@ def use_ray_env(env: dict[str, str]) -> None:
         from ray._private import ray_constants
 
         _raylet.Config.initialize("")
+        _raylet.AuthenticationTokenLoader.instance().reset_cache()  # another cluster's token may be cached
         ray_constants.ENABLE_RAY_CLUSTER = env.get(RAY_LOOPBACK_ENV) != "0"
 
 

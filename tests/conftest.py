@@ -91,9 +91,26 @@ def metered(pairs):
 
 
 @pytest.fixture
-def ray_cluster(tmp_path):
-    """A local Ray head (`ray start`) for one test; its address, as RAY_ADDRESS takes it."""
-    address, pid = local_ray.start_local_ray(log_dir=str(tmp_path))
+def attach_ray(monkeypatch):
+    """attach(home): make this process, and those it starts, drivers of the
+    cluster whose token is in `home` (token authentication, as every cluster
+    specd starts); undone after the test."""
+    def attach(home) -> None:
+        env = local_ray.ray_env(local_ray.token_file(home), loopback=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        local_ray.use_ray_env(env)  # this process imported Ray already
+    return attach
+
+
+@pytest.fixture
+def ray_cluster(tmp_path, attach_ray):
+    """A local Ray head (`ray start`) for one test; its address, as RAY_ADDRESS
+    takes it. Like a cluster a user attaches to: on the machine's address (not
+    loopback only), with token authentication; the test process and what it
+    starts carry the token (`attach_ray`)."""
+    address, pid = local_ray.start_local_ray(log_dir=str(tmp_path), loopback=False)
+    attach_ray(tmp_path)
     try:
         yield address
     finally:

@@ -109,8 +109,21 @@ def resolve_model(
     return ResolvedModel(str(path), repo_id, path.name)
 
 
+def model_label(model_dir: str) -> str:
+    """What a replica reports as its model: `org/name@commit` for a snapshot
+    of the Hugging Face cache (`.../models--org--name/snapshots/<commit>`),
+    else the directory."""
+    path = Path(model_dir)
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        repo_id = path.parent.parent.name.removeprefix("models--").replace("--", "/")
+        return f"{repo_id}@{path.name}"
+    return model_dir
+
+
 def check_model_dir(path: Path, allow_pickle: bool, label: str, weights: bool = True) -> None:
-    """A Hugging Face model directory with weights it may load (weights=False: any)."""
+    """A Hugging Face model directory whose weights may be loaded (weights=False:
+    any). One without weights passes: a cluster's head holds only the configs
+    and tokenizers (deploy/cluster.yaml), and each replica checks its own copy."""
     if not path.is_dir():
         raise ModelSpecError(f"{label}: no such directory, and not a Hugging Face repo id (org/name)")
     if not (path / "config.json").exists():
@@ -120,8 +133,6 @@ def check_model_dir(path: Path, allow_pickle: bool, label: str, weights: bool = 
     pickled = _weights(path, tuple(PICKLE_PATTERNS))
     if pickled and not allow_pickle:
         raise ModelSpecError(f"{label}: only pickle weights ({pickled[0]}), no safetensors: {PICKLE_HINT}")
-    if not pickled:
-        raise ModelSpecError(f"{label}: no weights (*.safetensors)")
 
 
 def _weights(path: Path, patterns: tuple[str, ...]) -> list[str]:
