@@ -562,7 +562,7 @@ def cmd_bench(args) -> int:
             from specd.local_stack import Stack
 
             print(f"starting a local stack: target {args.target}, drafter {args.drafter}", file=sys.stderr)
-            service_args = ("--dtype", args.dtype, "--device", args.device)
+            service_args: tuple[str, ...] = ("--dtype", args.dtype, "--device", args.device)
             service_args += ("--allow-pickle-weights",) if args.allow_pickle_weights else ()
             stack = Stack(args.target, args.drafter or None, service_args)
             channel = stack.channel

@@ -94,11 +94,11 @@ def use_ray_env(env: dict[str, str]) -> None:
     refreshed here (as Ray's own `ray.init` does when it turns auth on)."""
     os.environ.update(env)
     if "ray" in sys.modules:
-        from ray import _raylet
         from ray._private import ray_constants
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]  # compiled, no stubs
 
-        _raylet.Config.initialize("")
-        _raylet.AuthenticationTokenLoader.instance().reset_cache()  # another cluster's token may be cached
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()  # another cluster's token may be cached
         ray_constants.ENABLE_RAY_CLUSTER = env.get(RAY_LOOPBACK_ENV) != "0"
 
 
