@@ -10,7 +10,7 @@ forward costs more than the service around it (target 8 layers of width 512,
 drafter 2 of 256), with acceptance forced (benchmarks/synthetic.py: both
 models predict the token they read), so every stream drafts and keeps K
 tokens per cycle. The levels run in alternating rounds on one stack and the
-ratio gets an interval from the rounds (benchmarks.load.ratio_interval).
+ratio gets an interval from the rounds (benchmarks/common.py ratio_interval).
 Writes benchmarks/results/batching.json and prints a table with each
 replica's engine (lean: one forward for all sessions; hf: one per session).
 """
@@ -18,10 +18,7 @@ replica's engine (lean: one forward for all sessions; hf: one per session).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -30,10 +27,21 @@ from specd.local_stack import Stack
 from specd_core.runtime.models import Runner, load_model, load_tokenizer
 
 from . import synthetic
-from .load import merge_rounds, ratio_interval, run_level
-from .speedup import CACHE, RESULTS, ROOT
+from .common import (
+    CACHE,
+    DEMO_TARGET,
+    RESULTS,
+    alternating,
+    machine,
+    random_prompts,
+    random_token_pool,
+    ratio_interval,
+    utc_now,
+    write_json,
+)
+from .load import merge_rounds, run_level
 
-TOKENIZER = ROOT / "models/demo/target"
+TOKENIZER = DEMO_TARGET
 
 
 def family_pair(family: str, vocab: int, eos_id: int):
@@ -47,16 +55,11 @@ def family_pair(family: str, vocab: int, eos_id: int):
     return target, drafter
 
 
-def _write(out: Path, meta: dict, rows: list[dict]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-
-
 def engine_of(model_dir: Path) -> str:
     return Runner(load_model(str(model_dir), "cpu")).engine
 
 
-def main(argv=None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     from tests.tiny_models import BENCH_FAMILIES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,52 +72,95 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path, default=RESULTS / "batching.json")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    tok = load_tokenizer(str(TOKENIZER))
-    special = set(tok.all_special_ids)
-    rng = random.Random(0)
-    pool = [i for i in range(len(tok)) if i not in special]
-    prompts = [[rng.choice(pool) for _ in range(64)] for _ in range(16)]
-    fields = {"num_speculative_tokens": args.k}
+
+def measure_family(family: str, tok, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """One family's pair built (cached), its stack up, the two levels in
+    alternating rounds; its row."""
     few, many = args.streams
-    rows: list[dict] = []
-    meta = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}",
-            "dtype": args.dtype, "k": args.k, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-            "seconds": args.seconds, "acceptance": "forced: both models predict the token they read",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    fields = {"num_speculative_tokens": args.k}
+    target_cfg, drafter_cfg = family_pair(family, len(tok), tok.eos_token_id)
+    base = CACHE / f"batching-{family}"
+    target = synthetic.build(target_cfg, base / "target", TOKENIZER, torch.float32, "cpu")
+    drafter = synthetic.build(drafter_cfg, base / "drafter", TOKENIZER, torch.float32, "cpu", seed=1)
+    engines = {"target": engine_of(target), "drafter": engine_of(drafter)}
+    stack = Stack(str(target), str(drafter), ("--dtype", args.dtype))
+    try:
+        run_level(stack.orchestrator.address, prompts, fields, 2, 8, 1.0, 0.0)  # warm-up
+        got: dict[int, list] = {few: [], many: []}
+        for r in range(args.rounds):
+            for n in alternating((few, many), r):
+                got[n].append(
+                    run_level(
+                        stack.orchestrator.address,
+                        prompts,
+                        fields,
+                        n,
+                        args.max_new_tokens,
+                        args.seconds / args.rounds,
+                        args.warmup_s,
+                    )
+                )
+    finally:
+        stack.stop()
+    a, b = merge_rounds(got[many]), merge_rounds(got[few])
+    row = {
+        "family": family,
+        "engines": engines,
+        f"tokens_per_s_{few}": b["tokens_per_s"],
+        f"tokens_per_s_{many}": a["tokens_per_s"],
+        "ratio": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
+        "ratio_interval": ratio_interval(a, b),
+        "draft_depth": a["draft_depth"],
+        "rounds": {few: b["rounds_tokens_per_s"], many: a["rounds_tokens_per_s"]},
+    }
+    print(
+        f"{family:>14}: {few} stream(s) {b['tokens_per_s']} tok/s, {many} streams {a['tokens_per_s']} tok/s, "
+        f"x{row['ratio']} {row['ratio_interval']}  engines {engines}",
+        flush=True,
+    )
+    return row
+
+
+def run(args: argparse.Namespace) -> dict:
+    tok = load_tokenizer(str(TOKENIZER))
+    prompts = random_prompts(random_token_pool(tok), random.Random(0), 16, 64)
+    result: dict = {
+        "meta": {
+            "machine": machine(),
+            "dtype": args.dtype,
+            "k": args.k,
+            "max_new_tokens": args.max_new_tokens,
+            "rounds": args.rounds,
+            "seconds": args.seconds,
+            "acceptance": "forced: both models predict the token they read",
+            "date": utc_now(),
+        },
+        "rows": [],
+    }
     for family in args.families:
-        target_cfg, drafter_cfg = family_pair(family, len(tok), tok.eos_token_id)
-        base = CACHE / f"batching-{family}"
-        target = synthetic.build(target_cfg, base / "target", TOKENIZER, torch.float32, "cpu")
-        drafter = synthetic.build(drafter_cfg, base / "drafter", TOKENIZER, torch.float32, "cpu", seed=1)
-        engines = {"target": engine_of(target), "drafter": engine_of(drafter)}
-        stack = Stack(str(target), str(drafter), ("--dtype", args.dtype))
-        try:
-            run_level(stack.orchestrator.address, prompts, fields, 2, 8, 1.0, 0.0)  # warm-up
-            got: dict[int, list] = {few: [], many: []}
-            for r in range(args.rounds):
-                for n in (few, many) if r % 2 == 0 else (many, few):
-                    got[n].append(run_level(stack.orchestrator.address, prompts, fields, n, args.max_new_tokens,
-                                            args.seconds / args.rounds, args.warmup_s))
-        finally:
-            stack.stop()
-        a, b = merge_rounds(got[many]), merge_rounds(got[few])
-        row = {"family": family, "engines": engines, f"tokens_per_s_{few}": b["tokens_per_s"],
-               f"tokens_per_s_{many}": a["tokens_per_s"], "ratio": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
-               "ratio_interval": ratio_interval(a, b), "draft_depth": a["draft_depth"],
-               "rounds": {few: b["rounds_tokens_per_s"], many: a["rounds_tokens_per_s"]}}
-        rows.append(row)
-        _write(args.out, meta, rows)  # after every family: a failure later keeps what was measured
-        print(f"{family:>14}: {few} stream(s) {b['tokens_per_s']} tok/s, {many} streams {a['tokens_per_s']} tok/s, "
-              f"x{row['ratio']} {row['ratio_interval']}  engines {engines}", flush=True)
+        result["rows"].append(measure_family(family, tok, prompts, args))
+        write_json(args.out, result)  # after every family: a failure later keeps what was measured
+    return result
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    few, many = args.streams
     print(f"\n| family | engines (target, drafter) | {few} stream tok/s | {many} streams tok/s | ratio (interval) |")
     print("|---|---|---|---|---|")
-    for r in rows:
+    for r in result["rows"]:
         iv = f" ({r['ratio_interval'][0]:.2f}-{r['ratio_interval'][1]:.2f})" if r["ratio_interval"] else ""
-        print(f"| {r['family']} | {r['engines']['target']}, {r['engines']['drafter']} | {r[f'tokens_per_s_{few}']} "
-              f"| {r[f'tokens_per_s_{many}']} | {r['ratio']}{iv} |")
+        print(
+            f"| {r['family']} | {r['engines']['target']}, {r['engines']['drafter']} | {r[f'tokens_per_s_{few}']} "
+            f"| {r[f'tokens_per_s_{many}']} | {r['ratio']}{iv} |"
+        )
     print(f"wrote {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    report(run(args), args)
     return 0
 
 

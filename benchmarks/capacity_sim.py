@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import random
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import simpy
 
@@ -243,6 +243,17 @@ class Service(Server):
             orch.put((self.kind, sessions, 1))
 
 
+@dataclass
+class Handled:
+    """What the orchestrator's step made of its messages (Orchestrator.handle)."""
+
+    out: dict[Service, list[Session]] = field(default_factory=lambda: defaultdict(list))
+    opens: list[Session] = field(default_factory=list)
+    emitted: list[Session] = field(default_factory=list)
+    handled: int = 0
+    charged: int = 0  # messages at the fixed cost
+
+
 UNARY = ("start", "opened")  # messages of one session each, handled one at a time
 
 
@@ -264,6 +275,38 @@ class Orchestrator(Server):
         self.cost, self.passes = cost, passes
         self.messages = 0
 
+    @staticmethod
+    def handle(messages: list) -> Handled:
+        """What a step's messages make: each session's next call, the requests
+        to open, the cycles ended, the session-messages handled and the
+        messages charged at the fixed cost."""
+        h = Handled()
+        for kind, sessions, weight in messages:
+            h.charged += weight
+            for s in sessions:
+                if kind == "start":
+                    h.opens.append(s)
+                    continue
+                if kind == "opened":
+                    s.opens_left -= 1
+                    if s.opens_left > 0:
+                        continue
+                else:
+                    h.handled += 1
+                if kind == "verifier":
+                    s.cycles_left -= 1
+                    h.emitted.append(s)
+                    if s.cycles_left == 0:
+                        # Closed on every replica: a unary CloseSession each, its
+                        # message out and its answer.
+                        h.charged += 2 * len(s.services())
+                        continue
+                if kind != "drafter" and s.drafter is not None:
+                    h.out[s.drafter].append(s)
+                else:
+                    h.out[s.verifier].append(s)
+        return h
+
     def step(self):
         # A new request and a session's open are unary messages, each handled
         # on its own as it comes (so a burst of new requests reaches the
@@ -275,35 +318,8 @@ class Orchestrator(Server):
         else:
             messages = [first] + [m for m in self.inbox if m[0] not in UNARY]
             self.inbox = [m for m in self.inbox if m[0] in UNARY]
-        out: dict[Service, list[Session]] = defaultdict(list)
-        opens: list[Session] = []
-        emitted: list[Session] = []
-        handled = 0
-        charged = 0  # messages at the fixed cost
-        for kind, sessions, weight in messages:
-            charged += weight
-            for s in sessions:
-                if kind == "start":
-                    opens.append(s)
-                    continue
-                if kind == "opened":
-                    s.opens_left -= 1
-                    if s.opens_left > 0:
-                        continue
-                else:
-                    handled += 1
-                if kind == "verifier":
-                    s.cycles_left -= 1
-                    emitted.append(s)
-                    if s.cycles_left == 0:
-                        # Closed on every replica: a unary CloseSession each, its
-                        # message out and its answer.
-                        charged += 2 * len(s.services())
-                        continue
-                if kind != "drafter" and s.drafter is not None:
-                    out[s.drafter].append(s)
-                else:
-                    out[s.verifier].append(s)
+        h = self.handle(messages)
+        out, opens, emitted, handled, charged = h.out, h.opens, h.emitted, h.handled, h.charged
         # A unary OpenSession to each replica (its answer is charged as it comes in).
         charged += sum(len(s.services()) for s in opens)
         if self.sim.deployment.transport == "batched":

@@ -1,5 +1,6 @@
 """Speedup theory: expected tokens per cycle and predicted speedup (docs/rules.md,
 "Expected tokens per cycle and predicted speedup")."""
+
 from __future__ import annotations
 
 
@@ -13,8 +14,7 @@ def expected_tokens_per_cycle(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def predicted_speedup(tokens_per_cycle: float, t_verify_k: float, t_verify_1: float,
-                      t_draft_cycle: float) -> float:
+def predicted_speedup(tokens_per_cycle: float, t_verify_k: float, t_verify_1: float, t_draft_cycle: float) -> float:
     """Tokens per cycle / (cost of a cycle in target single-token forwards).
 
     t_verify_k: target compute for one verify of the draft (K+1 tokens);

@@ -15,6 +15,7 @@ the measured size. The features ride on the Propose / Verify messages a cycle
 sends anyway (tests/test_eagle.py counts the calls), so there is no extra round
 trip. Writes benchmarks/results/eagle.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,18 +33,21 @@ from specd_core.net.wire import hidden_from_proto, hidden_to_proto
 from specd_core.runtime.features import HiddenStates
 from specd_core.runtime.models import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks/results"
+from .common import RESULTS, ROOT, add_pair_args, heldout_prompts, run_main
 
 
-def run(stack: Stack, prompts, fields: dict, max_new: int, hidden: int) -> dict:
+def run_setting(stack: Stack, prompts, fields: dict, max_new: int, hidden: int) -> dict:
+    """One setting of one method over the prompts: its figures."""
     tokens = cycles = committed = drafted = accepted = feature_bytes = 0
-    seconds, per_position, overhead = 0.0, [], []
+    seconds = 0.0
+    per_position: list[int] = []
+    overhead: list[float] = []
     prompt_bytes = 0
     for p in prompts:
         start = time.perf_counter()
         ids, last = stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=max_new, temperature=0.0, **fields)
         seconds += time.perf_counter() - start
+        assert last is not None
         s = last.stats
         tokens += len(ids)
         cycles += s.cycles
@@ -53,16 +57,26 @@ def run(stack: Stack, prompts, fields: dict, max_new: int, hidden: int) -> dict:
         feature_bytes += s.feature_bytes
         prompt_bytes += 2 * len(p) * hidden if s.feature_bytes else 0
         overhead += list(s.cycle_overhead_ms)
-        per_position = [a + b for a, b in zip(per_position or [0] * len(s.accepted_per_position),
-                                               s.accepted_per_position)]
-    out = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
-           "cycles": cycles, "drafted": drafted, "accepted": accepted,
-           "mean_accepted_length": round(committed / cycles, 3),
-           "acceptance_per_position": [round(a / cycles, 3) for a in per_position],
-           "cycle_overhead_ms_median": round(statistics.median(overhead), 3) if overhead else 0.0}
+        per_position = [
+            a + b for a, b in zip(per_position or [0] * len(s.accepted_per_position), s.accepted_per_position)
+        ]
+    out = {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 2),
+        "cycles": cycles,
+        "drafted": drafted,
+        "accepted": accepted,
+        "mean_accepted_length": round(committed / cycles, 3),
+        "acceptance_per_position": [round(a / cycles, 3) for a in per_position],
+        "cycle_overhead_ms_median": round(statistics.median(overhead), 3) if overhead else 0.0,
+    }
     if feature_bytes:
-        out.update(feature_bytes_total=feature_bytes, prefill_feature_bytes=prompt_bytes,
-                   feature_bytes_per_cycle=round((feature_bytes - prompt_bytes) / cycles, 1))
+        out.update(
+            feature_bytes_total=feature_bytes,
+            prefill_feature_bytes=prompt_bytes,
+            feature_bytes_per_cycle=round((feature_bytes - prompt_bytes) / cycles, 1),
+        )
     return out
 
 
@@ -107,78 +121,132 @@ def serialisation_ms(rows: int, hidden: int, reps: int = 2000) -> dict:
         m = pb.ProposeRequest.FromString(req)
         hidden_from_proto(m.hidden_states, True).decode()
     dec = (time.perf_counter() - t0) / reps * 1e3
-    return {"rows": rows, "payload_bytes": 2 * rows * hidden, "verifier_encode_ms": round(enc, 4),
-            "orchestrator_relay_ms": round(relay, 4), "drafter_decode_ms": round(dec, 4),
-            "total_ms": round(enc + relay + dec, 4)}
+    return {
+        "rows": rows,
+        "payload_bytes": 2 * rows * hidden,
+        "verifier_encode_ms": round(enc, 4),
+        "orchestrator_relay_ms": round(relay, 4),
+        "drafter_decode_ms": round(dec, 4),
+        "total_ms": round(enc + relay + dec, 4),
+    }
 
 
-def main(argv=None) -> int:
-    from training.evaluate_pair import make_prompts
-
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
-    ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/drafter")
+    add_pair_args(ap, cost_scaled=False)
     ap.add_argument("--head", type=Path, default=ROOT / "models/demo/eagle")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--ks", default="2,4,6")
-    ap.add_argument("--trees", nargs="*", default=["2,2,1,1", "dyn-10x6"],
-                    help="also these trees (static branching or dyn-NODESxDEPTH) for both methods")
+    ap.add_argument(
+        "--trees",
+        nargs="*",
+        default=["2,2,1,1", "dyn-10x6"],
+        help="also these trees (static branching or dyn-NODESxDEPTH) for both methods",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "eagle.json")
     a = ap.parse_args(argv)
     if a.quick:
         a.prompts, a.max_new_tokens, a.trees = 2, 32, ["2,1"]
-    tok = load_tokenizer(str(a.target))
-    prompts = [p.tolist() for p in make_prompts(tok, a.prompts, a.prompt_tokens, a.max_new_tokens)]
-    settings = [("off", {"num_speculative_tokens": 0})]
-    settings += [(f"chain-{k}", {"num_speculative_tokens": int(k)}) for k in a.ks.split(",")]
+    return a
+
+
+def settings(a: argparse.Namespace) -> list[tuple[str, dict]]:
+    """(label, GenerateRequest fields): off, a chain per K, each tree."""
+    out: list[tuple[str, dict]] = [("off", {"num_speculative_tokens": 0})]
+    out += [(f"chain-{k}", {"num_speculative_tokens": int(k)}) for k in a.ks.split(",")]
     for t in a.trees:
         if t.startswith("dyn-"):
             n, _, d = t[4:].partition("x")
-            settings.append((t, {"tree": {"node_budget": int(n), "max_depth": int(d or 6)}}))
+            out.append((t, {"tree": {"node_budget": int(n), "max_depth": int(d or 6)}}))
         else:
-            settings.append((f"tree-{t}", {"tree": {"branching": [int(x) for x in t.split(",")]}}))
+            out.append((f"tree-{t}", {"tree": {"branching": [int(x) for x in t.split(",")]}}))
+    return out
+
+
+def measure(a: argparse.Namespace, prompts: list[list[int]], hidden: int) -> dict[str, dict]:
+    """Per setting, per method (draft_model, eagle) through its own stack."""
     args = ("--torch-threads", str(a.threads), "--dtype", "float32")
-    hidden = json.loads((a.head / "config.json").read_text())["hidden_size"]
-    results = {}
+    results: dict[str, dict] = {}
     for method, drafter, extra in (("draft_model", a.drafter, ()), ("eagle", a.head, ("--method", "eagle"))):
         stack = Stack(str(a.target), str(drafter), args, orchestrator_args=extra)
         try:
             stack.generate(prompt_token_ids={"ids": prompts[0]}, max_new_tokens=8, num_speculative_tokens=2)  # warm-up
-            for label, fields in settings:
+            for label, fields in settings(a):
                 if label == "off" and method == "eagle":
                     continue
-                r = results.setdefault(label, {})[method] = run(stack, prompts, fields, a.max_new_tokens, hidden)
-                print(f"{method:11s} {label:10s} accepted length {r['mean_accepted_length']:.2f} "
-                      f"{r['tokens_per_s']:6.1f} tok/s" + (f"  features {r['feature_bytes_per_cycle']:.0f} B/cycle"
-                                                         if "feature_bytes_per_cycle" in r else ""), flush=True)
+                r = results.setdefault(label, {})[method] = run_setting(
+                    stack, prompts, fields, a.max_new_tokens, hidden
+                )
+                print(
+                    f"{method:11s} {label:10s} accepted length {r['mean_accepted_length']:.2f} "
+                    f"{r['tokens_per_s']:6.1f} tok/s"
+                    + (
+                        f"  features {r['feature_bytes_per_cycle']:.0f} B/cycle"
+                        if "feature_bytes_per_cycle" in r
+                        else ""
+                    ),
+                    flush=True,
+                )
         finally:
             stack.stop()
-    rows = [results[k]["eagle"]["feature_bytes_per_cycle"] / (2 * hidden) for k in results if "eagle" in results[k]]
-    ser = serialisation_ms(max(1, round(statistics.mean(rows))), hidden)
-    ser_max = serialisation_ms(a.prompt_tokens, hidden, 500)
+    return results
+
+
+def run(a: argparse.Namespace) -> dict:
+    """Both methods measured, the serialisation timed at the measured payload
+    and at a prefill's, the teacher-forced agreement of each."""
+    tok = load_tokenizer(str(a.target))
+    prompts = heldout_prompts(tok, a.prompts, a.prompt_tokens, a.max_new_tokens)
     head_cfg = json.loads((a.head / "config.json").read_text())
-    report = {"setup": {"target": str(a.target.relative_to(ROOT)), "drafter": str(a.drafter.relative_to(ROOT)),
-                        "head": str(a.head.relative_to(ROOT)), "prompts": a.prompts,
-                        "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens, "greedy": True,
-                        "dtype": "float32", "torch_threads": a.threads, "machine": platform.machine(),
-                        "torch": torch.__version__, "head_training": head_cfg.get("training", "done")},
-              "results": results,
-              "serialisation_per_cycle": ser, "serialisation_prefill": ser_max,
-              "teacher_forced_top1": {"draft_model": round(drafter_agreement(a.target, a.drafter), 4),
-                                      "eagle_per_level": head_top1(a.head)}}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=2) + "\n")
+    hidden = head_cfg["hidden_size"]
+    results = measure(a, prompts, hidden)
+    rows = [results[k]["eagle"]["feature_bytes_per_cycle"] / (2 * hidden) for k in results if "eagle" in results[k]]
+    return {
+        "setup": {
+            "target": str(a.target.relative_to(ROOT)),
+            "drafter": str(a.drafter.relative_to(ROOT)),
+            "head": str(a.head.relative_to(ROOT)),
+            "prompts": a.prompts,
+            "prompt_tokens": a.prompt_tokens,
+            "max_new_tokens": a.max_new_tokens,
+            "greedy": True,
+            "dtype": "float32",
+            "torch_threads": a.threads,
+            "machine": platform.machine(),
+            "torch": torch.__version__,
+            "head_training": head_cfg.get("training", "done"),
+        },
+        "results": results,
+        "serialisation_per_cycle": serialisation_ms(max(1, round(statistics.mean(rows))), hidden),
+        "serialisation_prefill": serialisation_ms(a.prompt_tokens, hidden, 500),
+        "teacher_forced_top1": {
+            "draft_model": round(drafter_agreement(a.target, a.drafter), 4),
+            "eagle_per_level": head_top1(a.head),
+        },
+    }
+
+
+def report(result: dict, a: argparse.Namespace) -> None:
+    ser, ser_max = result["serialisation_per_cycle"], result["serialisation_prefill"]
     print(f"\n{'setting':10s} {'draft_model':>12s} {'eagle':>8s}   (mean accepted length)")
-    for label, r in results.items():
+    for label, r in result["results"].items():
         if "eagle" in r:
-            print(f"{label:10s} {r['draft_model']['mean_accepted_length']:12.2f} {r['eagle']['mean_accepted_length']:8.2f}")
-    print(f"features: {ser['payload_bytes']} B/cycle (mean), serialisation {ser['total_ms']:.3f} ms/cycle; "
-          f"prefill {ser_max['payload_bytes']} B, {ser_max['total_ms']:.3f} ms -> {a.out}")
-    return 0
+            print(
+                f"{label:10s} {r['draft_model']['mean_accepted_length']:12.2f} "
+                f"{r['eagle']['mean_accepted_length']:8.2f}"
+            )
+    print(
+        f"features: {ser['payload_bytes']} B/cycle (mean), serialisation {ser['total_ms']:.3f} ms/cycle; "
+        f"prefill {ser_max['payload_bytes']} B, {ser_max['total_ms']:.3f} ms -> {a.out}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(argv, parse, run, report)
 
 
 if __name__ == "__main__":

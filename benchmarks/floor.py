@@ -33,7 +33,7 @@ The load generator is benchmarks/orchestrator.py's: one connection per
 stream, 64-token requests one after another, the orchestrator's CPU time
 (/proc/PID/stat) divided by the cycles. Every round runs each system once,
 in an order that rotates, and specd over each floor is the geometric mean
-of the per-round ratios with a rough 95 % interval (benchmarks/ratios.py).
+of the per-round ratios with a rough 95 % interval (benchmarks/common.py).
 A floor is a lower bound for an orchestrator of its design on the same
 machine: what it costs is the transport's and the event loop's, before any
 of an orchestrator's own work. Writes benchmarks/results/floor.json.
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -51,16 +50,15 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from typing import Any
 
 import grpc
 
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 
-from .orchestrator import METHODS, drive, generate, run, tiny_pair
-from .ratios import paired_ratio, rotated
-from .speedup import RESULTS
+from .common import RESULTS, paired_ratio, rotated, run_main
+from .orchestrator import METHODS, drive, generate, run_requests, tiny_pair
 from .stack_probe import cpu_seconds
 
 DRAFT = [11, 12, 13]  # the stand-in drafter's proposal, every time
@@ -175,7 +173,8 @@ class Steps:
     reply by position."""
 
     def __init__(self, method, step_cls) -> None:
-        self.step_cls, self.queue = step_cls, asyncio.Queue()
+        self.step_cls = step_cls
+        self.queue: asyncio.Queue = asyncio.Queue()
         self.parts: list | None = None
         self.future: asyncio.Future | None = None
         self.sent: asyncio.Queue = asyncio.Queue()  # futures of steps in flight, in order
@@ -190,7 +189,7 @@ class Steps:
             self.sent.get_nowait().set_result(reply.responses)
 
     async def call(self, request):
-        if self.parts is None:
+        if self.parts is None or self.future is None:
             self.parts, self.future = [], asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().call_soon(self._flush)
         index, future = len(self.parts), self.future
@@ -199,6 +198,7 @@ class Steps:
         return responses[index]
 
     def _flush(self) -> None:
+        assert self.parts is not None and self.future is not None
         self._send(self.parts, self.future)
         self.parts = self.future = None
 
@@ -298,8 +298,8 @@ class StepDriven(FloorOrchestrator):
         loop = asyncio.get_running_loop()
         while True:
             if not self.queued[kind]:
-                self.waiting[kind] = loop.create_future()
-                await self.waiting[kind]
+                waiting = self.waiting[kind] = loop.create_future()
+                await waiting
             batch, self.queued[kind] = self.queued[kind], []
             if kind == "propose":
                 replies = await self.propose.step([pb.ProposeRequest(session_id=s.sid) for s in batch])
@@ -392,8 +392,8 @@ class Floor:
 
 
 def measure_specd(driven, method: str, streams: int, requests: int, tokens: int) -> tuple[float, float]:
-    """The same for specd's orchestrator (benchmarks/orchestrator.py's run)."""
-    r = run(driven.stubs[:streams], driven.probe, METHODS[method], requests, tokens)
+    """The same for specd's orchestrator (benchmarks/orchestrator.py's run_requests)."""
+    r = run_requests(driven.stubs[:streams], driven.probe, METHODS[method], requests, tokens)
     return r["cpu_s"] * 1e3 / r["cycles"], r["cycles"] / max(1, sum(r["steps"]["verifier"]))
 
 
@@ -407,7 +407,7 @@ def summary(measured: list[tuple[float, float]]) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--streams", nargs="+", type=int, default=[32])
@@ -437,6 +437,44 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.streams, args.requests, args.rounds = [8], 16, 1
+    return args
+
+
+def measure_row(floors: dict[str, Floor], driven, method: str, n: int, args: argparse.Namespace) -> dict:
+    """Every system at n streams with `method`, in rounds of rotating order;
+    each one's summary and, beside specd, specd over each floor."""
+    systems = list(floors) + ([] if driven is None else ["specd"])
+    measured: dict[str, list] = {s: [] for s in systems}
+    requests = max(args.requests, n)
+    for r in range(args.rounds):
+        for system in rotated(systems, r):
+            measured[system].append(
+                floors[system].measure(method, n, requests, args.tokens)
+                if system in floors
+                else measure_specd(driven, method, n, requests, args.tokens)
+            )
+    row: dict[str, Any] = {"method": method, "streams": n, **{s: summary(m) for s, m in measured.items()}}
+    parts = [
+        f"{s} {row[s]['cpu_ms_per_session_cycle']:.3f} ms (steps of {row[s]['mean_verify_batch']:.1f})" for s in systems
+    ]
+    if driven is not None:
+        for design in floors:
+            ratio = row[f"specd_over_{design}"] = paired_ratio(row["specd"]["runs"], row[design]["runs"])
+            parts.append(f"specd / {design} {ratio['geomean']:.2f} (interval {ratio['interval']})")
+    print(f"{method:12s} {n:3d} streams: " + "; ".join(parts), flush=True)
+    return row
+
+
+def specd_stack(args: argparse.Namespace, streams: int):
+    """specd's stack of the tiny pair, driven as benchmarks/orchestrator.py drives it."""
+    target, drafter = tiny_pair()
+    stack_args = argparse.Namespace(
+        target=target, drafter=drafter, streams=[streams], methods=args.methods, tokens=args.tokens, torch_threads=1
+    )
+    return drive(stack_args, 1)
+
+
+def run(args: argparse.Namespace) -> dict:
     streams = max(args.streams)
     floors: dict[str, Floor] = {}
     driven = None
@@ -445,39 +483,10 @@ def main(argv=None) -> int:
         for design in args.designs:
             floors[design] = Floor(args, streams, design)
         if not args.floor_only:
-            target, drafter = tiny_pair()
-            stack_args = argparse.Namespace(
-                target=target,
-                drafter=drafter,
-                streams=[streams],
-                methods=args.methods,
-                tokens=args.tokens,
-                torch_threads=1,
-            )
-            driven = drive(stack_args, 1)
-        systems = list(floors) + ([] if driven is None else ["specd"])
+            driven = specd_stack(args, streams)
         for n in args.streams:
             for method in args.methods:
-                measured: dict[str, list] = {s: [] for s in systems}
-                for r in range(args.rounds):
-                    for system in rotated(systems, r):
-                        requests = max(args.requests, n)
-                        measured[system].append(
-                            floors[system].measure(method, n, requests, args.tokens)
-                            if system in floors
-                            else measure_specd(driven, method, n, requests, args.tokens)
-                        )
-                row = {"method": method, "streams": n, **{s: summary(m) for s, m in measured.items()}}
-                parts = [
-                    f"{s} {row[s]['cpu_ms_per_session_cycle']:.3f} ms (steps of {row[s]['mean_verify_batch']:.1f})"
-                    for s in systems
-                ]
-                if driven is not None:
-                    for design in floors:
-                        ratio = row[f"specd_over_{design}"] = paired_ratio(row["specd"]["runs"], row[design]["runs"])
-                        parts.append(f"specd / {design} {ratio['geomean']:.2f} (interval {ratio['interval']})")
-                print(f"{method:12s} {n:3d} streams: " + "; ".join(parts), flush=True)
-                rows.append(row)
+                rows.append(measure_row(floors, driven, method, n, args))
     finally:
         for floor in floors.values():
             floor.stop()
@@ -485,15 +494,20 @@ def main(argv=None) -> int:
             for c in driven.channels:
                 c.close()
             driven.stack.stop()
-    out = {
+    return {
         "when": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "args": vars(args),
         "rows": rows,
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    print(f"wrote {args.out}")  # each row was printed as it was measured
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(argv, parse, run, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,15 @@ gRPC `Generate`, for the same workload through the same services.
 
 One Stack (verifier, drafter, orchestrator) serves both fronts. Per level, n
 streams in flight all along (each worker starts its next request when its last
-one ends; its first request, started with all the others', is not counted), greedy, K = 4, the demo's held-out prompts; the fronts alternate
-within each round (gRPC HTTP, HTTP gRPC, ...), so a drift of the machine's
+one ends; its first request, started with all the others', is not counted),
+greedy, K = 4, the demo's held-out prompts; the fronts alternate within each
+round (gRPC HTTP, HTTP gRPC, ...), so a drift of the machine's
 speed weighs on both alike. Per request: time to first token (the first
 message carrying text) and inter-token latency as vLLM's benchmarks define
 TPOT, (last token's arrival - first token's) / (tokens - 1); the two fronts
 stream the same messages, so both measures mean the same on each. Per round and
 front: the medians over its requests; the result is HTTP over gRPC per round,
-with an interval from the rounds (benchmarks/load.py: ratio_interval).
+with an interval from the rounds (benchmarks/common.py: log_ratio_interval).
 
 Writes benchmarks/results/http_front.json and prints a table.
 """
@@ -22,23 +23,29 @@ Writes benchmarks/results/http_front.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import threading
 import time
 from pathlib import Path
 
 import grpc
-import torch
 
 from specd.local_stack import Stack
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.runtime.models import load_tokenizer
 
-from .load import log_ratio_interval
-from .speedup import RESULTS, add_pair_args, cost_scaled_target
+from .common import (
+    RESULTS,
+    add_pair_args,
+    alternating,
+    heldout_prompts,
+    log_ratio_interval,
+    machine,
+    pair_target,
+    run_main,
+    utc_now,
+)
 
 FRONTS = ("grpc", "http")
 
@@ -50,7 +57,8 @@ def grpc_request(address: str):
 
     def run(prompt: list[int], max_new: int, k: int):
         start = time.perf_counter()
-        first = last = None
+        first: float | None = None
+        last: float | None = None
         tokens = 0
         for r in stub.Generate(
             pb.GenerateRequest(
@@ -62,6 +70,7 @@ def grpc_request(address: str):
                 last = time.perf_counter()
                 first = first or last
                 tokens += len(r.token_ids)
+        assert first is not None and last is not None, "a stream without a token"
         return first - start, (last - first) / (tokens - 1) if tokens > 1 else None, tokens
 
     return run, channel.close
@@ -76,7 +85,8 @@ def http_request(base_url: str, model: str):
 
     def run(prompt: list[int], max_new: int, k: int):
         start = time.perf_counter()
-        first = last = None
+        first: float | None = None
+        last: float | None = None
         tokens = 0
         stream = client.completions.create(
             model=model,
@@ -93,6 +103,7 @@ def http_request(base_url: str, model: str):
                 first = first or last
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
+        assert first is not None and last is not None, "a stream without a token"
         return first - start, (last - first) / (tokens - 1) if tokens > 1 else None, tokens
 
     return run, client.close
@@ -129,12 +140,10 @@ def run_level(make, prompts, n: int, requests_per_stream: int, max_new: int, k: 
         t.join()
     if errors:
         raise RuntimeError(f"{len(errors)} workers failed, e.g. {errors[0]}")
-    return dict(requests=len(ttft), ttft_ms=1e3 * statistics.median(ttft), itl_ms=1e3 * statistics.median(itl))
+    return {"requests": len(ttft), "ttft_ms": 1e3 * statistics.median(ttft), "itl_ms": 1e3 * statistics.median(itl)}
 
 
-def main(argv=None) -> int:
-    from training.evaluate_pair import make_prompts
-
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(ap)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8])
@@ -149,10 +158,29 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.requests, args.max_new_tokens, args.min_params = 3, 1, 16, 0
+    return args
 
-    target = cost_scaled_target(args.target, args.min_params) if args.min_params else args.target
+
+def level_row(n: int, got: dict[str, list[dict]]) -> dict:
+    """One level's fronts over their rounds: each measure's median per front,
+    HTTP over gRPC (the median of the per-round ratios) with its interval."""
+    row: dict = {"streams": n}
+    for measure in ("ttft_ms", "itl_ms"):
+        g, h = ([p[measure] for p in got[f]] for f in FRONTS)
+        row[f"grpc_{measure}"] = round(statistics.median(g), 2)
+        row[f"http_{measure}"] = round(statistics.median(h), 2)
+        ratios = [b / a for a, b in zip(g, h)]
+        row[f"http_over_grpc_{measure}"] = round(statistics.median(ratios), 3)
+        row[f"http_over_grpc_{measure}_interval"] = log_ratio_interval(h, g)
+        row[f"rounds_grpc_{measure}"] = [round(x, 2) for x in g]
+        row[f"rounds_http_{measure}"] = [round(x, 2) for x in h]
+    return row
+
+
+def run(args: argparse.Namespace) -> dict:
+    target = pair_target(args)
     tok = load_tokenizer(str(args.target))
-    prompts = [p.tolist() for p in make_prompts(tok, 32, args.prompt_tokens, args.max_new_tokens)]
+    prompts = heldout_prompts(tok, 32, args.prompt_tokens, args.max_new_tokens)
     stack = Stack(str(target), str(args.drafter), ("--dtype", args.dtype), http=True)
     makers = {
         "grpc": lambda: grpc_request(stack.orchestrator.address),
@@ -165,44 +193,44 @@ def main(argv=None) -> int:
         for n in args.levels:
             got: dict[str, list[dict]] = {f: [] for f in FRONTS}
             for r in range(args.rounds):
-                for front in FRONTS if r % 2 == 0 else FRONTS[::-1]:
+                for front in alternating(FRONTS, r):
                     got[front].append(run_level(makers[front], prompts, n, args.requests, args.max_new_tokens, args.k))
-            row = dict(streams=n)
-            for measure in ("ttft_ms", "itl_ms"):
-                g, h = ([p[measure] for p in got[f]] for f in FRONTS)
-                row[f"grpc_{measure}"] = round(statistics.median(g), 2)
-                row[f"http_{measure}"] = round(statistics.median(h), 2)
-                ratios = [b / a for a, b in zip(g, h)]
-                row[f"http_over_grpc_{measure}"] = round(statistics.median(ratios), 3)
-                row[f"http_over_grpc_{measure}_interval"] = log_ratio_interval(h, g)
-                row[f"rounds_grpc_{measure}"] = [round(x, 2) for x in g]
-                row[f"rounds_http_{measure}"] = [round(x, 2) for x in h]
-            rows.append(row)
-            print(
-                f"x{n:<2} ttft p50 grpc {row['grpc_ttft_ms']:.1f} ms, http {row['http_ttft_ms']:.1f} ms "
-                f"(http/grpc {row['http_over_grpc_ttft_ms']} {row['http_over_grpc_ttft_ms_interval']}); "
-                f"itl p50 grpc {row['grpc_itl_ms']:.2f} ms, http {row['http_itl_ms']:.2f} ms "
-                f"(http/grpc {row['http_over_grpc_itl_ms']} {row['http_over_grpc_itl_ms_interval']})",
-                flush=True,
-            )
+            rows.append(level_row(n, got))
+            report_level(rows[-1])
     finally:
         stack.stop()
-    meta = dict(
-        machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}",
-        target=str(target),
-        drafter=str(args.drafter),
-        dtype=args.dtype,
-        k=args.k,
-        max_new_tokens=args.max_new_tokens,
-        prompt_tokens=args.prompt_tokens,
-        rounds=args.rounds,
-        requests_per_stream=args.requests,
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    meta = {
+        "machine": machine(),
+        "target": str(target),
+        "drafter": str(args.drafter),
+        "dtype": args.dtype,
+        "k": args.k,
+        "max_new_tokens": args.max_new_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "rounds": args.rounds,
+        "requests_per_stream": args.requests,
+        "date": utc_now(),
+    }
+    return {"meta": meta, "rows": rows}
+
+
+def report_level(row: dict) -> None:
+    n = row["streams"]
+    print(
+        f"x{n:<2} ttft p50 grpc {row['grpc_ttft_ms']:.1f} ms, http {row['http_ttft_ms']:.1f} ms "
+        f"(http/grpc {row['http_over_grpc_ttft_ms']} {row['http_over_grpc_ttft_ms_interval']}); "
+        f"itl p50 grpc {row['grpc_itl_ms']:.2f} ms, http {row['http_itl_ms']:.2f} ms "
+        f"(http/grpc {row['http_over_grpc_itl_ms']} {row['http_over_grpc_itl_ms_interval']})",
+        flush=True,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    print(f"wrote {args.out}")  # each level's figures were printed as it ended
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(argv, parse, run, report)
 
 
 if __name__ == "__main__":

@@ -50,24 +50,22 @@ Writes benchmarks/results/orchestrator.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 from specd.local_stack import Stack
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from verifier_svc.config import VerifierConfig
 
-from .speedup import CACHE, RESULTS
+from .common import CACHE, RESULTS, rotated, run_main
 from .stack_probe import KINDS, StackProbe, cpu_seconds
 
-METHODS = {
+METHODS: dict[str, dict] = {
     "off": {"speculative_method": "off"},
     "ngram": {"speculative_method": "ngram", "num_speculative_tokens": 4},
     "draft_model": {"speculative_method": "draft_model", "num_speculative_tokens": 3},
@@ -118,7 +116,7 @@ def assign(stubs: list, probe: StackProbe) -> list[int]:
     return where
 
 
-def run(stubs: list, probe: StackProbe, fields: dict, requests: int, tokens: int) -> dict:
+def run_requests(stubs: list, probe: StackProbe, fields: dict, requests: int, tokens: int) -> dict:
     """`requests` greedy requests over the streams (one connection each);
     every process's CPU seconds, the services' steps, the cycles, the wall time."""
     left = iter(range(requests))
@@ -202,7 +200,7 @@ def drive(args, orchestrators: int) -> Driven:
     stubs = [pb_grpc.OrchestratorServiceStub(c) for c in channels]
     where = assign(stubs, probe) if orchestrators > 1 else [0] * len(stubs)
     for method in args.methods:  # warm every path once: first calls pay one-off costs
-        run(stubs[:2], probe, METHODS[method], 4, args.tokens)
+        run_requests(stubs[:2], probe, METHODS[method], 4, args.tokens)
     return Driven(orchestrators, stack, probe, channels, stubs, where, {})
 
 
@@ -247,9 +245,9 @@ def measure(args) -> tuple[list[dict], dict]:
             for n in args.streams:
                 runs: dict[int, list[dict]] = {d.orchestrators: [] for d in driven}
                 for _ in range(args.rounds):
-                    for d in driven[turn % len(driven) :] + driven[: turn % len(driven)]:
+                    for d in rotated(driven, turn):
                         runs[d.orchestrators].append(
-                            run(d.stubs[:n], d.probe, METHODS[method], max(args.requests, n), args.tokens)
+                            run_requests(d.stubs[:n], d.probe, METHODS[method], max(args.requests, n), args.tokens)
                         )
                     turn += 1
                 rows += [row_of(d, method, n, runs[d.orchestrators]) for d in driven]
@@ -280,7 +278,7 @@ def print_table(rows: list[dict], rounds: int) -> None:
         )
 
 
-def main(argv=None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--streams", nargs="+", type=int, default=[1, 8, 32, 64])
@@ -306,6 +304,10 @@ def main(argv=None) -> int:
         args.target, args.drafter = tiny_pair()
     if len(set(args.orchestrators)) != len(args.orchestrators):
         ap.error("--orchestrators: each number once")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
     rows, idle = measure(args)
     meta = {
         "date": time.strftime("%Y-%m-%d"),
@@ -323,13 +325,17 @@ def main(argv=None) -> int:
         "orchestrator_idle_core_share": max(max(i["orchestrator"]) for i in idle.values()),
         "idle_core_share": {str(n): i for n, i in idle.items()},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print_table(rows, args.rounds)
-    print(
-        f"\norchestrator idle: {meta['orchestrator_idle_core_share']:.1%} of a core (included above)\nwrote {args.out}"
-    )
-    return 0
+    return {"meta": meta, "rows": rows}
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    print_table(result["rows"], args.rounds)
+    idle = result["meta"]["orchestrator_idle_core_share"]
+    print(f"\norchestrator idle: {idle:.1%} of a core (included above)\nwrote {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(argv, parse, run, report, indent=1)
 
 
 if __name__ == "__main__":

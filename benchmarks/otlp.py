@@ -1,5 +1,7 @@
 """A real OTLP/gRPC trace receiver for the benchmarks, and the span accounting
-that checks every span of a traced run arrived.
+that checks every span of a traced run arrived (benchmarks/traced.py); the
+receiver also keeps the attributes of the spans of one name
+(benchmarks/pipeline.py reads the cycles' from them).
 
 The traced services export to `OtlpSink` over a real socket, so they pay the
 full export cost (with no collector listening, exports fail fast and drop
@@ -24,9 +26,10 @@ UNTRACED_ENV = {"OTEL_SDK_DISABLED": "true"}
 
 class OtlpSink:
     """An OTLP/gRPC TraceService on a free local port that counts the spans it
-    receives by name (`counts()`, `spans`) and keeps nothing else."""
+    receives by name (`counts()`, `spans`); of the spans named `keep` it also
+    keeps the attributes (`take`), and nothing else of any."""
 
-    def __init__(self):
+    def __init__(self, keep: str | None = None):
         from concurrent import futures
 
         import grpc
@@ -34,14 +37,18 @@ class OtlpSink:
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tgrpc
 
         sink = self
+        self.keep = keep
         self._lock = threading.Lock()
         self._names: Counter = Counter()
+        self._kept: list[dict] = []
 
         class Servicer(tgrpc.TraceServiceServicer):
             def Export(self, request, context):
-                got = Counter(span.name for r in request.resource_spans for s in r.scope_spans for span in s.spans)
+                spans = [span for r in request.resource_spans for s in r.scope_spans for span in s.spans]
+                kept = [_attributes(span) for span in spans if span.name == keep]
                 with sink._lock:
-                    sink._names.update(got)
+                    sink._names.update(span.name for span in spans)
+                    sink._kept += kept
                 return tpb.ExportTraceServiceResponse()
 
         self.server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -76,8 +83,35 @@ class OtlpSink:
                 return got
             time.sleep(0.2)
 
+    def take(self, expected: int, timeout_s: float = 30.0) -> list[dict]:
+        """The attributes of the kept spans received so far (and forgotten
+        here), once `expected` of them are in: the exporters batch, so the last
+        ones arrive a little after the streams end."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if len(self._kept) >= expected:
+                    break
+            time.sleep(0.2)
+        with self._lock:
+            got, self._kept = self._kept, []
+        # A span or two may still be in an exporter's queue; a run whose spans
+        # are mostly missing is an error, not a result.
+        if not expected * 0.98 <= len(got) <= expected:
+            raise RuntimeError(f"expected {expected} {self.keep} spans, received {len(got)}")
+        return got
+
     def stop(self) -> None:
         self.server.stop(0)
+
+
+def _attributes(span) -> dict:
+    """A span's attributes as {key: value} (the value of whichever kind is set)."""
+
+    def value(v):
+        return getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
+
+    return {a.key: value(a.value) for a in span.attributes}
 
 
 def expected_spans(stats: Iterable[dict]) -> dict[str, int]:

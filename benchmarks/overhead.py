@@ -22,19 +22,15 @@ Writes benchmarks/results/overhead.json and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from specd.local_stack import Stack
 from specd_core.runtime.models import load_tokenizer
 
-from .speedup import RESULTS, ROOT
+from .common import RESULTS, add_pair_args, heldout_prompts, machine, run_main, utc_now
 
 
 def read_events(directory: Path) -> list[tuple[float, str]]:
@@ -213,12 +209,9 @@ def transport_floor(gap_ms: float, messages: int = 400) -> float:
         proc.kill()
 
 
-def main(argv=None) -> int:
-    from training.evaluate_pair import make_prompts
-
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
-    ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/drafter")
+    add_pair_args(ap, cost_scaled=False)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--k", type=int, default=4, help="chain length")
     ap.add_argument("--method", default="draft_model", choices=["draft_model", "ngram"])
@@ -235,9 +228,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens = 2, 32
+    return args
 
+
+def run(args: argparse.Namespace) -> dict:
+    """The probed stream and its profile (and the transport's floor, with --floor)."""
     tok = load_tokenizer(str(args.target))
-    prompts = [p.tolist() for p in make_prompts(tok, args.prompts, 96, args.max_new_tokens)]
+    prompts = heldout_prompts(tok, args.prompts, 96, args.max_new_tokens)
     with tempfile.TemporaryDirectory(prefix="specd-probe-") as probe_dir:
         stack = Stack(str(args.target), str(args.drafter), ("--dtype", args.dtype), env={"SPECD_PROBE_DIR": probe_dir})
         overheads = []
@@ -251,6 +248,7 @@ def main(argv=None) -> int:
                     num_speculative_tokens=args.k,
                     speculative_method=args.method,
                 )
+                assert last is not None
                 overheads += list(last.stats.cycle_overhead_ms)
         finally:
             stack.stop()
@@ -258,10 +256,12 @@ def main(argv=None) -> int:
     # The warm-up request's cycles come first: keep as many as were measured.
     result = profile(cycles(events)[-len(overheads) :])
     result["overhead_ms_p50"] = round(statistics.median(overheads), 3)
+    # statistics.quantiles' exclusive method, not common.pct's linear one: kept
+    # so that a new profile compares with the recorded one (docs/overhead.md).
     result["overhead_ms_p90"] = round(statistics.quantiles(overheads, n=10)[-1], 3)
     result["meta"] = {
         "label": args.label,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}",
+        "machine": machine(),
         "target": str(args.target),
         "drafter": str(args.drafter),
         "dtype": args.dtype,
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         "k": args.k,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
+        "date": utc_now(start),
     }
     if args.floor:
         # Idle 10 ms between messages, as a drafter is while the verifier
@@ -278,8 +278,10 @@ def main(argv=None) -> int:
             "busy (no gap)": round(transport_floor(0.0), 3),
             "idle 10 ms between messages": round(transport_floor(10.0, 200), 3),
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
     print(f"| step | where | ms (p50 over {result['cycles']} cycles) |\n|---|---|---|")
     for r in result["steps"]:
         print(f"| {r['from']} -> {r['to']} | {r['where']} | {r['ms_p50']:.3f} |")
@@ -296,7 +298,10 @@ def main(argv=None) -> int:
     for name, ms in result.get("transport_floor_ms_p50", {}).items():
         print(f"transport floor, one message's round trip minus compute, {name}: {ms} ms")
     print(f"wrote {args.out}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(argv, parse, run, report)
 
 
 if __name__ == "__main__":

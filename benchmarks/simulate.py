@@ -48,8 +48,9 @@ from pathlib import Path
 
 from .capacity_fit import Fitted, fit_costs, fit_slowdown, median_rate, others_cores, workload_figures
 from .capacity_sim import Costs, Deployment, SimResult, StepCost, Workload, bottleneck, simulate
+from .common import RESULTS
 
-RESULTS = Path(__file__).resolve().parent / "results" / "orchestrator.json"
+ORCHESTRATOR_RESULTS = RESULTS / "orchestrator.json"
 WITH_DRAFTER = {"off": False, "ngram": False, "draft_model": True}
 
 
@@ -350,7 +351,7 @@ def orchestrator_cost(path: Path, method: str, override: list[float] | None) -> 
     return fitted.costs.orchestrator
 
 
-def main(argv=None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", metavar="JSON", help="fit on its 1-orchestrator rows, predict the rows with more")
     ap.add_argument(
@@ -366,7 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("--goal", type=float, default=0.15, help="largest relative error allowed by --check")
     ap.add_argument("--transport", choices=["batched", "per_session"], default="batched")
     ap.add_argument("--table", action="store_true", help="print the extrapolation as Markdown")
-    ap.add_argument("--results", type=Path, default=RESULTS, help="the orchestrator's measured costs")
+    ap.add_argument("--results", type=Path, default=ORCHESTRATOR_RESULTS, help="the orchestrator's measured costs")
     ap.add_argument("--method", default="draft_model", choices=list(WITH_DRAFTER))
     ap.add_argument(
         "--orchestrator-ms",
@@ -399,26 +400,31 @@ def main(argv=None) -> int:
     ap.add_argument("--head-cores", type=int, default=16, help="cores the orchestrators share")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per request")
     ap.add_argument("--tokens-per-cycle", type=float, default=3.0, help="mean tokens committed per cycle")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    if args.check:
-        doc = json.loads(Path(args.check).read_text())
-        try:
-            print_fits(doc, not args.quiet)
-            if args.jitter is None:
-                noise = fit_noise(doc, args.transport, not args.quiet)
-                how = f"fitted on the 1-orchestrator rows (of {', '.join(map(str, JITTERS))})"
-            else:
-                noise, how = Noise(args.jitter, SEEDS), "given"
-            print(
-                f"timing noise: every step's work × a gamma draw of mean 1, coefficient of variation "
-                f"{noise.jitter:g} ({how}); each prediction the mean of seeds {', '.join(map(str, noise.seeds))}"
-            )
-            predictions = check(doc, args.transport, not args.quiet, noise)
-        except ValueError as e:
-            raise SystemExit(f"{args.check}: {e}") from None
-        return 0 if print_check(predictions, args.goal) else 1
 
+def run_check(args: argparse.Namespace) -> int:
+    """--check: fit, predict, print; 0 when every held-out row is within the goal."""
+    doc = json.loads(Path(args.check).read_text())
+    try:
+        print_fits(doc, not args.quiet)
+        if args.jitter is None:
+            noise = fit_noise(doc, args.transport, not args.quiet)
+            how = f"fitted on the 1-orchestrator rows (of {', '.join(map(str, JITTERS))})"
+        else:
+            noise, how = Noise(args.jitter, SEEDS), "given"
+        print(
+            f"timing noise: every step's work × a gamma draw of mean 1, coefficient of variation "
+            f"{noise.jitter:g} ({how}); each prediction the mean of seeds {', '.join(map(str, noise.seeds))}"
+        )
+        predictions = check(doc, args.transport, not args.quiet, noise)
+    except ValueError as e:
+        raise SystemExit(f"{args.check}: {e}") from None
+    return 0 if print_check(predictions, args.goal) else 1
+
+
+def run_extrapolation(args: argparse.Namespace) -> int:
+    """The orchestrator's fitted costs with the assumed GPU services, per streams and orchestrators."""
     gpu = GpuServices(
         verify=StepCost(args.verify_ms[0] / 1e3, args.verify_ms[1] / 1e3),
         draft=StepCost(args.draft_ms[0] / 1e3, args.draft_ms[1] / 1e3),
@@ -437,6 +443,11 @@ def main(argv=None) -> int:
     rows = extrapolate(orch, gpu, args.streams, args.orchestrators, args.tokens, args.tokens_per_cycle, args.transport)
     print(table(rows, args.table))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    return run_check(args) if args.check else run_extrapolation(args)
 
 
 if __name__ == "__main__":

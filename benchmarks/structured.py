@@ -17,7 +17,7 @@ ten schemas, each with its prompt; request j is schema j mod 10 with seed j):
   the same services.
 
 Every round runs each system once on all the requests, one at a time (batch
-1), in an order rotated each round (benchmarks/ratios.py), greedy and at
+1), in an order rotated each round (benchmarks/common.py), greedy and at
 T = 0.8. Per system: mean accepted length (tokens committed per verify, the
 bonus included: sum over requests of GenerationStats.mean_accepted_length x
 cycles / sum of cycles), alpha, tokens/s (completion tokens / wall time of
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
@@ -44,10 +43,9 @@ import torch
 from specd.local_stack import Stack
 from specd_core.api.v1 import specdec_pb2 as pb
 
+from .common import RESULTS, add_pair_args, fmt_ratio, machine, pair_target, paired_ratio, rotated, utc_now, write_json
 from .json_schemas import SCHEMAS, SchemaPrompt
 from .otlp import UNTRACED_ENV
-from .ratios import fmt_ratio, paired_ratio, rotated
-from .speedup import RESULTS, add_pair_args, cost_scaled_target
 
 ON, OFF, SPEC_OFF = "forced-on", "forced-off", "spec-off"
 SYSTEMS = (ON, OFF, SPEC_OFF)
@@ -279,7 +277,7 @@ def ratios_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(ap)
     ap.add_argument("--rounds", type=int, default=6, help="alternating rounds; an interval needs 3 at least")
@@ -302,18 +300,44 @@ def main(argv=None) -> int:
         args.rounds, args.requests, args.max_new_tokens = 2, 5, 96
     if args.rounds < 1 or args.requests < 1:
         ap.error("--rounds and --requests must be at least 1")
+    return args
 
+
+def round_records(rows: dict[str, list[Row]]) -> dict[str, list[dict]]:
+    """Each system's rounds as they were measured (the counts behind the ratios)."""
+    keys = ("tokens", "cycles", "committed", "forced", "forced_accepted")
+    return {
+        s: [{k: getattr(r, k) for k in keys} | {"seconds": round(r.seconds, 4), "stopped": r.stopped} for r in rs]
+        for s, rs in rows.items()
+    }
+
+
+def warm_up(stack: Stack, k: int) -> None:
+    """Every schema once through all three services, so that no round pays a
+    grammar's compilation (each service compiles a distinct schema once) or
+    the first calls' costs."""
+    for s in SCHEMAS:
+        stack.generate(
+            prompt=s.prompt,
+            max_new_tokens=8,
+            structured_output={"json_schema": s.text},
+            num_speculative_tokens=k,
+        )
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every temperature's rounds, writing the result after each (a failure
+    later keeps what was measured)."""
     # --min-params 0: the demo target as it is (a 7 M-parameter model: cheap
     # verifies, so the drafter's cost weighs more than on a real pair).
-    target = cost_scaled_target(args.target, args.min_params) if args.min_params > 0 else args.target
+    target = pair_target(args)
     requests = make_requests(args.requests)
     check = validator()
     if args.threads:
         torch.set_num_threads(args.threads)
     result: dict = {
         "meta": {
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
-            f"{platform.processor() or 'cpu'}; torch {torch.__version__}",
+            "machine": machine(processor=True),
             "target": str(target),
             "drafter": str(args.drafter),
             "dtype": args.dtype,
@@ -323,24 +347,14 @@ def main(argv=None) -> int:
             "max_new_tokens": args.max_new_tokens,
             "rounds": args.rounds,
             "schema_validation": check is not None,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "date": utc_now(),
         },
         "modes": {},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     service_args = ("--dtype", args.dtype) + (("--torch-threads", str(args.threads)) if args.threads else ())
     stack = Stack(str(target), str(args.drafter), service_args, env=UNTRACED_ENV)
     try:
-        # Warm-up: every schema once through all three services, so that no
-        # round pays a grammar's compilation (each service compiles a distinct
-        # schema once) or the first calls' costs.
-        for s in SCHEMAS:
-            stack.generate(
-                prompt=s.prompt,
-                max_new_tokens=8,
-                structured_output={"json_schema": s.text},
-                num_speculative_tokens=args.k,
-            )
+        warm_up(stack, args.k)
         for t in args.temperatures:
             rows, schedule = compare(stack, requests, t, args, check)
             mode = "greedy" if t == 0 else f"T={t:g}"
@@ -348,23 +362,20 @@ def main(argv=None) -> int:
                 "temperature": t,
                 **summarise(rows, greedy=t == 0),
                 "schedule": schedule,
-                "rounds": {
-                    s: [
-                        {k: getattr(r, k) for k in ("tokens", "cycles", "committed", "forced", "forced_accepted")}
-                        | {"seconds": round(r.seconds, 4), "stopped": r.stopped}
-                        for r in rs
-                    ]
-                    for s, rs in rows.items()
-                },
+                "rounds": round_records(rows),
             }
-            args.out.write_text(json.dumps(result, indent=2))  # after each mode: a failure later keeps it
+            write_json(args.out, result)
     finally:
         stack.stop()
+    return result
 
+
+def report(result: dict, args: argparse.Namespace) -> None:
     for mode, m in result["modes"].items():
         print(
-            f"\n## {mode}: {len(requests)} JSON-schema requests x {args.max_new_tokens} max new tokens, K = {args.k}, "
-            f"{args.rounds} rounds (pooled over rounds; ratios: geometric mean of per-round ratios, ~95 % interval)\n"
+            f"\n## {mode}: {result['meta']['requests']} JSON-schema requests x {args.max_new_tokens} max new tokens, "
+            f"K = {args.k}, {args.rounds} rounds "
+            "(pooled over rounds; ratios: geometric mean of per-round ratios, ~95 % interval)\n"
         )
         print(systems_table(m))
         print()
@@ -376,6 +387,11 @@ def main(argv=None) -> int:
         if bad:
             print(f"\n{len(bad)} stopped outputs failed JSON or schema checks, e.g. {bad[0]}")
     print(f"\nwrote {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    report(run(args), args)
     return 0
 
 

@@ -7,7 +7,7 @@ this process (benchmarks/otlp.py). Per level of concurrency (n streams in
 flight, `specd bench`'s closed loop, specd/bench.py `run_streams`), each
 round drives each stack once with the same requests, only one at a time, in an
 order rotated each round. The result is traced / untraced tokens/s as the
-geometric mean of the per-round ratios with its interval (benchmarks/ratios.py).
+geometric mean of the per-round ratios with its interval (benchmarks/common.py).
 
 After each traced round the run waits until every span it must have produced
 has arrived (the count per span name follows from the requests' stats:
@@ -28,8 +28,8 @@ from specd.local_stack import Stack
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 
+from .common import cell, fmt_ratio, paired_ratio, percentile, rotated
 from .otlp import OtlpSink, expected_spans, missing_spans
-from .ratios import paired_ratio, rotated
 
 TRACED, UNTRACED = "traced", "untraced"
 
@@ -82,8 +82,8 @@ def level_row(n: int, setting: str, count: int, got: dict[str, list], spans: lis
         s = bench.level_summary(rounds)
         ovh = overheads(rounds)
         if ovh:
-            s["overhead_ms_p50"] = round(bench.percentile(ovh, 50), 3)
-            s["overhead_ms_p90"] = round(bench.percentile(ovh, 90), 3)
+            s["overhead_ms_p50"] = round(percentile(ovh, 50), 3)
+            s["overhead_ms_p90"] = round(percentile(ovh, 90), 3)
         out[name] = s
     out["ratio"] = paired_ratio(out[TRACED]["rounds_tokens_per_s"], out[UNTRACED]["rounds_tokens_per_s"])
     # Checked: the names expected_spans counts (received of those vs expected);
@@ -135,3 +135,23 @@ def tracing_cost(
             )
         out.append(level_row(n, setting, count, got, spans))
     return out
+
+
+def tracing_table(rows: Sequence[dict]) -> str:
+    """The tracing cost per level: traced / untraced tokens/s with its interval,
+    the per-cycle overhead of both, and the spans received of the names checked
+    against the count expected (all spans received in brackets)."""
+    lines = [
+        "| streams | setting | untraced tok/s | traced tok/s | traced / untraced (interval) "
+        "| overhead p50 untraced / traced ms | spans received / expected (all received) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in rows:
+        lines.append(
+            f"| {t['streams']} | {t['setting']} | {t['untraced']['tokens_per_s']:.1f} "
+            f"| {t['traced']['tokens_per_s']:.1f} "
+            f"| {fmt_ratio(t['ratio'])} | {cell(t['untraced'].get('overhead_ms_p50'))} / "
+            f"{cell(t['traced'].get('overhead_ms_p50'))} | {t['spans_received_checked']} / {t['spans_expected']} "
+            f"({t['spans_received_all']}) |"
+        )
+    return "\n".join(lines)

@@ -16,16 +16,18 @@ Calibration prompts are held-out files other than the speedup benchmark's
 prompts, so the benchmark's tree-vs-chain rows measure the searched tree on
 prompts it was not chosen on.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks/results"
+from .common import RESULTS, add_pair_args, run_main
+
 Tree = frozenset  # of rank paths (tuples); closed under parents and elder siblings
 
 
@@ -39,8 +41,9 @@ def tokens_per_cycle(ranks: list[list[int]], tree: Tree) -> float:
     for r in ranks:
         t = 0
         while t < len(r) - 1:
-            path, kept = (), 0
-            while t + 1 + kept < len(r) - 1:      # the last token is the cycle's own, never a draft
+            path: tuple[int, ...] = ()
+            kept = 0
+            while t + 1 + kept < len(r) - 1:  # the last token is the cycle's own, never a draft
                 path += (r[t + 1 + kept],)
                 if path not in tree:
                     break
@@ -72,8 +75,10 @@ def grow(ranks: list[list[int]], budgets: list[int], max_rank: int = 4, max_dept
     tree: Tree = frozenset()
     best: dict[int, Tree] = {}
     for n in range(1, max(budgets) + 1):
-        node = max(candidates(tree, max_rank, max_depth),
-                   key=lambda c: (tokens_per_cycle(ranks, tree | {c}), -len(c), tuple(-x for x in c)))
+        node = max(
+            candidates(tree, max_rank, max_depth),
+            key=lambda c: (tokens_per_cycle(ranks, tree | {c}), -len(c), tuple(-x for x in c)),
+        )
         tree = tree | {node}
         if n in budgets:
             best[n] = tree
@@ -95,7 +100,7 @@ def measure_ranks(target, drafter, prompts, max_new: int) -> list[list[int]]:
     for p in prompts:
         cont = torch.as_tensor(continue_with_cache(target, p, max_new))
         seq = torch.cat([p, cont])
-        logits = drafter(input_ids=seq[None]).logits[0, len(p) - 1: -1].float()
+        logits = drafter(input_ids=seq[None]).logits[0, len(p) - 1 : -1].float()
         chosen = logits.gather(1, cont[:, None])
         out.append((logits > chosen).sum(1).tolist())
     return out
@@ -109,26 +114,51 @@ def calibration_prompts(tokenizer, n: int, length: int, max_new: int, exclude: i
     return [p for p in make_prompts(tokenizer, n, length, max_new) if not any(torch.equal(p, b) for b in bench)]
 
 
-def search(target_dir: Path, drafter_dir: Path, budgets: list[int], dtype: str, n_prompts: int = 150,
-           prompt_tokens: int = 96, max_new: int = 96, exclude: int = 8, log=print) -> dict:
+@dataclass(frozen=True)
+class Calibration:
+    """The prompts a tree is searched on: `prompts` held-out prompts asked for,
+    less those among the first `exclude` (the speedup benchmark's)."""
+
+    prompts: int = 150
+    prompt_tokens: int = 96
+    max_new: int = 96
+    exclude: int = 8
+
+
+def search(
+    target_dir: Path, drafter_dir: Path, budgets: list[int], dtype: str, calib: Calibration = Calibration(), log=print
+) -> dict:
+    """The best tree per node budget for the pair, from its ranks on the calibration prompts."""
     from specd_core.runtime.models import load_model, load_tokenizer
 
     tok = load_tokenizer(str(target_dir))
     target, drafter = load_model(str(target_dir), "cpu", dtype), load_model(str(drafter_dir), "cpu", dtype)
-    prompts = calibration_prompts(tok, n_prompts, prompt_tokens, max_new, exclude)
+    max_new = calib.max_new
+    prompts = calibration_prompts(tok, calib.prompts, calib.prompt_tokens, max_new, calib.exclude)
     log(f"tree search: {len(prompts)} calibration prompts x {max_new} tokens ({dtype})")
     ranks = measure_ranks(target, drafter, prompts, max_new)
     trees = grow(ranks, budgets)
     rows = []
     for n in budgets:
-        row = dict(nodes=n, paths=bfs_paths(trees[n]),
-                   tree_tokens_per_cycle=round(tokens_per_cycle(ranks, trees[n]), 3),
-                   chain_tokens_per_cycle=round(tokens_per_cycle(ranks, chain(n)), 3))
-        log(f"  {n:>3} nodes: searched tree {row['tree_tokens_per_cycle']} vs chain {row['chain_tokens_per_cycle']}"
-            f" tokens/cycle on calibration; {row['paths']}")
+        row = {
+            "nodes": n,
+            "paths": bfs_paths(trees[n]),
+            "tree_tokens_per_cycle": round(tokens_per_cycle(ranks, trees[n]), 3),
+            "chain_tokens_per_cycle": round(tokens_per_cycle(ranks, chain(n)), 3),
+        }
+        log(
+            f"  {n:>3} nodes: searched tree {row['tree_tokens_per_cycle']} vs chain {row['chain_tokens_per_cycle']}"
+            f" tokens/cycle on calibration; {row['paths']}"
+        )
         rows.append(row)
-    return dict(target=str(target_dir), drafter=str(drafter_dir), dtype=dtype, calibration_prompts=len(prompts),
-                max_new_tokens=max_new, trees=rows)
+    return {
+        "target": str(target_dir),
+        "drafter": str(drafter_dir),
+        "dtype": dtype,
+        "calibration_prompts": len(prompts),
+        "max_new_tokens": max_new,
+        "trees": rows,
+    }
 
 
 def load_searched(path: Path, nodes: int, dtype: str | None = None) -> list[list[int]] | None:
@@ -144,21 +174,28 @@ def load_searched(path: Path, nodes: int, dtype: str | None = None) -> list[list
     return None
 
 
-def main(argv=None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
-    ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/drafter")
+    add_pair_args(ap, cost_scaled=False)
     ap.add_argument("--budgets", type=int, nargs="+", default=[6, 10, 12, 16])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="as the benchmark's tree rows (fp32)")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="as the benchmark's tree rows (fp32)"
+    )
     ap.add_argument("--prompts", type=int, default=150, help="calibration prompts asked for (before exclusion)")
     ap.add_argument("--out", type=Path, default=RESULTS / "trees.json")
-    args = ap.parse_args(argv)
-    result = search(args.target, args.drafter, sorted(args.budgets), args.dtype, args.prompts)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
-    return 0
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    return search(args.target, args.drafter, sorted(args.budgets), args.dtype, Calibration(prompts=args.prompts))
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    print(f"wrote {args.out}")  # the search logged each budget's tree as it found it
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(argv, parse, run, report, indent=1)
 
 
 if __name__ == "__main__":

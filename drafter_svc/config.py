@@ -1,64 +1,36 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from specd_core.net.grpc_util import MAX_MESSAGE_BYTES
-from specd_core.net.security import TlsConfig
+from specd_core.net.flags import flag, not_flag
+from specd_core.net.service_config import MAX_SESSIONS_HELP, PORT_HELP, ModelServiceConfig
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
-    model_dir: str  # HF causal LM directory (the drafter), or an EAGLE head directory
-    # Loopback by default: only the orchestrator talks to a replica, and on one
-    # machine it is local. On Ray, deploy binds the node's own IP (what the
-    # orchestrator on another node dials); see specd/ray_deploy.py.
-    host: str = "127.0.0.1"
-    port: int = 50071  # 0 = pick a free port
-    device: str = "auto"
-    dtype: str = "float32"  # float32 | float16 | bfloat16 | auto (the checkpoint's own)
-    max_draft_tokens: int = 16  # K (chain length / tree depth) limit per Propose
-    max_tree_nodes: int = 64  # node limit of a draft tree
-    # Sampled drafts are drawn from the drafter's distribution truncated to its
-    # top-N tokens, so q travels sparsely (N ids + probs per position) and the
-    # verifier's rule stays exact for that q.
-    draft_top_n: int = 32
-    max_sessions: int = 1024
-    # The KV cache budget, a pool of blocks (specd_core/runtime/kv_budget.py): bytes
-    # ("512MiB", "4GiB") or a fraction in (0, 1] of the memory free once the
-    # weights are loaded; "auto" = 0.85 on CUDA, 0.5 on a CPU (why: kv_budget's
-    # DEFAULT_FRACTION). Past it OpenSession, and a call that would grow a
-    # session's cache, are RESOURCE_EXHAUSTED.
-    kv_cache_memory: str = "auto"
-    kv_block_size: int = 64  # tokens (cache rows) per block of that budget
-    # A session without a call for this long is closed and its KV cache freed
-    # (its client is gone without closing it); later calls get NOT_FOUND saying
-    # it expired. 0 = never.
-    session_idle_timeout_s: float = 600.0
-    # Calls waiting for a batch past this many: RESOURCE_EXHAUSTED (a bounded
-    # queue; the orchestrator sends one call per session at a time, so only a
-    # misbehaving client gets here).
-    max_queued_calls: int = 1024
-    engine: str = "auto"  # auto (lean forward where supported) | lean | hf
-    torch_threads: int = 0
-    # Before serving, run a forward of each shape the batcher runs (ModelCore.warm_up
-    # in specd_core/runtime/model_core.py), so that no request pays the first calls'
-    # one-off costs. Off: start faster (tests that start many replicas).
-    warmup: bool = True
-    grpc_workers: int = 8
-    # Propose calls of concurrent sessions share forwards (lean engine; chains
-    # level by level, trees one session at a time), up to this many sessions.
-    max_batch_sessions: int = 32
-    # Before a batch runs, wait for the Propose calls of the other open sessions,
-    # at most this fraction of the last batch's run time (specd_core/runtime/batcher.py: the
-    # gather window; without it sessions split into groups that take turns).
-    # 0 = run at once with what is queued.
-    batch_wait_fraction: float = 0.5
-    # Pipelined drafting: the most alternative corrections per chain depth an
-    # ahead call may ask to pre-draft (each is a chain of K; drafter_svc/branches.py).
-    max_ahead_alternatives: int = 4
-    tls: TlsConfig | None = None  # TLS / mTLS on this server (specd_core.net.security); None = plaintext
-    max_message_bytes: int = MAX_MESSAGE_BYTES  # per message, both ways; over it: RESOURCE_EXHAUSTED
+class DrafterConfig(ModelServiceConfig):
+    """The drafter service's settings: the model service's (model_dir is an HF
+    causal LM directory, the drafter, or an EAGLE head directory) and its own.
+    Each field's metadata is its `python -m drafter_svc` flag (specd_core/net/flags.py)."""
+
+    port: int = field(default=50071, metadata=flag(PORT_HELP))
+    max_sessions: int = field(default=1024, metadata=flag(MAX_SESSIONS_HELP))
     # Method eagle (model_dir is an EAGLE head): the target directory whose
     # embedding, final norm and LM head the head shares ("" = the head's own
     # config `target`, relative to the head directory).
-    target_dir: str = ""
+    target_dir: str = field(
+        default="",
+        metadata=flag(
+            "method eagle (--model is an EAGLE head): the target directory it shares embedding and LM head "
+            "with (default: the head's config)"
+        ),
+    )
+    # Sampled drafts are drawn from the drafter's distribution truncated to its
+    # top-N tokens, so q travels sparsely (N ids + probs per position) and the
+    # verifier's rule stays exact for that q.
+    draft_top_n: int = field(default=32, metadata=not_flag("fixed: what the drafts' sparse q carry"))
+    # Pipelined drafting: the most alternative corrections per chain depth an
+    # ahead call may ask to pre-draft (each is a chain of K; drafter_svc/branches.py).
+    max_ahead_alternatives: int = field(
+        default=4,
+        metadata=not_flag("fixed: the protocol's limit (orchestrator/spec_config.py MAX_PIPELINE_ALTERNATIVES)"),
+    )

@@ -9,82 +9,34 @@ them so); off Ray each reports and admits on its own.
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
 
-from orchestrator.config import OrchestratorConfig, add_http_flags
+from orchestrator.config import OrchestratorConfig
 from orchestrator.edge.server import start_async
-from orchestrator.spec_config import add_speculative_flags, speculative_config_from_args
+from specd_core.net import flags
 from specd_core.net.auth import tokens_from_env_and_file
-from specd_core.net.exposure import add_exposure_flags, check_exposure
-from specd_core.net.grpc_util import MAX_MESSAGE_BYTES, prefer_latency
-from specd_core.net.security import SecurityConfigError, TlsConfig, add_tls_flags, tls_from_args
+from specd_core.net.exposure import check_exposure
+from specd_core.net.flags import add_flags
+from specd_core.net.grpc_util import prefer_latency
+from specd_core.net.security import SecurityConfigError, TlsConfig, tls_from_args
 from specd_core.runtime.hub import ModelSpecError, resolve_model
 from specd_core.telemetry import metrics, tracing
 
 
 def parser() -> argparse.ArgumentParser:
+    """A flag per OrchestratorConfig field that has one, and --metrics-port."""
     p = argparse.ArgumentParser(prog="python -m orchestrator")
-    p.add_argument("--target", required=True, help="target model dir or repo id (tokenizer, context length)")
-    p.add_argument("--drafter", help="drafter model dir or repo id")
-    p.add_argument("--verifier-address", action="append", required=True)
-    p.add_argument("--drafter-address", action="append", default=[])
-    add_exposure_flags(p)
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument(
-        "--share-ports",
-        choices=["first", "join"],
-        default="",
-        help="serve --port and --http-port together with other orchestrators of this deployment "
-        "(SO_REUSEPORT: the kernel spreads connections over them): first = the group's first, "
-        "which checks the ports are free; join = one more on the ports the first holds",
-    )
+    add_flags(p, OrchestratorConfig)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = any free port; default: off)")
-    add_http_flags(p)
-    p.add_argument(
-        "--auth-tokens-file",
-        help="bearer tokens the public API accepts, one per line "
-        "($SPECD_AUTH_TOKENS adds comma-separated ones); default: no authentication",
-    )
-    p.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=MAX_MESSAGE_BYTES,
-        help="largest gRPC message on every link (over it: RESOURCE_EXHAUSTED)",
-    )
-    p.add_argument(
-        "--shutdown-grace", type=float, default=30.0, help="seconds running streams get to finish after SIGTERM"
-    )
-    add_tls_flags(p, server=True)
-    p.add_argument(
-        "--max-active-requests",
-        type=int,
-        default=OrchestratorConfig.max_active_requests,
-        help="concurrent Generate streams; past it RESOURCE_EXHAUSTED",
-    )
-    add_speculative_flags(p)
     return p
 
 
 def config_from_args(args: argparse.Namespace, tls: TlsConfig | None) -> OrchestratorConfig:
-    return OrchestratorConfig(
-        target_dir=args.target,
-        drafter_dir=args.drafter,
-        host=args.host,
-        port=args.port,
-        http_port=args.http_port,
-        served_model_name=args.served_model_name,
-        verifier_addresses=args.verifier_address,
-        drafter_addresses=args.drafter_address,
-        speculative=speculative_config_from_args(args),
-        tls=tls,
-        auth_tokens_file=args.auth_tokens_file,
-        max_message_bytes=args.max_message_bytes,
-        shutdown_grace_s=args.shutdown_grace,
-        max_active_requests=args.max_active_requests,
-        share_ports=args.share_ports,
-    )
+    """The config from the parsed flags (TLS as already checked)."""
+    return flags.config_from_args(OrchestratorConfig, args, tls=tls)
 
 
 async def serve(config: OrchestratorConfig, metrics_port: int | None) -> None:
@@ -104,9 +56,10 @@ async def serve(config: OrchestratorConfig, metrics_port: int | None) -> None:
     await serving.drain_and_stop(config.shutdown_grace_s)
 
 
-def main(argv=None):
-    p = parser()
-    args = p.parse_args(argv)
+def checked_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> OrchestratorConfig:
+    """The config from the flags, checked before anything starts (exit 2 with
+    the reason): TLS files, tokens, who can reach the API, the models (a repo
+    id becomes its directory in the Hugging Face cache)."""
     try:
         tls = tls_from_args(args)
         if tls:
@@ -117,15 +70,25 @@ def main(argv=None):
         p.exit(2, f"orchestrator: {exc}\n")
     if warning:
         print(f"orchestrator: {warning}", file=sys.stderr, flush=True)
-    try:  # repo ids (org/name@rev): their directories in the Hugging Face cache
-        args.target = resolve_model(args.target, what="--target", weights=False).path
-        args.drafter = args.drafter and resolve_model(args.drafter, what="--drafter", weights=False).path
+    config = config_from_args(args, tls)
+    try:
+        return dataclasses.replace(
+            config,
+            target_dir=resolve_model(config.target_dir, what="--target", weights=False).path,
+            drafter_dir=config.drafter_dir and resolve_model(config.drafter_dir, what="--drafter", weights=False).path,
+        )
     except ModelSpecError as exc:
         p.exit(2, f"orchestrator: {exc}\n")
+
+
+def main(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    config = checked_config(p, args)
     logging.basicConfig(level=logging.INFO)
     tracing.setup("orchestrator")  # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
     prefer_latency()
-    asyncio.run(serve(config_from_args(args, tls), args.metrics_port))
+    asyncio.run(serve(config, args.metrics_port))
     tracing.shutdown()  # export the spans still queued
 
 

@@ -10,16 +10,17 @@
 # tests/README.md. Every test starts and stops its own services and Ray cluster;
 # nothing needs to be running.
 #
-# Lint: `ruff check` and `ruff format --check` on the runtime packages, and `mypy` (its files and
-# settings come from pyproject.toml's [tool.mypy]). The tests run whether or not
-# lint passed, so one run reports both; the exit status is non-zero if either failed.
+# Lint: `ruff check` and `ruff format --check` on the runtime packages and the
+# benchmarks, and `mypy` (its files and settings come from pyproject.toml's
+# [tool.mypy]). The tests run whether or not lint passed, so one run reports
+# both; the exit status is non-zero if either failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 export TOKENIZERS_PARALLELISM=false RAY_DISABLE_USAGE_STATS=1 PYTHONUNBUFFERED=1
 
-# The runtime packages: the shared core, the three services and the CLI.
-LINTED=(specd_core drafter_svc verifier_svc orchestrator specd)
+# The runtime packages (the shared core, the three services, the CLI) and the benchmarks.
+LINTED=(specd_core drafter_svc verifier_svc orchestrator specd benchmarks)
 lint=1
 args=()
 for a in "$@"; do

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.demo import DEMO_TARGET, bench_prompts
+
 PERCENTILES = (50, 90, 99)
 # GenerationStats fields summed over a setting's requests (the report's totals).
 STAT_TOTALS = ("cycles", "drafted_tokens", "accepted_tokens", "drafts", "prompt_tokens", "completion_tokens")
@@ -143,19 +145,16 @@ def load_prompts(path: Path) -> list[dict]:
     return out
 
 
-def demo_prompts(target: str, n: int = 16, length: int = 96, min_room: int = 128) -> list[dict]:
-    """The demo's held-out prompts (what benchmarks/ run): n token-id prompts
-    from held-out stdlib files (training/evaluate_pair.py make_prompts)."""
-    try:
-        from training.evaluate_pair import make_prompts
-    except ImportError as exc:
-        raise BenchError(
-            f"the default prompts need the repository's training/ package ({exc}); give --prompts FILE"
-        ) from (exc)
+def demo_prompts(target: str) -> list[dict]:
+    """The demo's held-out prompts (what benchmarks/ run; specd/demo.py): as
+    token ids when the target reads text as the demo target does (the same
+    vocabulary), else as text."""
     from specd_core.runtime.models import load_tokenizer
 
-    tok = load_tokenizer(target)
-    return [{"prompt_token_ids": {"ids": p.tolist()}} for p in make_prompts(tok, n, length, min_room)]
+    prompts = bench_prompts()
+    if load_tokenizer(target).get_vocab() == load_tokenizer(str(DEMO_TARGET)).get_vocab():
+        return [{"prompt_token_ids": {"ids": p["ids"]}} for p in prompts]
+    return [{"prompt": p["text"]} for p in prompts]
 
 
 def _read(path: Path) -> str:
@@ -197,21 +196,56 @@ def run_streams(
     call(request) starts one Generate and returns the streaming call (it is
     iterated and may be cancelled). A failed stream (other than cancelled at
     the end) raises RuntimeError after all workers have stopped."""
-    records: list[RequestRecord] = []
-    lock = threading.Lock()
-    calls: set = set()
-    stop = threading.Event()
-    counter = iter(range(count if count is not None else 10**12))
+    streams = _Streams(call, requests, count, on_done)
+    threads = [threading.Thread(target=streams.worker, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    if until is not None:
+        time.sleep(max(0.0, until - time.perf_counter()))
+        streams.cancel_all()
+    for t in threads:
+        t.join()
+    errors = [r.error for r in streams.records if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} streams failed, e.g. {errors[0]}")
+    return sorted(streams.records, key=lambda r: r.index)
 
-    def one(i: int) -> None:
+
+class _Streams:
+    """What run_streams' workers share: the next request's index, the records,
+    the calls in flight (to cancel) and the stop flag (a failure, or the end)."""
+
+    def __init__(self, call: Callable, requests: Sequence, count: int | None, on_done) -> None:
+        self.call, self.requests, self.on_done = call, requests, on_done
+        self.records: list[RequestRecord] = []
+        self.lock = threading.Lock()
+        self.calls: set = set()
+        self.stop = threading.Event()
+        self.counter = iter(range(count if count is not None else 10**12))
+
+    def worker(self) -> None:
+        while not self.stop.is_set():
+            with self.lock:
+                i = next(self.counter, None)
+            if i is None:
+                return
+            self.one(i)
+
+    def cancel_all(self) -> None:
+        self.stop.set()
+        with self.lock:
+            for c in list(self.calls):
+                c.cancel()
+
+    def one(self, i: int) -> None:
         import grpc
 
         rec = RequestRecord(i, time.perf_counter())
-        c = call(requests[i % len(requests)])
-        with lock:
-            calls.add(c)
-            records.append(rec)
-        if stop.is_set():
+        c = self.call(self.requests[i % len(self.requests)])
+        with self.lock:
+            self.calls.add(c)
+            self.records.append(rec)
+        if self.stop.is_set():
             c.cancel()
         try:
             for r in c:
@@ -221,38 +255,14 @@ def run_streams(
                     rec.finish_reason = r.finish_reason
                     rec.stats = _stats_dict(r.stats)
         except grpc.RpcError as e:
-            if not (stop.is_set() and e.code() == grpc.StatusCode.CANCELLED):
+            if not (self.stop.is_set() and e.code() == grpc.StatusCode.CANCELLED):
                 rec.error = f"{e.code().name}: {e.details()}"
-                stop.set()
+                self.stop.set()
         finally:
-            with lock:
-                calls.discard(c)
-        if on_done and rec.stats is not None:
-            on_done(rec)
-
-    def worker() -> None:
-        while not stop.is_set():
-            with lock:
-                i = next(counter, None)
-            if i is None:
-                return
-            one(i)
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(n)]
-    for t in threads:
-        t.start()
-    if until is not None:
-        time.sleep(max(0.0, until - time.perf_counter()))
-        stop.set()
-        with lock:
-            for c in list(calls):
-                c.cancel()
-    for t in threads:
-        t.join()
-    errors = [r.error for r in records if r.error]
-    if errors:
-        raise RuntimeError(f"{len(errors)} streams failed, e.g. {errors[0]}")
-    return sorted(records, key=lambda r: r.index)
+            with self.lock:
+                self.calls.discard(c)
+        if self.on_done and rec.stats is not None:
+            self.on_done(rec)
 
 
 def _stats_dict(stats) -> dict:

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -85,6 +86,37 @@ class ServiceProcess:
                 self.proc.kill()
 
 
+def _start_all(starts: list[tuple[str, ...]], env: dict | None) -> list[ServiceProcess]:
+    """A process per command, started in parallel; on a failure the others are stopped, then it raises."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(ServiceProcess, *cmd, env=env) for cmd in starts]
+    procs = []
+    for f in futures:  # all waited for
+        try:
+            procs.append(f.result())
+        except Exception:
+            for p in (g.result() for g in futures if g.exception() is None):
+                p.stop()
+            raise
+    return procs
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    """How a Stack runs, besides its pair and the flags of both model services
+    (what Stack's docstring says of each)."""
+
+    env: dict | None = None
+    metrics: bool = False
+    verifier_args: tuple[str, ...] = ()
+    verifiers: int = 1
+    drafters: int = 1
+    orchestrator_args: tuple[str, ...] = ()
+    client_tls: TlsConfig | None = None
+    http: bool = False
+    orchestrators: int = 1
+
+
 class Stack:
     """Verifier + drafter + orchestrator processes for one model pair.
 
@@ -105,41 +137,20 @@ class Stack:
     channel with a connection of its own. Off Ray each reports and admits on
     its own (Status lists only itself; --max-active-requests is per process)."""
 
-    def __init__(
-        self,
-        target: str,
-        drafter: str | None,
-        service_args: tuple[str, ...] = (),
-        env: dict | None = None,
-        metrics: bool = False,
-        verifier_args: tuple[str, ...] = (),
-        verifiers: int = 1,
-        drafters: int = 1,
-        orchestrator_args: tuple[str, ...] = (),
-        client_tls: TlsConfig | None = None,
-        http: bool = False,
-        orchestrators: int = 1,
-    ):
+    def __init__(self, target: str, drafter: str | None, service_args: tuple[str, ...] = (), **options):
+        """options: StackOptions' fields, by name."""
+        opts = StackOptions(**options)
         self.target, self.drafter = target, drafter
         # A pair that cannot draft together is refused before any process starts.
         check_pair(target, drafter)
-        extra = ("--metrics-port", "0") if metrics else ()
-        starts = [("verifier_svc", "--model", target, *service_args, *verifier_args, *extra)] * verifiers
-        starts += [("drafter_svc", "--model", drafter, *service_args, *extra)] * (drafters if drafter else 0)
-        with ThreadPoolExecutor(len(starts)) as pool:
-            futures = [pool.submit(ServiceProcess, *cmd, env=env) for cmd in starts]
-        procs = []
-        for f in futures:  # all waited for; on a failure stop the others, then raise
-            try:
-                procs.append(f.result())
-            except Exception:
-                for p in (g.result() for g in futures if g.exception() is None):
-                    p.stop()
-                raise
-        self.verifiers, self.drafters = procs[:verifiers], procs[verifiers:]
+        extra = ("--metrics-port", "0") if opts.metrics else ()
+        starts = [("verifier_svc", "--model", target, *service_args, *opts.verifier_args, *extra)] * opts.verifiers
+        starts += [("drafter_svc", "--model", drafter, *service_args, *extra)] * (opts.drafters if drafter else 0)
+        procs = _start_all(starts, opts.env)
+        self.verifiers, self.drafters = procs[: opts.verifiers], procs[opts.verifiers :]
         self.verifier = self.verifiers[0]
         self.drafter_proc = self.drafters[0] if self.drafters else None
-        args = ["--target", target, *extra, *orchestrator_args, "--http-port", "-1" if http else "0"]
+        args = ["--target", target, *extra, *opts.orchestrator_args, "--http-port", "-1" if opts.http else "0"]
         for v in self.verifiers:
             args += ["--verifier-address", v.address]
         if drafter:
@@ -147,7 +158,7 @@ class Stack:
             for d in self.drafters:
                 args += ["--drafter-address", d.address]
         try:
-            self.orchestrators = self._start_orchestrators(args, orchestrators, env)
+            self.orchestrators = self._start_orchestrators(args, opts.orchestrators, opts.env)
         except Exception:
             for p in (*self.drafters, *self.verifiers):
                 p.stop()
@@ -155,8 +166,8 @@ class Stack:
         self.orchestrator = self.orchestrators[0]
         self.http_url = self.orchestrator.http_url  # None unless http
         self.http_address = self.http_url.split("://")[1] if self.http_url else None  # 127.0.0.1:port
-        self.client_tls = client_tls
-        self.channel = open_channel(self.orchestrator.address, client_tls)
+        self.client_tls = opts.client_tls
+        self.channel = open_channel(self.orchestrator.address, opts.client_tls)
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
 
     @staticmethod

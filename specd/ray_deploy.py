@@ -17,21 +17,18 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from drafter_svc.config import DrafterConfig
-from orchestrator.config import OrchestratorConfig
+from orchestrator.config import OrchestratorConfig, ReplicaSpec
 from orchestrator.fleet.peers import OrchestratorReport, PoolView
-from orchestrator.fleet.pool import ReplicaSpec
-from orchestrator.fleet.scaling import AutoscalePolicy, ReplicaGone
-from orchestrator.spec_config import SpeculativeConfig
+from orchestrator.fleet.scaling import ReplicaGone
+from specd.deploy_config import NOT_FOR_REPLICAS, DeploymentConfig, shared_fields
 from specd_core.net.auth import TOKENS_ENV
-from specd_core.net.grpc_util import MAX_MESSAGE_BYTES, prefer_latency
-from specd_core.net.security import TlsConfig
+from specd_core.net.grpc_util import prefer_latency
 from specd_core.runtime.hub import resolve_model
 from specd_core.telemetry import metrics, tracing
 from verifier_svc.config import VerifierConfig
@@ -88,59 +85,6 @@ def startup_error(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
-@dataclass(frozen=True)
-class DeploymentConfig:
-    target_dir: str
-    drafter_dir: str | None
-    # The replicas' models as each node resolves them into its own Hugging
-    # Face cache (`org/name@commit`, specd_core/runtime/hub.py); "": the
-    # directories above, which must then exist on every node.
-    target_model: str = ""
-    drafter_model: str = ""
-    allow_pickle_weights: bool = False  # load .bin/.pt weights where a model has no safetensors
-    # Where Generate and the HTTP API listen on the orchestrator's node:
-    # loopback unless given (specd_core/net/exposure.py checks credentials).
-    host: str = "127.0.0.1"
-    port: int = 50051  # public Generate port
-    http_port: int = 8000  # the OpenAI-compatible HTTP API (0 = off; -1 = any free port)
-    served_model_name: str | None = None  # its model name (None: the target directory's name)
-    num_verifiers: int = 1
-    num_drafters: int = 1
-    device: str = "auto"
-    dtype: str = "float32"
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    verifier_resource: str = "verifier"  # Ray custom resource of the verifier pool
-    drafter_resource: str = "drafter"  # Ray custom resource of the drafter pool
-    replica_gpus: float = 0.0  # GPUs each replica asks Ray for (1 on GPU pools)
-    # Orchestrators serving the one address (SO_REUSEPORT), all on the node
-    # that runs `specd up`; the first scales the pools (orchestrator/fleet/peers.py).
-    num_orchestrators: int = 1
-    # Concurrent Generate streams of the whole deployment, split over the orchestrators.
-    max_active_requests: int = 1024
-    ready_timeout_s: float = 300.0  # a replica that does not serve by then is an error
-    replica_max_restarts: int = 3  # Ray restarts a dead replica this often (then it is gone)
-    locate_timeout_s: float = 2.0  # per scaler tick, asking a lost replica where it serves
-    autoscale: dict[str, AutoscalePolicy] = field(default_factory=dict)  # per pool, optional
-    # TLS on every link: the replicas' servers, the orchestrator's public server
-    # and its channels to the replicas. Paths must exist on every node.
-    tls: TlsConfig | None = None
-    auth_tokens_file: str | None = None  # bearer tokens of the public API (read on the head node)
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    kv_cache_memory: str = "auto"  # each replica's KV budget (specd_core/runtime/kv_budget.py)
-    kv_block_size: int = 64
-    engine: str = "auto"  # auto | lean | hf, every replica
-    # Where replicas listen: None = their Ray node's IP, the address the
-    # orchestrator (possibly on another node) dials; not 0.0.0.0, so a replica
-    # is not reachable on interfaces the cluster does not use.
-    replica_host: str | None = None
-    # Every actor's Prometheus /metrics port, on its node's address: 0 = any
-    # free port (a fixed one fits only one specd actor per node).
-    metrics_port: int = 0
-    # The Prometheus file_sd JSON the orchestrator keeps up to date (on the node
-    # that ran `specd up`); None = none.
-    metrics_targets_file: str | None = None
-
-
 @ray.remote(num_cpus=0)
 class ModelServiceActor:
     """One drafter or verifier replica: loads its model, serves gRPC on this node."""
@@ -159,8 +103,8 @@ class ModelServiceActor:
         # node could not reach: bind this node's IP unless told otherwise.
         config_fields = dict(config_fields, host=config_fields.get("host") or ray.util.get_node_ip_address())
         # A repo id resolves here, into this node's cache (checked on the head before deploying).
-        allow_pickle = config_fields.pop("allow_pickle_weights")
-        config_fields["model_dir"] = resolve_model(config_fields["model_dir"], allow_pickle=allow_pickle).path
+        resolved = resolve_model(config_fields["model_dir"], allow_pickle=config_fields["allow_pickle_weights"])
+        config_fields["model_dir"] = resolved.path
         config: VerifierConfig | DrafterConfig
         if kind == "verifier":
             from verifier_svc.core import Verifier
@@ -315,21 +259,30 @@ def _actor_env(extra_env: tuple[str, ...] = ()) -> dict:
 
 
 def replica_fields(cfg: DeploymentConfig, kind: str) -> dict:
-    """The replica's service config fields (host None: the actor's node IP)."""
-    model_dir = (cfg.target_model or cfg.target_dir) if kind == "verifier" else (cfg.drafter_model or cfg.drafter_dir)
+    """The replica's service config fields: those it shares with the
+    deployment by name, its model, any free port, and its host (None: the
+    actor's node IP)."""
+    config_cls = VerifierConfig if kind == "verifier" else DrafterConfig
     return {
-        "model_dir": model_dir,
-        "allow_pickle_weights": cfg.allow_pickle_weights,
+        **shared_fields(cfg, config_cls, exclude=NOT_FOR_REPLICAS),
+        # A repo id pinned to its commit, resolved on the replica's node; else the directory.
+        "model_dir": (cfg.target_model or cfg.target_dir)
+        if kind == "verifier"
+        else (cfg.drafter_model or cfg.drafter_dir),
         "host": cfg.replica_host,
         "port": 0,
-        "device": cfg.device,
-        "dtype": cfg.dtype,
-        "engine": cfg.engine,
-        "kv_cache_memory": cfg.kv_cache_memory,
-        "kv_block_size": cfg.kv_block_size,
-        "tls": cfg.tls,
-        "max_message_bytes": cfg.max_message_bytes,
     }
+
+
+def orchestrator_config(cfg: DeploymentConfig, replicas: list[ReplicaSpec]) -> OrchestratorConfig:
+    """The first orchestrator's config: the fields it shares with the deployment
+    by name, the replicas started, and the deployment's admission limit (its
+    share of which the first one then hands out)."""
+    return OrchestratorConfig(
+        **shared_fields(cfg, OrchestratorConfig),
+        replicas=replicas,
+        admission_total=cfg.max_active_requests,
+    )
 
 
 def _replica(cfg: DeploymentConfig, kind: str, name: str):
@@ -583,6 +536,30 @@ def _ready(refs: list, timeout_s: float, what: str, not_ready: Exception) -> lis
 
 
 def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | None) -> str:
+    specs = _start_replicas(cfg, handles, warn)
+    # Pinned to the node that runs `specd up` (the head, in deploy/cluster.yaml):
+    # an actor asking for no resources could land anywhere, and clients are told
+    # to reach Generate on the head.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    orch = OrchestratorActor.options(  # type: ignore[attr-defined]  # an ActorClass at run time (see _replica)
+        name=ORCHESTRATOR_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        scheduling_strategy=here,
+        max_concurrency=ORCHESTRATOR_CONCURRENCY,
+        **_actor_env((TOKENS_ENV,)),
+    ).remote(orchestrator_config(cfg, specs), cfg)
+    handles.append(orch)
+    not_ready = TimeoutError(f"the orchestrator did not start within {cfg.ready_timeout_s}s")
+    address = _ready([orch.address.remote()], cfg.ready_timeout_s, "the orchestrator", not_ready)[0]
+    if cfg.num_orchestrators > 1:
+        _start_other_orchestrators(cfg, orch)
+    return address
+
+
+def _start_replicas(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | None) -> list[ReplicaSpec]:
+    """The first replicas of each pool (their handles appended to `handles`),
+    once all serve; a warning per replica on the fallback engine."""
     actors = [("verifier", f"specd-verifier-{i}") for i in range(cfg.num_verifiers)]
     actors += [("drafter", f"specd-drafter-{i}") for i in range(cfg.num_drafters if cfg.drafter_dir else 0)]
     for kind, name in actors:
@@ -600,51 +577,21 @@ def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | 
     if warn is not None:
         for line in fallback_warnings(infos):
             warn(line)
-    orch_config = OrchestratorConfig(
-        max_active_requests=cfg.max_active_requests,
-        admission_total=cfg.max_active_requests,
-        target_dir=cfg.target_dir,
-        drafter_dir=cfg.drafter_dir,
-        host=cfg.host,
-        port=cfg.port,
-        http_port=cfg.http_port,
-        served_model_name=cfg.served_model_name,
-        replicas=specs,
-        speculative=cfg.speculative,
-        autoscale=cfg.autoscale,
-        tls=cfg.tls,
-        auth_tokens_file=cfg.auth_tokens_file,
-        max_message_bytes=cfg.max_message_bytes,
-        metrics_targets_file=cfg.metrics_targets_file,
-    )
-    # Pinned to the node that runs `specd up` (the head, in deploy/cluster.yaml):
-    # an actor asking for no resources could land anywhere, and clients are told
-    # to reach Generate on the head.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    orch = OrchestratorActor.options(  # type: ignore[attr-defined]  # an ActorClass at run time (see _replica)
-        name=ORCHESTRATOR_NAME,
-        namespace=NAMESPACE,
-        lifetime="detached",
-        scheduling_strategy=here,
-        max_concurrency=ORCHESTRATOR_CONCURRENCY,
-        **_actor_env((TOKENS_ENV,)),
-    ).remote(orch_config, cfg)
-    handles.append(orch)
-    not_ready = TimeoutError(f"the orchestrator did not start within {cfg.ready_timeout_s}s")
-    address = _ready([orch.address.remote()], cfg.ready_timeout_s, "the orchestrator", not_ready)[0]
-    if cfg.num_orchestrators > 1:
-        # The first starts the others (on its ports) as for `specd scale`.
-        not_ready = TimeoutError(f"the orchestrators did not start within {cfg.ready_timeout_s}s")
-        try:
-            _ready(
-                [orch.scale.remote({"orchestrator": cfg.num_orchestrators})],
-                2 * cfg.ready_timeout_s,
-                "the orchestrators",
-                not_ready,
-            )
-        except ray.exceptions.RayTaskError as exc:
-            raise DeployError(f"the orchestrators failed to start: {one_line(getattr(exc, 'cause', exc))}") from None
-    return address
+    return specs
+
+
+def _start_other_orchestrators(cfg: DeploymentConfig, first) -> None:
+    """The first orchestrator starts the others (on its ports) as for `specd scale`."""
+    not_ready = TimeoutError(f"the orchestrators did not start within {cfg.ready_timeout_s}s")
+    try:
+        _ready(
+            [first.scale.remote({"orchestrator": cfg.num_orchestrators})],
+            2 * cfg.ready_timeout_s,
+            "the orchestrators",
+            not_ready,
+        )
+    except ray.exceptions.RayTaskError as exc:
+        raise DeployError(f"the orchestrators failed to start: {one_line(getattr(exc, 'cause', exc))}") from None
 
 
 def orchestrator_http_address(timeout_s: float = 30.0) -> str:

@@ -10,6 +10,12 @@ class UnknownSession(InvalidRequest):
     caller's input that is wrong, and the message names the id)."""
 
 
+class Unsupported(RuntimeError):
+    """The deployment cannot do what the request asks, whatever its input (maps
+    to FAILED_PRECONDITION): e.g. structured output over a tokenizer whose
+    tokens' text cannot be told apart. The message names why."""
+
+
 class CapacityExceeded(RuntimeError):
     """A memory or session budget is full (maps to RESOURCE_EXHAUSTED)."""
 

@@ -1,7 +1,15 @@
 """orchestrator/cycle/adaptive.py: the depth rule, the cost fit, a session's acceptance."""
 import pytest
 
-from orchestrator.cycle.adaptive import CostModel, Load, RunningMean, SessionDepth, best_depth, expected_tokens
+from orchestrator.cycle.adaptive import (
+    CostModel,
+    Load,
+    RoundCosts,
+    RunningMean,
+    SessionDepth,
+    best_depth,
+    expected_tokens,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -16,22 +24,22 @@ def test_expected_tokens():
 def test_depth_follows_acceptance_and_load():
     # Batch 1, weight-bound forwards (a row costs 2% of a step), cheap drafting: draft deep
     # when drafts are kept, shallow when not.
-    assert best_depth([0.9] * 8, 8, a=40, b=0.8, c=0, d=1.0) >= 6
-    assert best_depth([0.3] * 8, 8, a=40, b=0.8, c=0, d=1.0) <= 2
+    assert best_depth([0.9] * 8, 8, RoundCosts(a=40, b=0.8, c=0, d=1.0)) >= 6
+    assert best_depth([0.3] * 8, 8, RoundCosts(a=40, b=0.8, c=0, d=1.0)) <= 2
     # Batch 16, compute bound: every row costs 8 ms and the forward holds 15 other sessions'
     # 60 rows and 22.5 tokens. A draft row now costs what a token earns: no drafting.
     busy = Load(rows=60, sessions=15, tokens=15 * 1.5, levels=45)
-    assert best_depth([0.35] * 8, 8, a=40, b=8.0, c=0, d=1.0, load=busy) == 0
+    assert best_depth([0.35] * 8, 8, RoundCosts(a=40, b=8.0, c=0, d=1.0), load=busy) == 0
     # A rule blind to the rest of the batch (the batch-1 view, same costs) would still draft.
-    assert best_depth([0.35] * 8, 8, a=40, b=8.0, c=0, d=1.0) > 0
+    assert best_depth([0.35] * 8, 8, RoundCosts(a=40, b=8.0, c=0, d=1.0)) > 0
     # Very likely drafts are worth a row even then.
-    assert best_depth([0.98] * 8, 8, a=40, b=8.0, c=0, d=1.0, load=busy) > 0
+    assert best_depth([0.98] * 8, 8, RoundCosts(a=40, b=8.0, c=0, d=1.0), load=busy) > 0
     # When what costs is the session, not the row (c large, b small), load does not stop drafting.
-    assert best_depth([0.7] * 8, 8, a=20, b=0.3, c=10, d=1.0, load=busy) >= 4
+    assert best_depth([0.7] * 8, 8, RoundCosts(a=20, b=0.3, c=10, d=1.0), load=busy) >= 4
     # Drafting alongside verification: with many sessions the drafter's time mostly hides
     # behind the verifier's, so a slow drafter stops deep drafting at batch 1 only.
-    assert best_depth([0.6] * 8, 8, a=30, b=0.3, c=0, d=25) <= 1
-    assert best_depth([0.6] * 8, 8, a=30, b=0.3, c=10, d=1, load=Load(rows=45, sessions=15, tokens=30,
+    assert best_depth([0.6] * 8, 8, RoundCosts(a=30, b=0.3, c=0, d=25)) <= 1
+    assert best_depth([0.6] * 8, 8, RoundCosts(a=30, b=0.3, c=10, d=1), load=Load(rows=45, sessions=15, tokens=30,
                                                                         levels=30)) >= 3
 
 
@@ -78,8 +86,8 @@ def test_fixed_cycle_overhead_makes_depth_pay():
     favours deeper drafts: the same rates and forward costs pick a deeper k
     once it is counted, and the model learns it from cycles' wall times."""
     rates = [0.7] * 8
-    shallow = best_depth(rates, 8, a=25, b=1.0, c=0, d=3.0)
-    deep = best_depth(rates, 8, a=25, b=1.0, c=0, d=3.0, o=20.0)
+    shallow = best_depth(rates, 8, RoundCosts(a=25, b=1.0, c=0, d=3.0))
+    deep = best_depth(rates, 8, RoundCosts(a=25, b=1.0, c=0, d=3.0, o=20.0))
     assert deep > shallow, (shallow, deep)
     costs = CostModel()
     for _ in range(200):
@@ -137,8 +145,8 @@ def test_fresh_model_drafts_k_first_and_one_miss_does_not_sink_deep_levels():
 
 
 def test_depth_holds_near_a_tie_and_moves_for_a_clear_gain():
-    rates, kw = [0.75] * 8, dict(a=10.0, b=0.4, c=0.7, d=3.0, o=3.0)  # k = 3 wins by 2%
-    free = best_depth(rates, 4, **kw)
+    rates, costs = [0.75] * 8, RoundCosts(a=10.0, b=0.4, c=0.7, d=3.0, o=3.0)  # k = 3 wins by 2%
+    free = best_depth(rates, 4, costs)
     assert free < 4                                           # alone, k = 4 narrowly loses ...
-    assert best_depth(rates, 4, **kw, hold=4, margin=0.05) == 4   # ... and is kept near the tie
-    assert best_depth([0.2] * 8, 4, **kw, hold=4, margin=0.05) < 2  # a clear loss still moves
+    assert best_depth(rates, 4, costs, hold=4, margin=0.05) == 4   # ... and is kept near the tie
+    assert best_depth([0.2] * 8, 4, costs, hold=4, margin=0.05) < 2  # a clear loss still moves

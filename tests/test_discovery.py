@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.fleet.pool import Pool, ReplicaSpec
 from orchestrator.fleet.scaling import Scaler
-from orchestrator.report.metrics import TargetsFile
+from orchestrator.fleet.discovery import TargetsFile
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.telemetry.discovery import dumps, file_sd_targets, write_atomic
 from tests.test_pool import FakeClient, LocatingLauncher
@@ -125,15 +125,16 @@ def test_targets_file_unwritable_at_start_is_an_error(tmp_path):
 def test_specd_up_targets_file_default_and_check(tmp_path, monkeypatch):
     """`specd up` puts the file in $SPECD_HOME unless told otherwise, and refuses
     a path it cannot write before anything starts, naming it."""
-    from specd import cli
+    from specd.cli import build_parser
+    from specd.cli import deploy as cli
 
     monkeypatch.setenv("SPECD_HOME", str(tmp_path / "home"))
-    args = cli.build_parser().parse_args(["up"])
+    args = build_parser().parse_args(["up"])
     assert cli._targets_file(args) == str(tmp_path / "home" / "prometheus_targets.json")
     cli._check_up_flags(args)                            # passes, and creates nothing
     assert not (tmp_path / "home").exists()
     (tmp_path / "taken.json").mkdir()
-    args = cli.build_parser().parse_args(["up", "--metrics-targets-file", str(tmp_path / "taken.json")])
+    args = build_parser().parse_args(["up", "--metrics-targets-file", str(tmp_path / "taken.json")])
     with pytest.raises(OSError, match="--metrics-targets-file .*taken.json: is a directory"):
         cli._check_up_flags(args)
 

@@ -234,8 +234,8 @@ def test_loop_forwards_features_without_extra_calls(pairs):
     import asyncio
 
     from orchestrator.cycle.detok import OutputTracker
-    from orchestrator.cycle.loop import Draft, Verdict, run_generation
-    from orchestrator.edge.request import GenerationSpec
+    from orchestrator.cycle.loop import ContextLengths, Draft, SessionReplicas, Verdict, run_generation
+    from orchestrator.cycle.spec import GenerationSpec
 
     target_dir, _ = pairs["llama"]
     tok = load_tokenizer(target_dir)
@@ -283,7 +283,8 @@ def test_loop_forwards_features_without_extra_calls(pairs):
     verifier = Verifier()
 
     async def go():
-        return [c async for c in run_generation(spec, "s", verifier, Drafter(), tracker, 256, 256)]
+        return [c async for c in run_generation(spec, SessionReplicas("s", verifier, Drafter()), tracker,
+                                                ContextLengths(256, 256))]
 
     chunks = asyncio.run(go())
     stats = chunks[-1].stats

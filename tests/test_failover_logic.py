@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from orchestrator.cycle.detok import OutputTracker
-from orchestrator.cycle.loop import Draft, Verdict, run_generation
-from orchestrator.edge.request import GenerationSpec
+from orchestrator.cycle.loop import ContextLengths, Draft, SessionReplicas, Verdict, run_generation
+from orchestrator.cycle.spec import GenerationSpec
 from orchestrator.fleet.clients import ServiceError
 from orchestrator.fleet.failover import FailoverDrafter, FailoverVerifier, is_lost, reseeded
 from orchestrator.fleet.pool import Pool, ReplicaSpec
@@ -143,7 +143,7 @@ def run(verifiers, drafters, n=40, max_failovers=3):
     async def go():
         ids = []
         try:
-            async for chunk in run_generation(spec, "s1", v, d, tracker, 1000, 1000):
+            async for chunk in run_generation(spec, SessionReplicas("s1", v, d), tracker, ContextLengths(1000, 1000)):
                 ids += chunk.emit.token_ids
         finally:
             v.release()

@@ -60,7 +60,13 @@ ORCHESTRATOR_ALLOWED = {
     "__main__": {"settings", "edge"},
 }
 # The modules at the top of orchestrator/ that are not sub-packages, by layer.
-ORCHESTRATOR_MODULES = {"config": "settings", "spec_config": "settings", "pair": "core", "core": "core"}
+ORCHESTRATOR_MODULES = {
+    "config": "settings",
+    "spec_config": "settings",
+    "pair": "core",
+    "model": "core",
+    "core": "core",
+}
 
 
 def _layer(path: Path) -> str:

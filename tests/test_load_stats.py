@@ -1,7 +1,7 @@
-"""The load benchmark's ratio interval (pure; no services)."""
+"""The ratio interval of the load benchmarks (benchmarks/common.py; pure, no services)."""
 import pytest
 
-from benchmarks.load import ratio_interval
+from benchmarks.common import ratio_interval
 
 pytestmark = pytest.mark.unit
 

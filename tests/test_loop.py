@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 from orchestrator.cycle.detok import OutputTracker
-from orchestrator.cycle.loop import Draft, Verdict, run_generation
-from orchestrator.edge.request import GenerationSpec
+from orchestrator.cycle.loop import ContextLengths, Draft, SessionReplicas, Verdict, run_generation
+from orchestrator.cycle.spec import GenerationSpec
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
 
@@ -109,7 +109,8 @@ def test_pipelined_loop_is_exact_and_reports_each_ahead_draft():
     tracker = OutputTracker(Tok(), set(), n, 1000)
 
     async def go():
-        return [c async for c in run_generation(spec, "s", verifier, drafter, tracker, 1000, 1000)]
+        replicas = SessionReplicas("s", verifier, drafter)
+        return [c async for c in run_generation(spec, replicas, tracker, ContextLengths(1000, 1000))]
 
     chunks = asyncio.run(go())
     stats = chunks[-1].stats
@@ -146,7 +147,8 @@ def test_plain_loop_sends_the_next_propose_before_streaming_the_cycle():
 
     async def go():
         chunks, asked = [], []
-        async for c in run_generation(spec, "s", verifier, drafter, tracker, 1000, 1000):
+        replicas = SessionReplicas("s", verifier, drafter)
+        async for c in run_generation(spec, replicas, tracker, ContextLengths(1000, 1000)):
             await asyncio.sleep(0.01)  # the consumer's write: the Propose already flies
             asked.append(drafter.n)
             chunks.append(c)
@@ -192,7 +194,8 @@ def test_a_stream_ended_early_drops_the_prefetched_propose():
     drafter = SlowDrafter(verifier)
 
     async def go():
-        gen = run_generation(spec, "s", verifier, drafter, OutputTracker(Tok(), set(), 40, 1000), 1000, 1000)
+        gen = run_generation(spec, SessionReplicas("s", verifier, drafter), OutputTracker(Tok(), set(), 40, 1000),
+                             ContextLengths(1000, 1000))
         got = [await gen.__anext__() for _ in range(3)]  # the first token and two cycles
         await asyncio.sleep(0.01)  # the third Propose is in the drafter now
         await gen.aclose()

@@ -1,21 +1,14 @@
 """The batch-1 speedup benchmark's summaries (pure; no services): ratios from
 alternating rounds, the best setting and its goals, the tables, and the span
-accounting of its tracing rounds (benchmarks/ratios.py, benchmarks/otlp.py,
-benchmarks/speedup.py summarise_mode)."""
+accounting of its tracing rounds (benchmarks/common.py, benchmarks/otlp.py,
+benchmarks/speedup_summary.py, benchmarks/traced.py)."""
 
 import pytest
 
+from benchmarks.common import best_setting, goal_check, goal_line, paired_ratio, rotated
 from benchmarks.otlp import expected_spans, missing_spans
-from benchmarks.ratios import (
-    best_setting,
-    comparison_table,
-    goal_check,
-    goal_line,
-    paired_ratio,
-    rotated,
-    tracing_table,
-)
-from benchmarks.speedup import HF_ASSISTED, HF_TARGET, Draft, Row, summarise_mode
+from benchmarks.speedup_summary import HF_ASSISTED, HF_TARGET, Draft, Row, comparison_table, summarise_mode
+from benchmarks.traced import tracing_table
 
 pytestmark = pytest.mark.unit
 

@@ -108,7 +108,7 @@ def test_orchestrator_takes_a_padded_pair_and_refuses_other_tokens(tmp_path):
     target, drafter = build_padded_pair(tmp_path / "padded", "llama", 448, 400)
     orch = _orchestrator(OrchestratorConfig(target, drafter, verifier_addresses=["127.0.0.1:9"],
                                             drafter_addresses=["127.0.0.1:9"]))
-    assert orch.vocab_size == 448  # prompts are checked against the target's rows
+    assert orch.model.vocab_size == 448  # prompts are checked against the target's rows
     other = tmp_path / "other"
     shutil.copytree(drafter, other)
     tok = AutoTokenizer.from_pretrained(other)

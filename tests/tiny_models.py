@@ -9,7 +9,8 @@ make the family what it is: RoPE variants, sliding windows small enough that
 a test of 40+ tokens crosses them, q/k norms, a head_dim that is not
 hidden/heads, fused weights, soft-capping, tied embeddings.
 `build_chat_tokenizer` saves a separate tokenizer with a real family's chat
-template, for chat models built on it.
+template, for chat models built on it; `build_char_tokenizer` a
+character-level one with a decoder the grammar engine cannot read.
 """
 from __future__ import annotations
 
@@ -69,6 +70,28 @@ def build_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(corpus_lines(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+CHAR_EOS, CHAR_UNK = "<eos>", "<unk>"
+
+
+def build_char_tokenizer(out_dir: str | os.PathLike, clean_up: bool = False) -> PreTrainedTokenizerFast:
+    """A character-level WordLevel tokenizer whose decoder is a plain `Fuse`:
+    one token per printable ASCII character (and newline), the two special
+    tokens first. llguidance cannot read its decoder; specd derives its
+    tokens' bytes (specd_core/runtime/token_text.py). clean_up: transformers'
+    clean_up_tokenization_spaces on (" ." decodes as "."), which no per-token
+    bytes can describe."""
+    vocab = {CHAR_EOS: 0, CHAR_UNK: 1}
+    for c in "\n" + "".join(chr(i) for i in range(32, 127)):
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=CHAR_UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=CHAR_EOS, unk_token=CHAR_UNK,
+                                   clean_up_tokenization_spaces=clean_up)
     fast.save_pretrained(out_dir)
     return fast
 

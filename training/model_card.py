@@ -151,7 +151,8 @@ target), not useful code generation.
 | `target/` | target model (config.json, model.safetensors in fp16, tokenizer files) |
 | `drafter/` | drafter model (same layout, same tokenizer) |
 | `build_info.json` | raw training record (configs, arguments, loss history) |
-| `eval.json` | raw held-out acceptance figures |{_eagle_row(pair)}
+| `eval.json` | raw held-out acceptance figures |
+| `bench_prompts.jsonl` | `specd bench`'s default prompts: 16 held-out prompts of 96 tokens, ids and text |{_eagle_row(pair)}
 
 Load with `AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32)` and
 `AutoTokenizer.from_pretrained(dir)`. Folder size: {_size_mb(pair):.1f} MB.

@@ -61,21 +61,29 @@ class Load:
     levels: float = 0.0  # L_rest: their draft levels (drafter work)
 
 
-def round_ms(k: int, a: float, b: float, c: float, d: float, load: Load, o: float = 0.0) -> float:
-    v = a + b * (load.rows + k + 1) + c * (load.sessions + 1)
-    dr = d * (load.levels + k)
-    return max(v, dr) + min(v, dr) / (load.sessions + 1) + o
+@dataclass(frozen=True)
+class RoundCosts:
+    """What a round costs, in ms: a verify forward a + b*rows + c*sessions,
+    d per draft level, and o besides the two computations."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    o: float = 0.0
+
+
+def round_ms(k: int, costs: RoundCosts, load: Load) -> float:
+    v = costs.a + costs.b * (load.rows + k + 1) + costs.c * (load.sessions + 1)
+    dr = costs.d * (load.levels + k)
+    return max(v, dr) + min(v, dr) / (load.sessions + 1) + costs.o
 
 
 def best_depth(
     rates: list[float],
     k_max: int,
-    a: float,
-    b: float,
-    c: float,
-    d: float,
+    costs: RoundCosts,
     load: Load = Load(),
-    o: float = 0.0,
     hold: int | None = None,
     margin: float = 0.0,
 ) -> int:
@@ -83,7 +91,7 @@ def best_depth(
     more than `margin` (a fraction)."""
 
     def goodput(k: int) -> float:
-        return (expected_tokens(rates, k) + load.tokens) / round_ms(k, a, b, c, d, load, o)
+        return (expected_tokens(rates, k) + load.tokens) / round_ms(k, costs, load)
 
     best = max(range(k_max + 1), key=lambda k: (goodput(k), -k))
     if hold is not None and hold <= k_max and goodput(best) <= (1.0 + margin) * goodput(hold):
@@ -277,6 +285,10 @@ class CostModel:
         a, b, c = _solve(m, v)
         return max(a, 0.0), max(b, 0.0), max(c, 0.0)
 
+    def round_costs(self) -> RoundCosts:
+        """The verify line, the draft cost per level and the cycle's overhead, as learnt."""
+        return RoundCosts(*self.line(), self.draft_ms_per_level, self.overhead_ms)
+
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float]:
     """m x = v for a small symmetric positive definite m (Gaussian elimination;
@@ -331,22 +343,18 @@ class SessionDepth:
         (orchestrator/cycle/confidence.py). 0 until the model is ready."""
         if k == 0 or not costs.ready:
             return 0.0
-        a, b, c = costs.line()
         rates, load = self._rates_and_load(costs, rest_rows, rest_sessions)
-        d, o = costs.draft_ms_per_level, costs.overhead_ms
-        here = round_ms(k, a, b, c, d, load, o)
+        round_costs = costs.round_costs()
+        here = round_ms(k, round_costs, load)
         token_ms = here / (expected_tokens(rates, k) + load.tokens)
-        return costs.confidence.threshold(token_ms, round_ms(k + 1, a, b, c, d, load, o) - here)
+        return costs.confidence.threshold(token_ms, round_ms(k + 1, round_costs, load) - here)
 
     def choose(self, costs: CostModel, rest_rows: float, rest_sessions: int) -> int:
         if not costs.ready:
             return self.k_max
-        a, b, c = costs.line()
         rates, load = self._rates_and_load(costs, rest_rows, rest_sessions)
         hold = self.k_max if self._last is None else self._last  # a fresh session starts from K
-        k = best_depth(
-            rates, self.k_max, a, b, c, costs.draft_ms_per_level, load, costs.overhead_ms, hold, self.hold_margin
-        )
+        k = best_depth(rates, self.k_max, costs.round_costs(), load, hold, self.hold_margin)
         self._last = k
         if k == 0:
             self._zeros += 1

@@ -9,9 +9,9 @@ the start of a stop string is held back until it is known not to be one.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from specd_core.runtime.token_text import text_decoder as decoder
 
 
 @dataclass
@@ -19,20 +19,6 @@ class Emit:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | None (go on)
-
-
-def decoder(tokenizer) -> Callable[[list[int]], str]:
-    """ids -> text without special tokens, as tokenizer.decode gives it. A
-    fast (Rust) tokenizer's own decode when transformers would add nothing to
-    it: its wrapper converts and checks the ids on every call, which is most of
-    the cost of a window of a few ids, paid twice per token. transformers
-    applies clean_up_tokenization only to non-BPE models."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    bpe = backend is not None and type(backend.model).__name__ == "BPE"
-    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
-    if backend is not None and (not getattr(tokenizer, "clean_up_tokenization_spaces", False) or (bpe and not forced)):
-        return functools.partial(backend.decode, skip_special_tokens=True)
-    return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
 
 class OutputTracker:

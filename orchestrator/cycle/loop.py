@@ -17,7 +17,7 @@ of the tokens each prefill / verify committed, and the loop hands them to the
 drafter with the next Propose it makes anyway - the features ride on the two
 messages a cycle already sends, no extra round trip (Li et al. 2024).
 
-The clients are injected (grpc in production, anything with the same async
+The clients are injected (a SessionReplicas: grpc in production, anything with the same async
 methods in a unit test); this module never imports grpc. So are the trace hooks
 (orchestrator/report/tracing.py; no-ops by default): the loop only produces data, a
 CycleRecord per cycle, that the edge reports as span attributes and metrics.
@@ -29,14 +29,14 @@ import time
 from collections.abc import AsyncGenerator
 
 from orchestrator.cycle.adaptive import CostModel
-from orchestrator.cycle.depth import DraftShaper, depth_policy, draft_budget, learn_costs
+from orchestrator.cycle.depth import DepthPolicy, DraftShaper, depth_policy, draft_budget, learn_costs
 from orchestrator.cycle.detok import Emit, OutputTracker
 from orchestrator.cycle.drafting import Drafting, NoDrafting, PipelinedDrafting, PlainDrafting
 from orchestrator.cycle.ports import NO_TRACE, DrafterClient, NoTrace, VerifierClient
 from orchestrator.cycle.records import Chunk, CycleRecord, Draft, Stats, Verdict
 from orchestrator.cycle.session import CycleState, SessionReplicas
+from orchestrator.cycle.spec import ContextLengths, GenerationSpec
 from orchestrator.cycle.structured import shape_draft
-from orchestrator.edge.request import GenerationSpec
 from orchestrator.spec_config import DRAFTER_METHODS
 from specd_core.runtime.grammar import Constraint
 from specd_core.telemetry.probe import mark
@@ -45,10 +45,12 @@ from specd_core.telemetry.probe import mark
 __all__ = [
     "NO_TRACE",
     "Chunk",
+    "ContextLengths",
     "CycleRecord",
     "Draft",
     "DrafterClient",
     "NoTrace",
+    "SessionReplicas",
     "Stats",
     "Verdict",
     "VerifierClient",
@@ -97,6 +99,30 @@ async def open_session(
     return state, stream(tracker, stats, [first])
 
 
+def shape_forced(
+    draft: Draft,
+    constraint: Constraint,
+    spec: GenerationSpec,
+    state: CycleState,
+    remaining: int,
+    contexts: ContextLengths,
+) -> None:
+    """Structured output: the tokens the constraint forces join the draft, in
+    the room that max_new_tokens and both context windows leave."""
+    room = draft_budget(spec.forced_room, remaining, state.committed, contexts.target, contexts.drafter)
+    shape_draft(draft, constraint, room, cut=spec.method == "ngram")
+
+
+def commit_cycle(
+    state: CycleState, stats: Stats, tracker: OutputTracker, draft: Draft, verdict: Verdict, wall_ms: float
+) -> tuple[Emit, CycleRecord]:
+    """A verdict's tokens are committed and become output; the cycle's record."""
+    stats.feature_bytes += state.commit(draft, verdict)
+    emit = stream(tracker, stats, verdict.tokens)
+    record = state.last = stats.observe_cycle(draft, verdict, wall_ms)
+    return emit, record
+
+
 async def draft_step(drafting: Drafting, state: CycleState, remaining: int, start: float) -> Draft:
     """This cycle's draft (the time waited for it since the last verdict), and
     the next one started if pipelined."""
@@ -106,29 +132,37 @@ async def draft_step(drafting: Drafting, state: CycleState, remaining: int, star
     return draft
 
 
+def plan(
+    spec: GenerationSpec, replicas: SessionReplicas, contexts: ContextLengths, costs: CostModel
+) -> tuple[DepthPolicy, Drafting]:
+    """The session's depth policy and its way of drafting. No shape: plain
+    decoding, the drafter unused."""
+    if spec.shape is None:
+        replicas.drafter = None
+    drafter = replicas.drafter
+    depth = depth_policy(spec.shape.depth if spec.shape else 0, spec.adaptive and drafter is not None, costs)
+    shaper = DraftShaper(spec.shape, depth, contexts.target, contexts.drafter, spec.confidence) if spec.shape else None
+    return depth, drafting_for(spec, replicas.session_id, drafter, shaper)
+
+
 async def run_generation(
     spec: GenerationSpec,
-    session_id: str,
-    verifier: VerifierClient,
-    drafter: DrafterClient | None,
+    replicas: SessionReplicas,
     tracker: OutputTracker,
-    target_ctx: int,
-    drafter_ctx: int,
+    contexts: ContextLengths,
     trace: NoTrace = NO_TRACE,
     costs: CostModel | None = None,
     constraint: Constraint | None = None,
 ) -> AsyncGenerator[Chunk, None]:
-    """Open the session, then per cycle: draft, verify, commit and stream,
-    learn; close it however the stream ends. costs: the orchestrator's shared
-    cost model; it learns from every cycle and, for an adaptive request,
-    chooses the depth of the next. constraint: the request's structured
-    output, standing at the prompt (orchestrator/cycle/structured.py)."""
+    """Open the session on its replicas, then per cycle: draft, verify,
+    commit and stream, learn; close it however the stream ends. costs: the
+    orchestrator's shared cost model; it learns from every cycle and, for an
+    adaptive request, chooses the depth of the next. constraint: the
+    request's structured output, standing at the prompt
+    (orchestrator/cycle/structured.py)."""
     costs = costs or CostModel()
-    drafter = drafter if spec.shape is not None else None  # no shape: plain decoding, drafter unused
-    depth = depth_policy(spec.shape.depth if spec.shape else 0, spec.adaptive and drafter is not None, costs)
-    shaper = DraftShaper(spec.shape, depth, target_ctx, drafter_ctx, spec.confidence) if spec.shape else None
-    drafting = drafting_for(spec, session_id, drafter, shaper)
-    replicas, stats = SessionReplicas(session_id, verifier, drafter), new_stats(spec)
+    depth, drafting = plan(spec, replicas, contexts, costs)
+    drafter, stats = replicas.drafter, new_stats(spec)
     span = None  # the cycle's span (tracing on)
     try:
         state, emit = await open_session(replicas, spec, tracker, stats, trace)
@@ -141,17 +175,14 @@ async def run_generation(
             with trace.current(span):  # the draft and verify calls nest under it
                 draft = await draft_step(drafting, state, tracker.remaining, last)
                 if constraint is not None and drafter is not None:
-                    room = draft_budget(spec.forced_room, tracker.remaining, state.committed, target_ctx, drafter_ctx)
-                    shape_draft(draft, constraint, room, cut=spec.method == "ngram")
-                verdict = await verifier.verify(session_id, draft)
+                    shape_forced(draft, constraint, spec, state, tracker.remaining, contexts)
+                verdict = await replicas.verifier.verify(replicas.session_id, draft)
             now = time.perf_counter()
             mark("verdict")
             wall_ms, last = (now - last) * 1e3, now
-            stats.feature_bytes += state.commit(draft, verdict)
             if constraint is not None:
                 constraint.commit(verdict.tokens)
-            emit = stream(tracker, stats, verdict.tokens)
-            record = state.last = stats.observe_cycle(draft, verdict, wall_ms)
+            emit, record = commit_cycle(state, stats, tracker, draft, verdict, wall_ms)
             depth.observe(record.drafted())  # the session's acceptance: the next depth depends on it
             done, span = span, None
             if emit.finish_reason is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from orchestrator.cycle.ports import DrafterClient, NoTrace, VerifierClient
 from orchestrator.cycle.records import CycleRecord, Draft, Verdict
-from orchestrator.edge.request import GenerationSpec
+from orchestrator.cycle.spec import GenerationSpec
 from specd_core.runtime.features import HiddenStates
 
 

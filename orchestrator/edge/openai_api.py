@@ -45,6 +45,7 @@ from orchestrator.edge.openai_protocol import (
     to_generate_request,
     validation_error,
 )
+from orchestrator.edge.request import spec_for
 from orchestrator.fleet.clients import ServiceError
 from specd_core.errors import InvalidRequest
 from specd_core.net.auth import check_authorization
@@ -120,7 +121,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 def create_app(core: Orchestrator, served_model_name: str, tokens: tuple[str, ...] = ()) -> FastAPI:
     """The app; tokens: the bearer tokens accepted (none: no authentication)."""
     app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
+    add_error_handlers(app)
+    models_body = models_list(served_model_name, int(time.time()), core.model.target_ctx)
 
     async def authorize(request: Request) -> None:
         if tokens:
@@ -128,14 +130,33 @@ def create_app(core: Orchestrator, served_model_name: str, tokens: tuple[str, ..
             if why is not None:
                 raise HttpError(401, why)
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != served_model_name:
-            raise HttpError(
-                404,
-                f"the model {model!r} does not exist: this server serves {served_model_name!r} (GET /v1/models)",
-                "model",
-                "model_not_found",
-            )
+    @app.get("/health")
+    async def health() -> Response:
+        if core.admission.draining:
+            return error_response(503, "draining: the orchestrator is shutting down")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> JSONResponse:
+        return JSONResponse(models_body)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await generate(core, served_model_name, request, body, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await generate(core, served_model_name, request, body, chat=True)
+
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in the OpenAI error shape."""
 
     @app.exception_handler(HttpError)
     async def on_http_error(request: Request, exc: HttpError) -> JSONResponse:
@@ -151,74 +172,62 @@ def create_app(core: Orchestrator, served_model_name: str, tokens: tuple[str, ..
         # Unknown paths and methods: the same error shape as everything else.
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.get("/health")
-    async def health() -> Response:
-        if core.draining:
-            return error_response(503, "draining: the orchestrator is shutting down")
-        return Response(status_code=200)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+def models_list(served_model_name: str, created: int, max_model_len: int) -> dict:
+    """GET /v1/models: the one model served."""
+    model = {
+        "id": served_model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "specd",
+        "max_model_len": max_model_len,
+    }
+    return {"object": "list", "data": [model]}
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models() -> JSONResponse:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": served_model_name,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "specd",
-                        "max_model_len": core.target_ctx,
-                    }
-                ],
-            }
+
+def check_model(model: str | None, served_model_name: str) -> None:
+    if model is not None and model != served_model_name:
+        raise HttpError(
+            404,
+            f"the model {model!r} does not exist: this server serves {served_model_name!r} (GET /v1/models)",
+            "model",
+            "model_not_found",
         )
 
-    async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
-        check_model(body.model)
-        try:
-            proto = to_generate_request(body)
-        except InvalidRequest as exc:
-            status, message, param, code = exception_error(exc, body)
-            return error_response(status, message, param, code)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        model = served_model_name
-        parent = tracing.extract(request.headers.get("traceparent", "")) if tracing.ENABLED else None
-        chunks = core.generate(proto, parent)
-        try:
-            if not body.stream:
-                return JSONResponse(await unless_disconnected(request, collect(chunks, rid, model, chat)))
-            first = await unless_disconnected(request, anext(chunks))
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as exc:  # noqa: BLE001 - every error must become a status
-            await chunks.aclose()
-            status, message, param, code = exception_error(exc, body)
-            return error_response(status, message, param, code)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = StreamChunks(rid, int(time.time()), model, chat, include_usage)
-        return EventSourceResponse(
-            events(chunks, first, fmt, body),
-            ping=PING_S,
-            sep="\n",
-            # Closes the generator should the stream end before iterating it
-            # (a disconnect at once); otherwise a no-op, events() closed it.
-            background=BackgroundTask(chunks.aclose),
-        )
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await generate(request, body, chat=False)
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await generate(request, body, chat=True)
-
-    return app
+async def generate(
+    core: Orchestrator, model: str, request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
+) -> Response:
+    """A completion: the whole response, or its stream once the first chunk is in."""
+    check_model(body.model, model)
+    try:
+        proto = to_generate_request(body)
+    except InvalidRequest as exc:
+        status, message, param, code = exception_error(exc, body)
+        return error_response(status, message, param, code)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    parent = tracing.extract(request.headers.get("traceparent", "")) if tracing.ENABLED else None
+    chunks = core.generate(lambda: spec_for(proto, core), parent)
+    try:
+        if not body.stream:
+            return JSONResponse(await unless_disconnected(request, collect(chunks, rid, model, chat)))
+        first = await unless_disconnected(request, anext(chunks))
+    except ClientGone:
+        return Response(status_code=499)
+    except Exception as exc:  # noqa: BLE001 - every error must become a status
+        await chunks.aclose()
+        status, message, param, code = exception_error(exc, body)
+        return error_response(status, message, param, code)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    fmt = StreamChunks(rid, int(time.time()), model, chat, include_usage)
+    return EventSourceResponse(
+        events(chunks, first, fmt, body),
+        ping=PING_S,
+        sep="\n",
+        # Closes the generator should the stream end before iterating it
+        # (a disconnect at once); otherwise a no-op, events() closed it.
+        background=BackgroundTask(chunks.aclose),
+    )
 
 
 async def collect(chunks: AsyncGenerator[Chunk, None], rid: str, model: str, chat: bool) -> dict:

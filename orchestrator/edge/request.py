@@ -2,16 +2,18 @@
 
 Every rejection is an InvalidRequest whose message names the field and value, so
 the client sees INVALID_ARGUMENT with a reason and no service state is touched.
+The edges (gRPC and HTTP) parse here and hand the core the spec
+(`spec_for`); the core never reads a proto.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from orchestrator.config import OrchestratorConfig
+from orchestrator.core import Orchestrator
+from orchestrator.cycle.spec import GenerationSpec
 from orchestrator.edge.chat import chat_prompt_ids
 from orchestrator.spec_config import DRAFTER_METHODS, MAX_PIPELINE_ALTERNATIVES, METHODS, SpeculativeConfig
 from specd_core.errors import InvalidRequest
@@ -20,31 +22,6 @@ from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
 from specd_core.rules.structured import OutputConstraint
 from specd_core.rules.validation import check_token_ids
-
-
-@dataclass(frozen=True)
-class GenerationSpec:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    method: str  # draft_model | eagle | ngram | off
-    shape: DraftShape | None  # the draft each cycle; None = plain decoding
-    stop: tuple[str, ...] = ()
-    adaptive: bool = False  # choose the depth per cycle (orchestrator/cycle/adaptive.py), up to shape's
-    pipeline: bool = False  # draft the next chain during each verify (orchestrator/cycle/drafting.py)
-    pipeline_alternatives: int = 0  # ... also for this many rejection outcomes per depth
-    # The drafter stops below a node less confident than this (0 = off; None =
-    # learned per cycle, adaptive requests: orchestrator/cycle/confidence.py).
-    confidence: float | None = 0.0
-    # Structured output (sampling.constraint set): forced tokens join chains
-    # up to this draft depth in all (0 = no forced drafting).
-    forced_room: int = 0
-
-    @property
-    def features(self) -> bool:
-        """The drafter reads the target's hidden states (EAGLE): the verifier
-        returns them and the loop forwards them with the next Propose."""
-        return self.method == "eagle"
 
 
 def build_spec(
@@ -67,14 +44,13 @@ def build_spec(
     if not (1 <= max_new <= config.max_new_tokens_limit):
         raise InvalidRequest(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {max_new}")
 
+    # An unset top_p is 1 (off); a set one, 0 included, is checked as given.
     top_p = req.top_p if req.HasField("top_p") else 1.0
-    if math.isnan(top_p) or not (0.0 < top_p <= 1.0):  # checked here: 0 would read as "unset" downstream
-        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
     seed = req.seed if req.HasField("seed") else secrets.randbits(63)
     constraint = constraint_from_proto(req.structured_output, req.HasField("structured_output"))
+    sampling = SamplingParams(req.temperature, top_p, req.top_k, seed, constraint).validate()
     if constraint is not None and compile_constraint is not None:
         compile_constraint(constraint)
-    sampling = SamplingParams(req.temperature, top_p, req.top_k, seed, constraint).validate()
 
     if any(not s for s in req.stop):
         raise InvalidRequest("stop strings must not be empty")
@@ -86,17 +62,35 @@ def build_spec(
     pipeline = pipelining(req, config.speculative, method, shape, constraint is not None)
     adaptive = adaptive and shape is not None
     return GenerationSpec(
-        prompt_ids,
-        max_new,
-        sampling,
-        method,
-        shape,
-        tuple(req.stop),
-        adaptive,
-        pipeline,
-        alternatives(req, config.speculative) if pipeline else 0,
-        confidence_threshold(req, config.speculative, method, shape, adaptive),
-        forced_room(req, config.speculative, constraint is not None),
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new,
+        sampling=sampling,
+        method=method,
+        shape=shape,
+        stop=tuple(req.stop),
+        adaptive=adaptive,
+        pipeline=pipeline,
+        pipeline_alternatives=alternatives(req, config.speculative) if pipeline else 0,
+        confidence=confidence_threshold(req, config.speculative, method, shape, adaptive),
+        forced_room=forced_room(req, config.speculative, constraint is not None),
+    )
+
+
+def spec_for(req, core: Orchestrator) -> GenerationSpec:
+    """A request as `core` runs it: checked against its model, its settings
+    and what its fleet serves. Lost drafters count: they may be back
+    (restarted) before the session needs them, and without one it runs as
+    plain decoding anyway."""
+    model = core.model
+    return build_spec(
+        req,
+        core.config,
+        model.tokenizer,
+        model.vocab_size,
+        model.target_ctx,
+        has_drafter=core.fleet.has_drafter(),
+        drafter_method=model.drafter_method,
+        compile_constraint=lambda c: model.grammar.compile(c),
     )
 
 

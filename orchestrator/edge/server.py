@@ -146,13 +146,13 @@ class Serving:
         next call, which reaches another; idle HTTP keep-alive connections are
         closed), let running streams run to their end (at most grace_s), then stop."""
         self.health.enter_graceful_shutdown()
-        self.core.retiring = True
+        self.core.admission.retiring = True
         await asyncio.gather(self.server.stop(grace_s), *([self.http.stop(grace_s)] if self.http else []))
         await self.core.aclose()
 
     async def drain_and_stop(self, grace_s: float) -> None:
         """Graceful shutdown: health NOT_SERVING (balancers stop sending), new
-        Generate calls refused with UNAVAILABLE (the core's `draining`), running
+        Generate calls refused with UNAVAILABLE (the core's admission is `draining`), running
         streams given up to grace_s to finish; then the server stops. One of
         several sharing the address retires instead: its clients' next calls
         go to the others rather than being refused."""
@@ -160,15 +160,15 @@ class Serving:
             await self.retire(grace_s)
             return
         self.health.enter_graceful_shutdown()
-        self.core.draining = True
+        self.core.admission.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         # Polled: streams end inside the core's generator, which knows no server.
-        while self.core.active_requests and loop.time() < deadline:
+        while self.core.admission.active and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if self.core.active_requests:
+        if self.core.admission.active:
             log.warning(
-                "shutdown grace (%.1fs) over: cancelling %d running stream(s)", grace_s, self.core.active_requests
+                "shutdown grace (%.1fs) over: cancelling %d running stream(s)", grace_s, self.core.admission.active
             )
         left = max(0.5, deadline - loop.time())
         await asyncio.gather(self.server.stop(left), *([self.http.stop(left)] if self.http else []))
@@ -209,10 +209,9 @@ async def start_async(config: OrchestratorConfig, launcher=None, peers=None) -> 
     if http:
         await http.start()
     host = config.public_host or config.host
-    core.address = f"{host}:{port}"
-    core.http_address = f"{http.scheme}://{host}:{http.port}" if http else ""
-    if core.scaler:
-        core.scaler.start()
+    core.fleet.address = f"{host}:{port}"
+    core.fleet.http_address = f"{http.scheme}://{host}:{http.port}" if http else ""
+    core.fleet.start()
     return Serving(server, port, core, health_servicer, http)
 
 

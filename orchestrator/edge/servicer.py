@@ -8,9 +8,11 @@ import logging
 
 import grpc
 
-from orchestrator.core import NotScalable, Orchestrator
+from orchestrator.core import Orchestrator
 from orchestrator.cycle.records import Chunk, Stats
+from orchestrator.edge.request import spec_for
 from orchestrator.fleet.clients import ServiceError
+from orchestrator.fleet.fleet import NotScalable
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import status_for
@@ -51,7 +53,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServiceServicer):
             parent = tracing.extract(grpc_context=context) if tracing.ENABLED else None
             # aclosing: a client that leaves closes the request's generators at
             # once (their `finally` frees the sessions), not when collected.
-            async with contextlib.aclosing(self.core.generate(request, parent)) as chunks:
+            generation = self.core.generate(lambda: spec_for(request, self.core), parent)
+            async with contextlib.aclosing(generation) as chunks:
                 async for chunk in chunks:
                     yield response_for(chunk)
         except ServiceError as exc:  # an internal service refused: pass its reason on

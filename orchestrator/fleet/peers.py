@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from orchestrator.fleet.pool import Pool, ReplicaSpec
+from orchestrator.config import ReplicaSpec
+from orchestrator.fleet.pool import Pool
 from specd_core.errors import InvalidRequest
 
 log = logging.getLogger(__name__)

@@ -17,20 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.config import ReplicaSpec
 from specd_core.errors import CapacityExceeded
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """A running replica as the orchestrator learns of it."""
-
-    kind: str  # "verifier" | "drafter"
-    name: str  # unique in the deployment (the Ray actor name on Ray)
-    address: str  # host:port of its gRPC server
-    node: str = ""  # where it runs (Ray node), for status
-    # host:port of its Prometheus /metrics ("" if unknown); on Ray a restarted
-    # replica serves it at a new port, like its gRPC server.
-    metrics_address: str = ""
 
 
 @dataclass

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
+from orchestrator.config import AutoscalePolicy, ReplicaSpec
 from orchestrator.fleet.peers import Group
-from orchestrator.fleet.pool import Pool, ReplicaSpec
+from orchestrator.fleet.pool import Pool
 from specd_core.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -38,30 +37,6 @@ class Launcher(Protocol):
     # Where a lost replica serves now: its (maybe new) spec, None while it is
     # not serving yet (restarting), ReplicaGone when it never will.
     async def locate(self, spec: ReplicaSpec) -> ReplicaSpec | None: ...
-
-
-@dataclass(frozen=True)
-class AutoscalePolicy:
-    """Replicas for a pool from its load: enough that each serves about
-    `target_sessions` sessions, within [min_replicas, max_replicas]."""
-
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_sessions: int = 8
-
-    def desired(self, sessions: int) -> int:
-        return max(self.min_replicas, min(self.max_replicas, math.ceil(sessions / self.target_sessions)))
-
-    @staticmethod
-    def parse(text: str) -> AutoscalePolicy:
-        """'MIN:MAX:TARGET_SESSIONS', e.g. '1:8:4'."""
-        try:
-            lo, hi, target = (int(x) for x in text.split(":"))
-        except ValueError:
-            raise ValueError(f"want MIN:MAX:TARGET_SESSIONS like 1:8:4, got {text!r}") from None
-        if not (0 <= lo <= hi and target >= 1):
-            raise ValueError(f"want 0 <= MIN <= MAX and TARGET_SESSIONS >= 1, got {text!r}")
-        return AutoscalePolicy(lo, hi, target)
 
 
 class Scaler:

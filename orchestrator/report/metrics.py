@@ -1,28 +1,27 @@
 """Prometheus metrics of the orchestrator, reported from the loop's data (the
 Chunks it yields: a CycleRecord per cycle, Stats at the end; the sessions'
 replica leases at the end), labelled by the speculative method that ran.
-Created with the Orchestrator (one per process). Also the Prometheus targets
-file, which follows the pools."""
+Created with the Orchestrator (one per process)."""
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Iterable
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from specd_core.runtime.grammar import live_matchers
-from specd_core.telemetry.discovery import dumps, file_sd_targets, write_atomic
 from specd_core.telemetry.metrics import ITL_BUCKETS, TTFT_BUCKETS, SpecDecodeCounters, metric
-
-log = logging.getLogger(__name__)
 
 
 class OrchestratorMetrics:
     def __init__(self):
         self.spec = SpecDecodeCounters(("method",))
+        self._latencies()
+        self._tokens()
+        self._fleet()
+
+    def _latencies(self) -> None:
         self.ttft = metric(
             Histogram,
             "specdec:time_to_first_token_seconds",
@@ -38,6 +37,17 @@ class OrchestratorMetrics:
             ("method",),
             buckets=ITL_BUCKETS,
         )
+        # Its _count is the number of cycles (verify passes after the prefill,
+        # plain decode steps included): drafts per cycle = num_drafts / this count.
+        self.cycle = metric(
+            Histogram,
+            "specdec:cycle_latency_seconds",
+            "Wall time of one speculation cycle (draft, verify, commit) as the orchestrator saw it.",
+            ("method",),
+            buckets=ITL_BUCKETS,
+        )
+
+    def _tokens(self) -> None:
         self.active = metric(Gauge, "specdec:active_sessions", "Generate streams in progress.")
         metric(
             Gauge, "specdec:grammar_matchers", "Structured-output matchers alive (one per constrained session)."
@@ -64,15 +74,8 @@ class OrchestratorMetrics:
             "Requests that finished, by finish reason.",
             ("method", "finished_reason"),
         )
-        # Its _count is the number of cycles (verify passes after the prefill,
-        # plain decode steps included): drafts per cycle = num_drafts / this count.
-        self.cycle = metric(
-            Histogram,
-            "specdec:cycle_latency_seconds",
-            "Wall time of one speculation cycle (draft, verify, commit) as the orchestrator saw it.",
-            ("method",),
-            buckets=ITL_BUCKETS,
-        )
+
+    def _fleet(self) -> None:
         self.failovers = metric(
             Counter,
             "specdec:failovers",
@@ -134,37 +137,3 @@ class RequestMetrics:
         for kind, n in losses:
             if n:
                 self.m.failovers.labels(kind).inc(n)
-
-
-class TargetsFile:
-    """The deployment's Prometheus file_sd JSON (specd_core/telemetry/discovery.py),
-    kept in step with the pools and the orchestrators: rewritten (atomically)
-    when a replica or an orchestrator comes, goes or moves; unchanged lists
-    are not rewritten."""
-
-    def __init__(self, path: str, pools: dict, own_address: str):
-        """Writes the file now: a path that cannot be written fails the start."""
-        self.path, self.pools, self.own = Path(path), pools, own_address
-        # (name, metrics address) of every orchestrator when there are several
-        # (set by the owner, which writes the file; None: this one alone).
-        self.orchestrators: Callable[[], list[tuple[str, str]]] | None = None
-        self._written = ""
-        self._write(self._text())
-
-    def _text(self) -> str:
-        replicas = [r.spec for pool in self.pools.values() for r in pool.replicas.values()]
-        return dumps(file_sd_targets(replicas, self.own, self.orchestrators() if self.orchestrators else ()))
-
-    def _write(self, text: str) -> None:
-        write_atomic(self.path, text)
-        self._written = text
-
-    def update(self) -> None:
-        """After a pool change (the scaler's on_change)."""
-        text = self._text()
-        if text == self._written:
-            return
-        try:
-            self._write(text)
-        except OSError as exc:  # the service goes on; Prometheus keeps the last list
-            log.warning("could not write the Prometheus targets file %s: %s", self.path, exc)

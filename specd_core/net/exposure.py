@@ -39,18 +39,3 @@ def check_exposure(
     raise SecurityConfigError(
         f"refusing to serve {exposed}; give {CREDENTIAL_FLAGS}, or --insecure to serve it unauthenticated anyway"
     )
-
-
-def add_exposure_flags(parser, host_default: str = "127.0.0.1") -> None:
-    """--host and --insecure of the processes that serve the public API."""
-    parser.add_argument(
-        "--host",
-        default=host_default,
-        help="interface Generate and the HTTP API listen on (default loopback: this machine only); "
-        "another address needs bearer tokens or mutual TLS, or --insecure",
-    )
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="serve Generate and the HTTP API beyond loopback without tokens or mutual TLS (a warning says so)",
-    )

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specd_core.errors import CapacityExceeded, InvalidRequest, SessionExpired, ShuttingDown
+from specd_core.errors import CapacityExceeded, InvalidRequest, SessionExpired, ShuttingDown, Unsupported
 from specd_core.net.security import TlsConfig
 from specd_core.telemetry.probe import mark
 
@@ -134,6 +134,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, _short(str(exc))
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, _short(str(exc))
+    if isinstance(exc, Unsupported):
+        return grpc.StatusCode.FAILED_PRECONDITION, _short(str(exc))
     if isinstance(exc, CapacityExceeded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, _short(str(exc))
     if isinstance(exc, ShuttingDown):
@@ -223,107 +225,123 @@ def concurrent_stream(
     once every result of the batch being answered is set, so that a forward's
     answers are queued as one group and leave as one message - the sessions
     they wake then make their next calls together, one step again."""
-    out: queue.Queue = queue.Queue()
-    name = getattr(start, "__name__", "stream")
-    # The probe's event names, made once (specd_core/telemetry/probe.py).
-    read_event, queued_event, answered_event, sending_event = (
-        f"{name} {e}" for e in ("read", "queued", "answered", "sending")
-    )
-    # Messages read but not yet answered; past max_pending a message is refused
-    # at once (RESOURCE_EXHAUSTED in its response) so a client that floods the
-    # stream cannot grow the batcher's queue without bound.
-    pending = threading.BoundedSemaphore(max_pending)
+    mux = _StreamMux(start, response_cls, max_pending, step_cls, later)
+    threading.Thread(target=mux.read, args=(request_iterator,), daemon=True, name=f"{mux.name}-reader").start()
+    yield from mux.responses()
 
-    ready: list = []  # steps: the answers of the batch now being answered
-    ready_lock = threading.Lock()
 
-    def answer(request_id: int, response) -> None:
+class _StreamMux:
+    """concurrent_stream's state: the reader thread starts messages, the
+    threads completing their futures queue the answers, the stream's generator
+    sends them."""
+
+    def __init__(self, start, response_cls, max_pending: int, step_cls, later: Callable | None) -> None:
+        self.start, self.response_cls, self.max_pending = start, response_cls, max_pending
+        self.step_cls, self.later = step_cls, later
+        self.out: queue.Queue = queue.Queue()
+        self.name = getattr(start, "__name__", "stream")
+        # The probe's event names, made once (specd_core/telemetry/probe.py).
+        self.read_event, self.queued_event, self.answered_event, self.sending_event = (
+            f"{self.name} {e}" for e in ("read", "queued", "answered", "sending")
+        )
+        # Messages read but not yet answered; past max_pending a message is refused
+        # at once (RESOURCE_EXHAUSTED in its response) so a client that floods the
+        # stream cannot grow the batcher's queue without bound.
+        self.pending = threading.BoundedSemaphore(max_pending)
+        self.ready: list = []  # steps: the answers of the batch now being answered
+        self.ready_lock = threading.Lock()
+
+    def answer(self, request_id: int, response) -> None:
         """A started message's response: queued to send; its slot is free."""
-        send(request_id, response)
-        pending.release()
+        self.send(request_id, response)
+        self.pending.release()
 
-    def send(request_id: int, response) -> None:
+    def send(self, request_id: int, response) -> None:
         response.request_id = request_id
-        mark(answered_event)
-        if step_cls is None:
-            out.put(response)
-        else:
-            with ready_lock:
-                first = not ready
-                ready.append(response)
-            if first:
-                (later or _now)(send_ready)
+        mark(self.answered_event)
+        if self.step_cls is None:
+            self.out.put(response)
+            return
+        with self.ready_lock:
+            first = not self.ready
+            self.ready.append(response)
+        if first:
+            (self.later or _now)(self.send_ready)
 
-    def send_ready() -> None:
-        with ready_lock:
-            answers = ready.copy()
-            ready.clear()
-        out.put(answers)
+    def send_ready(self) -> None:
+        with self.ready_lock:
+            answers = self.ready.copy()
+            self.ready.clear()
+        self.out.put(answers)
 
-    def answered(request_id: int):
+    def answered(self, request_id: int):
         def done(future: futures.Future) -> None:
             try:
                 response = future.result()
             except Exception as exc:  # noqa: BLE001 - every error must become a status
-                response = error_response(exc, response_cls, name)
-            answer(request_id, response)
+                response = error_response(exc, self.response_cls, self.name)
+            self.answer(request_id, response)
 
         return done
 
-    def read():
+    def read(self, request_iterator) -> None:
         n = 0
         try:
             for message in request_iterator:
-                mark(read_event)
-                for request in message.requests if step_cls is not None else (message,):
-                    start_one(request)
+                mark(self.read_event)
+                for request in message.requests if self.step_cls is not None else (message,):
+                    self.start_one(request)
                     n += 1
         except Exception:  # noqa: BLE001 - the client went away: answer what is in flight, then end
             pass
-        out.put(n)  # the count of answers to send
+        self.out.put(n)  # the count of answers to send
 
-    def start_one(request) -> None:
+    def start_one(self, request) -> None:
         """Start one session's request (each gets exactly one answer)."""
-        if not pending.acquire(blocking=False):
+        if not self.pending.acquire(blocking=False):
             refusal = CapacityExceeded(
-                f"too many messages in flight on this stream (more than {max_pending}); "
+                f"too many messages in flight on this stream (more than {self.max_pending}); "
                 f"wait for answers before sending more"
             )
-            send(request.request_id, error_response(refusal, response_cls, name))
+            self.send(request.request_id, error_response(refusal, self.response_cls, self.name))
             return
         try:
-            future = start(request)
+            future = self.start(request)
         except Exception as exc:  # noqa: BLE001 - a bad message fails alone
-            answer(request.request_id, error_response(exc, response_cls, name))
+            self.answer(request.request_id, error_response(exc, self.response_cls, self.name))
             return
-        mark(queued_event)
-        future.add_done_callback(answered(request.request_id))
+        mark(self.queued_event)
+        future.add_done_callback(self.answered(request.request_id))
 
-    threading.Thread(target=read, daemon=True, name=f"{name}-reader").start()
-    sent, total = 0, None
-    while total is None or sent < total:
-        item = out.get()
-        if isinstance(item, int):
-            total = item
-            continue
-        if step_cls is None:
-            mark(sending_event)
-            yield item
-            sent += 1
-            continue
-        answers = list(item)
-        while True:  # every answer ready now leaves in this step
+    def responses(self):
+        """What the stream sends, until every message read has its answer."""
+        sent, total = 0, None
+        while total is None or sent < total:
+            item = self.out.get()
+            if isinstance(item, int):
+                total = item
+                continue
+            if self.step_cls is None:
+                mark(self.sending_event)
+                yield item
+                sent += 1
+                continue
+            answers, total = self._with_ready_now(list(item), total)
+            mark(self.sending_event)
+            yield self.step_cls(responses=answers)
+            sent += len(answers)
+
+    def _with_ready_now(self, answers: list, total: int | None) -> tuple[list, int | None]:
+        """Every answer ready now joins this step (and the count, if it came)."""
+        while True:
             try:
-                more = out.get_nowait()
+                more = self.out.get_nowait()
             except queue.Empty:
-                break
+                return answers, total
             if isinstance(more, int):
                 total = more
             else:
                 answers += more
-        mark(sending_event)
-        yield step_cls(responses=answers)
-        sent += len(answers)
 
 
 def _now(fn: Callable[[], None]) -> None:

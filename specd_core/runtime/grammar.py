@@ -25,6 +25,7 @@ tokens; masking after them could leave no token at all.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -36,6 +37,9 @@ import torch
 
 from specd_core.errors import InvalidRequest
 from specd_core.rules.structured import OutputConstraint
+from specd_core.runtime.token_text import TokenizerUnsupported, token_bytes
+
+log = logging.getLogger(__name__)
 
 # JSON output without free whitespace: one way to write each value, so that a
 # key's `": "` or a closing `}` is forced (drafted for free) and a model cannot
@@ -103,6 +107,44 @@ def eos_ids(model_config, tokenizer) -> list[int]:
     return sorted({int(i) for i in ids})
 
 
+class _VocabEncoder:
+    """What llguidance.TokenizerWrapper wraps: the vocabulary's bytes and the
+    tokenizer's own encoding (the engine tokenizes the text a grammar forces)."""
+
+    def __init__(self, tokenizer, tokens: list[bytes], eos: list[int]):
+        self._tokenizer, self.tokens = tokenizer, tokens
+        self.eos_token_id, self.bos_token_id = eos[0], tokenizer.bos_token_id
+        self.special_token_ids: list[int] = []  # marked in `tokens` already
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text, not bytes")  # the wrapper then passes str
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def grammar_tokenizer(tokenizer, eos: list[int]):
+    """The llguidance tokenizer for a Hugging Face one: llguidance's own reading
+    where it can read the decoder, else one built from each id's bytes
+    (specd_core/runtime/token_text.py); TokenizerUnsupported, naming why,
+    where neither can."""
+    import llguidance
+    import llguidance.hf
+
+    if not eos:
+        raise TokenizerUnsupported("structured output is unavailable: neither the model nor its tokenizer names EOS")
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer, eos_token=eos if len(eos) != 1 else eos[0])
+    except ValueError:
+        pass  # a decoder llguidance does not read (or a slow tokenizer): read the vocabulary
+    wrapper = llguidance.TokenizerWrapper(_VocabEncoder(tokenizer, token_bytes(tokenizer), eos))
+    try:
+        return llguidance.LLTokenizer(wrapper, eos_token=eos if len(eos) != 1 else eos[0])
+    except ValueError as exc:
+        raise TokenizerUnsupported(
+            f"structured output is unavailable: the grammar engine refused the tokenizer: {exc}"
+        ) from None
+
+
 # Every Constraint alive in this process: a matcher lives as long as its
 # session, and this count (a Prometheus gauge per service) shows one that
 # outlived it.
@@ -115,12 +157,11 @@ def live_matchers() -> int:
 
 class GrammarEngine:
     """Compiles constraints for one tokenizer, each distinct one once (an LRU
-    of `cache_size`), and makes the sessions' matchers. Thread-safe."""
+    of `cache_size`), and makes the sessions' matchers. Thread-safe.
+    TokenizerUnsupported when structured output cannot run over `tokenizer`."""
 
     def __init__(self, tokenizer, eos: list[int], cache_size: int = 256):
-        import llguidance.hf
-
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=eos if len(eos) != 1 else eos[0])
+        self._tokenizer = grammar_tokenizer(tokenizer, eos)
         self.eos = list(eos)
         self._cache: OrderedDict[OutputConstraint, str] = OrderedDict()
         self._size, self._lock = cache_size, threading.Lock()
@@ -151,6 +192,24 @@ class GrammarEngine:
         if committed:
             out.commit(list(committed), "the generated tokens of a rebuilt session")
         return out
+
+
+def try_engine(tokenizer, eos: list[int]) -> GrammarEngine | TokenizerUnsupported:
+    """The engine over `tokenizer`, or why structured output cannot run over
+    it (logged here, once: the caller keeps the reason and answers each
+    constrained request with it, FAILED_PRECONDITION)."""
+    try:
+        return GrammarEngine(tokenizer, eos)
+    except TokenizerUnsupported as exc:
+        log.warning("%s", exc)
+        return exc
+
+
+def engine_of(built: GrammarEngine | TokenizerUnsupported) -> GrammarEngine:
+    """try_engine's engine; its reason raised (a fresh exception each time)."""
+    if isinstance(built, TokenizerUnsupported):
+        raise TokenizerUnsupported(str(built))
+    return built
 
 
 class Constraint:

@@ -61,15 +61,6 @@ def resolve_pair(
     )
 
 
-def add_model_flags(parser) -> None:
-    """--target-revision, --drafter-revision and --allow-pickle-weights (`specd up`)."""
-    parser.add_argument("--target-revision", help="with a repo id --target: a branch, tag or commit (or org/name@rev)")
-    parser.add_argument("--drafter-revision", help="with a repo id --drafter: a branch, tag or commit")
-    parser.add_argument(
-        "--allow-pickle-weights", action="store_true", help=f"models without safetensors: {PICKLE_HINT}"
-    )
-
-
 def split_spec(spec: str, revision: str | None = None) -> tuple[str, str | None]:
     """`org/name@rev` -> (org/name, rev); an explicit revision wins over none
     in the spec, and the two must agree when both are given."""

@@ -15,7 +15,7 @@ from specd_core.errors import CapacityExceeded, InvalidRequest, SessionExpired, 
 from specd_core.rules.sampling import SamplingParams
 from specd_core.rules.structured import OutputConstraint
 from specd_core.rules.validation import check_token_ids
-from specd_core.runtime.grammar import Constraint, GrammarEngine, eos_ids
+from specd_core.runtime.grammar import Constraint, GrammarEngine, engine_of, eos_ids, try_engine
 from specd_core.runtime.hub import model_label
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, budget_bytes
 from specd_core.runtime.models import (
@@ -27,6 +27,7 @@ from specd_core.runtime.models import (
     load_tokenizer,
     vocab_size,
 )
+from specd_core.runtime.token_text import TokenizerUnsupported
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ class ModelCore:
         # Concurrent sessions share a forward through the batcher instead
         # (specd_core/runtime/batcher.py).
         self._lock = threading.Lock()
-        self._grammar: GrammarEngine | None = None  # built on the first constrained session
+        # Built on the first constrained session; kept, engine or reason, so a
+        # tokenizer it cannot run over is read (and logged) once.
+        self._grammar: GrammarEngine | TokenizerUnsupported | None = None
         self._grammar_lock = threading.Lock()
 
     def install_kv_pool(self) -> KVPool:
@@ -187,8 +190,8 @@ class ModelCore:
                         f"structured output needs the model's tokenizer, and the {self.role} could not load one "
                         f"from {self.tokenizer_dir()!r}: {exc}"
                     ) from None
-                self._grammar = GrammarEngine(tokenizer, eos_ids(self.model.config, tokenizer))
-            return self._grammar
+                self._grammar = try_engine(tokenizer, eos_ids(self.model.config, tokenizer))
+            return engine_of(self._grammar)
 
     def constraint(
         self, c: OutputConstraint | None, prompt_ids: Sequence[int] = (), generated_from: int = 0

@@ -25,7 +25,7 @@ KIND_ORDER = ("orchestrator", "verifier", "drafter")
 
 
 class HasMetrics(Protocol):
-    """A replica as the orchestrator knows it (pool.ReplicaSpec) or reports it
+    """A replica as the orchestrator knows it (orchestrator/config.py: ReplicaSpec) or reports it
     (the ReplicaStatus message): both have these fields."""
 
     kind: str

@@ -1,0 +1,44 @@
+"""What one request runs, as the cycle takes it: a checked `GenerationSpec`
+(the edges make it from a request: orchestrator/edge/request.py), and the
+context lengths its tokens must fit in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    method: str  # draft_model | eagle | ngram | off
+    shape: DraftShape | None  # the draft each cycle; None = plain decoding
+    stop: tuple[str, ...] = ()
+    adaptive: bool = False  # choose the depth per cycle (orchestrator/cycle/adaptive.py), up to shape's
+    pipeline: bool = False  # draft the next chain during each verify (orchestrator/cycle/drafting.py)
+    pipeline_alternatives: int = 0  # ... also for this many rejection outcomes per depth
+    # The drafter stops below a node less confident than this (0 = off; None =
+    # learned per cycle, adaptive requests: orchestrator/cycle/confidence.py).
+    confidence: float | None = 0.0
+    # Structured output (sampling.constraint set): forced tokens join chains
+    # up to this draft depth in all (0 = no forced drafting).
+    forced_room: int = 0
+
+    @property
+    def features(self) -> bool:
+        """The drafter reads the target's hidden states (EAGLE): the verifier
+        returns them and the loop forwards them with the next Propose."""
+        return self.method == "eagle"
+
+
+@dataclass(frozen=True)
+class ContextLengths:
+    """The context windows a session's tokens must fit: the target's (prompt,
+    output and a draft's nodes) and the drafter's (what it has seen and proposes)."""
+
+    target: int
+    drafter: int
