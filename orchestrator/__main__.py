@@ -9,16 +9,20 @@ them so); off Ray each reports and admits on its own.
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
+import sys
 
 from orchestrator.config import OrchestratorConfig
 from orchestrator.edge.server import start_async
 from specd_core.net import flags
 from specd_core.net.auth import tokens_from_env_and_file
+from specd_core.net.exposure import check_exposure
 from specd_core.net.flags import add_flags
 from specd_core.net.grpc_util import prefer_latency
 from specd_core.net.security import SecurityConfigError, TlsConfig, tls_from_args
+from specd_core.runtime.hub import ModelSpecError, resolve_model
 from specd_core.telemetry import metrics, tracing
 
 
@@ -52,20 +56,39 @@ async def serve(config: OrchestratorConfig, metrics_port: int | None) -> None:
     await serving.drain_and_stop(config.shutdown_grace_s)
 
 
-def main(argv=None):
-    p = parser()
-    args = p.parse_args(argv)
+def checked_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> OrchestratorConfig:
+    """The config from the flags, checked before anything starts (exit 2 with
+    the reason): TLS files, tokens, who can reach the API, the models (a repo
+    id becomes its directory in the Hugging Face cache)."""
     try:
         tls = tls_from_args(args)
         if tls:
             tls.check(server=True)
-        tokens_from_env_and_file(args.auth_tokens_file)  # fail now, naming the file
+        tokens = tokens_from_env_and_file(args.auth_tokens_file)  # fail now, naming the file
+        warning = check_exposure(args.host, tls, bool(tokens), args.insecure)
     except SecurityConfigError as exc:
         p.exit(2, f"orchestrator: {exc}\n")
+    if warning:
+        print(f"orchestrator: {warning}", file=sys.stderr, flush=True)
+    config = config_from_args(args, tls)
+    try:
+        return dataclasses.replace(
+            config,
+            target_dir=resolve_model(config.target_dir, what="--target", weights=False).path,
+            drafter_dir=config.drafter_dir and resolve_model(config.drafter_dir, what="--drafter", weights=False).path,
+        )
+    except ModelSpecError as exc:
+        p.exit(2, f"orchestrator: {exc}\n")
+
+
+def main(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    config = checked_config(p, args)
     logging.basicConfig(level=logging.INFO)
     tracing.setup("orchestrator")  # only if OTEL_EXPORTER_OTLP_*ENDPOINT is set
     prefer_latency()
-    asyncio.run(serve(config_from_args(args, tls), args.metrics_port))
+    asyncio.run(serve(config, args.metrics_port))
     tracing.shutdown()  # export the spans still queued
 
 

@@ -23,6 +23,11 @@ AUTH_TOKENS_FILE_HELP = (
     "($SPECD_AUTH_TOKENS adds comma-separated ones); default: no authentication"
 )
 MAX_MESSAGE_BYTES_HELP = "largest gRPC message on every link (over it: RESOURCE_EXHAUSTED)"
+HOST_HELP = (
+    "interface Generate and the HTTP API listen on (default loopback: this machine only); "
+    "another address needs bearer tokens or mutual TLS, or --insecure"
+)
+INSECURE_HELP = "serve Generate and the HTTP API beyond loopback without tokens or mutual TLS (a warning says so)"
 ON_RAY = "set per orchestrator by the Ray deployment (specd/ray_deploy.py)"
 FIXED = "fixed: no command sets it"
 
@@ -67,12 +72,16 @@ class AutoscalePolicy:
 @dataclass(frozen=True)
 class OrchestratorConfig:
     # the verifier's model dir (tokenizer + context length)
+    # (`python -m orchestrator` resolves a repo id to its Hugging Face cache directory)
     target_dir: str = field(
-        metadata=flag("target model dir (tokenizer, context length)", name="--target", required=True)
+        metadata=flag("target model dir or repo id (tokenizer, context length)", name="--target", required=True)
     )
     # None: no drafter, speculation off
-    drafter_dir: str | None = field(default=None, metadata=flag("drafter model dir", name="--drafter"))
-    host: str = field(default="0.0.0.0", metadata=flag())
+    drafter_dir: str | None = field(default=None, metadata=flag("drafter model dir or repo id", name="--drafter"))
+    # Loopback: this machine only. Another address needs credentials (tokens or
+    # mutual TLS) or `insecure` (specd_core/net/exposure.py checks at start).
+    host: str = field(default="127.0.0.1", metadata=flag(HOST_HELP))
+    insecure: bool = field(default=False, metadata=flag(INSECURE_HELP, action="store_true"))
     port: int = field(default=50051, metadata=flag())  # public Generate port; 0 = any free port
     # The OpenAI-compatible HTTP API (docs/http.md) on the same host: 0 = off,
     # -1 = any free port (tests, where several orchestrators run at once).

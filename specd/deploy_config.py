@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from orchestrator.config import (
     AUTH_TOKENS_FILE_HELP,
+    HOST_HELP,
     HTTP_PORT_HELP,
+    INSECURE_HELP,
     MAX_MESSAGE_BYTES_HELP,
     SERVED_MODEL_NAME_HELP,
     AutoscalePolicy,
@@ -24,9 +26,11 @@ from specd_core.net.flags import flag, flag_group, not_flag
 from specd_core.net.grpc_util import MAX_MESSAGE_BYTES
 from specd_core.net.security import TlsConfig, tls_from_args
 from specd_core.net.service_config import DTYPES, ENGINES, add_server_tls_flags
+from specd_core.runtime.hub import PICKLE_HINT
 
 TARGETS_FILE_NAME = "prometheus_targets.json"  # in $SPECD_HOME unless --metrics-targets-file
 FIXED = "fixed: no flag sets it"
+RESOLVED = "set by `specd up` from --target / --drafter (a repo id at the commit it resolved to)"
 
 
 def add_autoscale_flags(p) -> None:
@@ -49,14 +53,42 @@ def autoscale_from_args(args) -> dict[str, AutoscalePolicy]:
 
 @dataclass(frozen=True)
 class DeploymentConfig:
+    # Directories, or Hugging Face repo ids that `specd up` resolves on this
+    # node into the Hugging Face cache (specd_core/runtime/hub.py).
     target_dir: str = field(
-        metadata=flag("target model dir (default: the demo pair)", name="--target", default=str(DEMO_TARGET))
+        metadata=flag(
+            "target model: a dir or a Hugging Face repo id (default: the demo)",
+            name="--target",
+            default=str(DEMO_TARGET),
+        )
     )
     drafter_dir: str | None = field(
         metadata=flag(
-            "drafter model dir (default: the config's `model`, else the demo drafter; '' = none)", name="--drafter"
+            "drafter model: a dir or a Hugging Face repo id (default: the config's `model`, else the demo drafter; "
+            "'' = none)",
+            name="--drafter",
         )
     )
+    target_revision: str | None = field(
+        default=None, metadata=flag("with a repo id --target: a branch, tag or commit (or org/name@rev)")
+    )
+    drafter_revision: str | None = field(
+        default=None, metadata=flag("with a repo id --drafter: a branch, tag or commit")
+    )
+    # The replicas' models as each node resolves them into its own Hugging
+    # Face cache (`org/name@commit`); "": the directories above, which must
+    # then exist on every node.
+    target_model: str = field(default="", metadata=not_flag(RESOLVED))
+    drafter_model: str = field(default="", metadata=not_flag(RESOLVED))
+    # Load .bin/.pt weights where a model has no safetensors (every replica).
+    allow_pickle_weights: bool = field(
+        default=False, metadata=flag(f"models without safetensors: {PICKLE_HINT}", action="store_true")
+    )
+    # Where Generate and the HTTP API listen on the orchestrator's node:
+    # loopback unless given; another address needs credentials or `insecure`
+    # (specd_core/net/exposure.py, checked by `specd up`).
+    host: str = field(default="127.0.0.1", metadata=flag(HOST_HELP))
+    insecure: bool = field(default=False, metadata=flag(INSECURE_HELP, action="store_true"))
     num_verifiers: int = field(default=1, metadata=flag("verifier replicas", name="--verifiers"))
     num_drafters: int = field(default=1, metadata=flag("drafter replicas", name="--drafters"))
     # Orchestrators serving the one address (SO_REUSEPORT), all on the node
@@ -153,9 +185,10 @@ class DeploymentConfig:
 
 
 # Fields a deployment shares by name with a replica's config that mean
-# something else there: the deployment's public port (a replica takes any
-# free one) and its target (a drafter's target_dir is its EAGLE head's).
-NOT_FOR_REPLICAS = ("port", "target_dir")
+# something else there: the deployment's public host and port (a replica
+# listens on replica_host, any free port) and its target (a drafter's
+# target_dir is its EAGLE head's).
+NOT_FOR_REPLICAS = ("host", "port", "target_dir")
 
 
 def shared_fields(cfg: DeploymentConfig, config_cls, exclude: tuple[str, ...] = ()) -> dict:

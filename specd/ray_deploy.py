@@ -29,6 +29,7 @@ from orchestrator.fleet.scaling import ReplicaGone
 from specd.deploy_config import NOT_FOR_REPLICAS, DeploymentConfig, shared_fields
 from specd_core.net.auth import TOKENS_ENV
 from specd_core.net.grpc_util import prefer_latency
+from specd_core.runtime.hub import resolve_model
 from specd_core.telemetry import metrics, tracing
 from verifier_svc.config import VerifierConfig
 
@@ -101,6 +102,9 @@ class ModelServiceActor:
         # The services default to loopback, which the orchestrator on another
         # node could not reach: bind this node's IP unless told otherwise.
         config_fields = dict(config_fields, host=config_fields.get("host") or ray.util.get_node_ip_address())
+        # A repo id resolves here, into this node's cache (checked on the head before deploying).
+        resolved = resolve_model(config_fields["model_dir"], allow_pickle=config_fields["allow_pickle_weights"])
+        config_fields["model_dir"] = resolved.path
         config: VerifierConfig | DrafterConfig
         if kind == "verifier":
             from verifier_svc.core import Verifier
@@ -121,7 +125,7 @@ class ModelServiceActor:
         # The address the orchestrator dials: the bound host, or this node's IP
         # when bound to every interface.
         self.bound_host = config.host
-        self.host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
+        self.host = dial_host(config.host)
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -141,6 +145,12 @@ class ModelServiceActor:
     def info(self) -> dict:
         """Its engine, model, dtype and KV budget (the service's Info)."""
         return self._info()
+
+
+def dial_host(bound: str) -> str:
+    """The address others reach a server bound to `bound` at: this node's IP
+    when it is bound to every interface."""
+    return ray.util.get_node_ip_address() if bound in ("0.0.0.0", "::", "") else bound
 
 
 def orchestrator_name(index: int) -> str:
@@ -176,7 +186,8 @@ class OrchestratorActor:
             logging.basicConfig(level=logging.INFO)
             tracing.setup("orchestrator")
             prefer_latency()
-            self.host = ray.util.get_node_ip_address()
+            node_ip = ray.util.get_node_ip_address()
+            self.host = dial_host(config.host)  # where clients reach Generate and the HTTP API
             context = ray.get_runtime_context()
             name = orchestrator_name(config.index)
             # A first orchestrator restarted by Ray finds its port held by the
@@ -184,7 +195,7 @@ class OrchestratorActor:
             # when the deployment started).
             share = "join" if config.index > 0 or context.was_current_actor_reconstructed else "first"
             # Served before the core starts: it reports the address (Status, the targets file).
-            self._metrics = f"{self.host}:{metrics.serve(deployment.metrics_port, self.host)}"
+            self._metrics = f"{node_ip}:{metrics.serve(deployment.metrics_port, node_ip)}"
             config = dataclasses.replace(
                 config,
                 name=name,
@@ -254,7 +265,10 @@ def replica_fields(cfg: DeploymentConfig, kind: str) -> dict:
     config_cls = VerifierConfig if kind == "verifier" else DrafterConfig
     return {
         **shared_fields(cfg, config_cls, exclude=NOT_FOR_REPLICAS),
-        "model_dir": cfg.target_dir if kind == "verifier" else cfg.drafter_dir,
+        # A repo id pinned to its commit, resolved on the replica's node; else the directory.
+        "model_dir": (cfg.target_model or cfg.target_dir)
+        if kind == "verifier"
+        else (cfg.drafter_model or cfg.drafter_dir),
         "host": cfg.replica_host,
         "port": 0,
     }

@@ -206,15 +206,32 @@ _RAY_HEAD: dict = {}
 
 
 @pytest.fixture
-def ray_cluster(request, tmp_path_factory):
+def attach_ray(monkeypatch):
+    """attach(home): make this process, and those it starts, drivers of the
+    cluster whose token is in `home` (token authentication, as every cluster
+    specd starts); undone after the test."""
+    def attach(home) -> None:
+        env = local_ray.ray_env(local_ray.token_file(home), loopback=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        local_ray.use_ray_env(env)  # this process imported Ray already
+    return attach
+
+
+@pytest.fixture
+def ray_cluster(request, tmp_path_factory, attach_ray):
     """The shared local Ray head (`ray start`); its address, as RAY_ADDRESS takes
-    it. Each user leaves it as it found it (`specd down`, or a refused `specd
-    up` that cleans up after itself, which these tests check); after a test
-    that failed, any specd actor it left is killed, so that the next test does
-    not inherit it."""
+    it. Like a cluster a user attaches to: on the machine's address (not
+    loopback only), with token authentication; the test process and what it
+    starts carry the token (`attach_ray`). Each user leaves it as it found it
+    (`specd down`, or a refused `specd up` that cleans up after itself, which
+    these tests check); after a test that failed, any specd actor it left is
+    killed, so that the next test does not inherit it."""
     if not _RAY_HEAD:
-        address, pid = local_ray.start_local_ray(log_dir=str(tmp_path_factory.mktemp("ray-head")))
-        _RAY_HEAD.update(address=address, pid=pid)
+        home = tmp_path_factory.mktemp("ray-head")
+        address, pid = local_ray.start_local_ray(log_dir=str(home), loopback=False)
+        _RAY_HEAD.update(address=address, pid=pid, home=home)
+    attach_ray(_RAY_HEAD["home"])
     yield _RAY_HEAD["address"]
     report = getattr(request.node, "rep_call", None)
     if report is None or report.failed:

@@ -186,9 +186,13 @@ def test_workers_join_with_their_pools_resources():
 def test_every_node_installs_the_project(name):
     raw = load(name)
     config = ray_up_checks(raw)
-    # Every mount exists, and covers what deploy/Dockerfile copies into its image.
+    # Every mount of the source exists, and covers what deploy/Dockerfile copies
+    # into its image. (The Ray token is the user's own file, made before `ray up`:
+    # test_every_node_gets_the_ray_token_by_file_mount.)
     mounted = set()
     for remote, local in config["file_mounts"].items():
+        if remote == "~/.specd/ray_auth_token":
+            continue
         assert remote.startswith("~/specd/") and (ROOT / local).exists(), (remote, local)
         mounted.add((ROOT / local).resolve())
     for line in (DEPLOY / "Dockerfile").read_text().splitlines():
@@ -221,3 +225,24 @@ def test_the_models_land_where_specd_up_looks():
     dest = re.search(r"s3://\S+ (\S+)", head_sync).group(1)
     assert {dest.replace(f"${var}", m) for m in models} == {args.target, args.drafter}
     assert '--exclude "*.safetensors"' in head_sync
+
+
+@pytest.mark.parametrize("name", CLUSTER_FILES)
+def test_every_node_gets_the_ray_token_by_file_mount(name):
+    """Ray's token authentication on every node: the token file travels by the
+    launcher's file_mounts (never in the image or the repository), is locked
+    to its owner, and every launcher shell exports RAY_AUTH_MODE=token with its
+    path; no Ray listener is opened to every interface."""
+    config = ray_up_checks(load(name))
+    target = "~/.specd/ray_auth_token"
+    assert config["file_mounts"].get(target) == "./deploy/ray_auth_token"
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "/deploy/ray_auth_token" in ignored
+    commands = "\n".join(config["setup_commands"] + [
+        c for t in config["available_node_types"].values() for c in t.get("worker_setup_commands", [])])
+    for node_type in config["available_node_types"].values():  # workers replace the setup commands
+        setup = node_type.get("worker_setup_commands", config["setup_commands"])
+        assert any(f"chmod 600 {target}" in c for c in setup), node_type
+        assert any(f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={target}" in c and ".bashrc" in c for c in setup)
+    assert "0.0.0.0" not in commands + script(config) + "\n".join(config["worker_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in script(config)

@@ -49,9 +49,10 @@ def long_pair(tmp_path_factory):
 
 
 @pytest.fixture
-def multinode(tmp_path):
+def multinode(tmp_path, attach_ray):
     """head + drafter nodes D1, D2 + verifier nodes V1, V2; yields (address, {node_id: pool})."""
-    address, head = ray_cluster.start_local_ray(log_dir=str(tmp_path), resources={}, num_cpus=1)
+    address, head = ray_cluster.start_local_ray(log_dir=str(tmp_path), resources={}, num_cpus=1, loopback=False)
+    attach_ray(tmp_path)  # the nodes join with the head's token (in tmp_path)
     groups = [head]
     pools = {}
     try:

@@ -25,7 +25,9 @@ def test_compose_parses_and_references_existing_files():
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/all-in-one:")
     assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
-    assert {"16686:16686", "4317:4317"} <= set(jaeger["ports"])
+    assert {"127.0.0.1:16686:16686", "127.0.0.1:4317:4317"} <= set(jaeger["ports"])
+    # Every port is published on the host's loopback only.
+    assert all(port.startswith("127.0.0.1:") for svc in services.values() for port in svc.get("ports", []))
     for name in ("verifier", "drafter", "orchestrator"):
         svc = services[name]
         assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"

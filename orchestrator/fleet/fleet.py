@@ -25,6 +25,7 @@ from orchestrator.fleet.scaling import Launcher, Scaler
 log = logging.getLogger(__name__)
 # ReplicaInfo fields (the replica's own report) that Status passes on in ReplicaStatus.
 REPLICA_INFO_FIELDS = (
+    "model",
     "engine",
     "architecture",
     "model_type",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specd.cli.client import auth_metadata, client_channel
 from specd_core.net.security import SecurityConfigError
+from specd_core.runtime.hub import ModelSpecError, resolve_pair
 
 
 def cmd_bench(args) -> int:
@@ -25,9 +26,12 @@ def cmd_bench(args) -> int:
         )
         return 2
     try:
+        if args.address is None:  # repo ids (org/name@rev): their directories in the Hugging Face cache
+            pair = resolve_pair(args.target, args.drafter or None, None, None, args.allow_pickle_weights)
+            args.target, args.drafter = pair.target.path, pair.drafter and pair.drafter.path
         cfg = _bench_config(args)
         channel_args = None if args.address is None else client_channel(args, args.address)
-    except (bench.BenchError, SecurityConfigError) as exc:
+    except (bench.BenchError, SecurityConfigError, ModelSpecError) as exc:
         print(f"specd bench: {exc}", file=sys.stderr)
         return 2
     stack = None
@@ -36,7 +40,9 @@ def cmd_bench(args) -> int:
             from specd.local_stack import Stack
 
             print(f"starting a local stack: target {args.target}, drafter {args.drafter}", file=sys.stderr)
-            stack = Stack(args.target, args.drafter or None, ("--dtype", args.dtype, "--device", args.device))
+            service_args: tuple[str, ...] = ("--dtype", args.dtype, "--device", args.device)
+            service_args += ("--allow-pickle-weights",) if args.allow_pickle_weights else ()
+            stack = Stack(args.target, args.drafter or None, service_args)
             channel = stack.channel
         else:
             channel = channel_args

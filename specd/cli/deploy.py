@@ -16,8 +16,10 @@ from specd.cli.client import cmd_generate
 from specd.demo import DEMO_DRAFTER, DEMO_EAGLE
 from specd.deploy_config import TARGETS_FILE_NAME, DeploymentConfig
 from specd_core.net.auth import tokens_from_env_and_file
+from specd_core.net.exposure import check_exposure
 from specd_core.net.flags import config_from_args
 from specd_core.net.security import SecurityConfigError
+from specd_core.runtime.hub import ModelPair, ModelSpecError, resolve_pair
 
 
 def cmd_up(args, print_address: bool = True) -> int:
@@ -25,7 +27,7 @@ def cmd_up(args, print_address: bool = True) -> int:
         print("specd is already up (run `specd down` first); state: " + str(ray_cluster.state_path()), file=sys.stderr)
         return 1
     try:
-        cfg = _check_up_flags(args)
+        cfg, exposure_warning = _check_up_flags(args)
     except (ConfigError, SecurityConfigError, OSError, ValueError) as exc:
         print(f"specd up: {exc}", file=sys.stderr)
         return 2
@@ -33,7 +35,9 @@ def cmd_up(args, print_address: bool = True) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 2
-    cfg = dataclasses.replace(cfg, drafter_dir=str(Path(args.drafter).resolve()) if args.drafter else None)
+    if exposure_warning:
+        print(f"specd up: {exposure_warning}", file=sys.stderr)
+    cfg = _with_models(cfg, args.models)
     try:
         ray_address, ray_pid = _ray_cluster(args)
         address = _deploy_on_ray(cfg, ray_address, ray_pid).replace("0.0.0.0", "127.0.0.1")
@@ -60,10 +64,12 @@ def cmd_up(args, print_address: bool = True) -> int:
     return 0
 
 
-def _check_up_flags(args) -> DeploymentConfig:
-    """The deployment's config from the flags (its drafter chosen later), every
-    flag checked before Ray starts: the speculative config, autoscaling
-    policies, KV budget, certificates and tokens (with the file named)."""
+def _check_up_flags(args) -> tuple[DeploymentConfig, str | None]:
+    """The deployment's config from the flags (its models chosen and resolved
+    later), every flag checked before Ray starts: the speculative config,
+    autoscaling policies, KV budget, certificates and tokens (with the file
+    named), who can reach the API. With it, the warning --insecure beyond
+    loopback prints (what is exposed), if any."""
     from specd_core.runtime.kv_budget import parse_memory
 
     parse_memory(args.kv_cache_memory)  # a ValueError naming the value, before Ray starts
@@ -75,16 +81,17 @@ def _check_up_flags(args) -> DeploymentConfig:
     cfg = config_from_args(
         DeploymentConfig,
         args,
-        target_dir=str(Path(args.target).resolve()),
+        target_dir=args.target,
         drafter_dir=None,
         auth_tokens_file=str(Path(args.auth_tokens_file).resolve()) if args.auth_tokens_file else None,
         metrics_targets_file=_targets_file(args),
     )
     if cfg.tls:
         cfg.tls.check(server=True)
-    tokens_from_env_and_file(cfg.auth_tokens_file)
+    tokens = tokens_from_env_and_file(cfg.auth_tokens_file)
+    warning = check_exposure(cfg.host, cfg.tls, bool(tokens), cfg.insecure)
     _check_targets_file(cfg.metrics_targets_file)
-    return cfg
+    return cfg, warning
 
 
 def _targets_file(args) -> str:
@@ -112,19 +119,36 @@ def _check_targets_file(path: str) -> None:
 def _choose_drafter(args, sc: SpeculativeConfig) -> str | None:
     """Set args.drafter to the drafter to deploy: --drafter, else the config's
     `model`, else the demo drafter; '' deploys none (then only ngram and off
-    can run). Returns what is wrong with the model directories, if anything."""
+    can run); args.models: both resolved (a repo id to its directory in the
+    Hugging Face cache). Returns what is wrong with the models, if anything."""
     drafter = (
         args.drafter
         if args.drafter is not None
         else (sc.model or str(DEMO_EAGLE if sc.method == "eagle" else DEMO_DRAFTER))
     )
     args.drafter = drafter or None
-    for label, d in (("target", args.target), ("drafter", args.drafter)):
-        if d and not (Path(d) / "config.json").exists():
-            return f"--{label} {d}: not a Hugging Face model directory (no config.json)"
+    try:
+        args.models = resolve_pair(
+            args.target, args.drafter, args.target_revision, args.drafter_revision, args.allow_pickle_weights
+        )
+    except ModelSpecError as exc:
+        return f"specd up: {exc}"
+    args.target, args.drafter = args.models.target.path, args.models.drafter and args.models.drafter.path
     if sc.method in DRAFTER_METHODS and not args.drafter:
         return f"specd up: speculative_config.method is {sc.method} but no drafter is given"
     return None
+
+
+def _with_models(cfg: DeploymentConfig, models: ModelPair) -> DeploymentConfig:
+    """The deployment's models: their directories here, and what each replica
+    resolves on its own node (a repo id pinned to the commit resolved here)."""
+    return dataclasses.replace(
+        cfg,
+        target_dir=models.target.path,
+        drafter_dir=models.drafter.path if models.drafter else None,
+        target_model=models.target.spec,
+        drafter_model=models.drafter.spec if models.drafter else "",
+    )
 
 
 def _pair_problem(args) -> str | None:
@@ -145,8 +169,8 @@ def _ray_cluster(args) -> tuple[str, int | None]:
     ray_address = args.ray_address or os.environ.get("RAY_ADDRESS")
     if ray_address:
         return ray_address, None
-    ray_address, ray_pid = ray_cluster.start_local_ray()
-    print(f"started a local Ray cluster at {ray_address}", file=sys.stderr)
+    ray_address, ray_pid = ray_cluster.start_private_ray()
+    print(f"started a local Ray cluster at {ray_address} (loopback, token authentication)", file=sys.stderr)
     return ray_address, ray_pid
 
 

@@ -129,8 +129,11 @@ def _add_bench_parser(sub) -> None:
         "rounds; writes a JSON report and a PNG plot (docs/bench.md).",
     )
     b.add_argument("--address", help="benchmark this running orchestrator (default: start a local stack)")
-    b.add_argument("--target", default=str(DEMO_TARGET), help="local stack: target model dir (default: demo)")
-    b.add_argument("--drafter", default=str(DEMO_DRAFTER), help="local stack: drafter model dir (default: demo)")
+    b.add_argument(
+        "--target", default=str(DEMO_TARGET), help="local stack: target dir or repo id (org/name[@rev]; default: demo)"
+    )
+    b.add_argument("--drafter", default=str(DEMO_DRAFTER), help="local stack: drafter dir or repo id (default: demo)")
+    b.add_argument("--allow-pickle-weights", action="store_true", help="local stack: see `specd up --help`")
     b.add_argument("--device", default="auto", help="local stack: auto | cpu | cuda")
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     b.add_argument(

@@ -45,12 +45,23 @@ def print_status(status) -> None:
         print_orchestrators(status)
     elif status.metrics_address:
         print(f"orchestrator metrics: {status.metrics_address}  (all targets: specd metrics-targets)")
+    for model, names in _models(status.replicas).items():
+        print(f"model {model}: {', '.join(names)}")
     for r in status.replicas:
         if r.engine == "hf":
             print(
                 f"note: {r.name} runs the Hugging Face fallback engine for {r.model_type or r.architecture} "
                 "(slower than lean; docs/models.md)"
             )
+
+
+def _models(replicas) -> dict[str, list[str]]:
+    """Each model the replicas loaded (repo id at its commit, or directory) -> their names."""
+    out: dict[str, list[str]] = {}
+    for r in sorted(replicas, key=lambda r: (r.kind != "verifier", r.name)):
+        if r.model:
+            out.setdefault(r.model, []).append(r.name)
+    return out
 
 
 def print_orchestrators(status) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from specd_core.net.flags import flag, flag_group, not_flag
 from specd_core.net.grpc_util import MAX_MESSAGE_BYTES
 from specd_core.net.security import TlsConfig, add_tls_flags, tls_from_args
+from specd_core.runtime.hub import PICKLE_HINT
 
 # Weights dtypes a replica loads (specd_core/runtime/models.py loads them; the
 # same list as its DTYPE_CHOICES, kept here so that no config imports torch).
@@ -36,7 +37,20 @@ def add_server_tls_flags(parser) -> None:
 
 @dataclass(frozen=True)
 class ModelServiceConfig:
-    model_dir: str = field(metadata=flag("Hugging Face causal LM directory", name="--model", required=True))
+    # A directory, or a Hugging Face repo id (`org/name[@rev]`) that the service
+    # resolves to its directory in the Hugging Face cache before loading
+    # (specd_core/runtime/hub.py).
+    model_dir: str = field(
+        metadata=flag("Hugging Face causal LM: a directory or a repo id (org/name)", name="--model", required=True)
+    )
+    revision: str | None = field(
+        default=None, metadata=flag("with a repo id: a branch, tag or commit (or --model org/name@rev)")
+    )
+    # Pickle weights (.bin/.pt) can run code when loaded: a model without
+    # safetensors is refused unless this is set.
+    allow_pickle_weights: bool = field(
+        default=False, metadata=flag(f"no safetensors weights: {PICKLE_HINT}", action="store_true")
+    )
     port: int = field(default=0, metadata=flag(PORT_HELP))  # each service its own default
     # Loopback by default: only the orchestrator talks to a replica, and on one
     # machine it is local. On Ray, deploy binds the node's own IP (what the

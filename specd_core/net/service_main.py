@@ -7,6 +7,7 @@ Both model services take the same flags; each passes its config class and a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import threading
@@ -14,6 +15,7 @@ import threading
 from specd_core.net.flags import add_flags, config_from_args
 from specd_core.net.grpc_util import prefer_latency
 from specd_core.net.security import SecurityConfigError, TlsConfig, tls_from_args
+from specd_core.runtime.hub import ModelSpecError, resolve_model
 from specd_core.telemetry import metrics, tracing
 
 
@@ -21,11 +23,17 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     parser = _build_parser(name, config_cls)
     args = parser.parse_args(argv)
     tls = _checked_tls(parser, name, args)
+    config = _config_from_args(config_cls, args, tls)
+    try:  # a repo id: its directory in the Hugging Face cache, fetched now if missing
+        resolved = resolve_model(config.model_dir, config.revision, config.allow_pickle_weights, "--model")
+    except ModelSpecError as exc:
+        parser.exit(2, f"{name}: {exc}\n")
+    config = dataclasses.replace(config, model_dir=resolved.path)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     # service.name "verifier" / "drafter" unless OTEL_SERVICE_NAME says otherwise.
     tracing.setup(name.rsplit(".", 1)[-1].removesuffix("_svc"))
     prefer_latency()
-    _serve(name, _config_from_args(config_cls, args, tls), start, args)
+    _serve(name, config, start, args)
 
 
 def _build_parser(name: str, config_cls) -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from specd_core.rules.sampling import SamplingParams
 from specd_core.rules.structured import OutputConstraint
 from specd_core.rules.validation import check_token_ids
 from specd_core.runtime.grammar import Constraint, GrammarEngine, engine_of, eos_ids, try_engine
+from specd_core.runtime.hub import model_label
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, budget_bytes
 from specd_core.runtime.models import (
     ModelRunner,
@@ -89,6 +90,7 @@ class ModelCore:
         """What the replica reports of itself (ReplicaInfo): its engine, model,
         dtype and KV budget and use."""
         return {
+            "model": model_label(self.config.model_dir),
             "engine": self.runner.engine,
             "architecture": architecture(self.model.config),
             "model_type": str(getattr(self.model.config, "model_type", "")),

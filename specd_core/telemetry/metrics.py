@@ -75,7 +75,7 @@ def metric(cls, name: str, documentation: str, labelnames=(), **kwargs):
     return made
 
 
-def serve(port: int, host: str = "0.0.0.0") -> int:
+def serve(port: int, host: str = "127.0.0.1") -> int:
     """Serve /metrics over HTTP on a daemon thread; port 0 = any free port.
     Returns the bound port."""
     server, _ = start_http_server(port, addr=host)
