@@ -251,10 +251,11 @@ class OrchestratorActor:
 
 
 def _actor_env(extra_env: tuple[str, ...] = ()) -> dict:
-    """The deploying shell's OTEL_* settings (and the named variables) for the
+    """The deploying shell's OTEL_* settings, its metrics token (and the named variables) for the
     actors: workers of an attached cluster do not inherit this process's
     environment. Nothing when none is set, so untraced deployments are unchanged."""
-    env = {k: v for k, v in os.environ.items() if k.startswith("OTEL_") or k in extra_env}
+    passed = (*extra_env, metrics.METRICS_TOKEN_ENV)
+    env = {k: v for k, v in os.environ.items() if k.startswith("OTEL_") or k in passed}
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 

@@ -8,10 +8,21 @@ the already registered collector when a name is declared twice in one process
 
 from __future__ import annotations
 
+import hmac
+import os
 import threading
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import REGISTRY, Counter, disable_created_metrics, start_http_server
+from prometheus_client import REGISTRY, Counter, disable_created_metrics, make_wsgi_app, start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics import MetricWrapperBase
+
+# Set, every /metrics endpoint specd serves answers only requests that carry
+# `Authorization: Bearer <token>` (401 otherwise): on a cluster the endpoints
+# bind the node's address, where other tenants of the network may reach them.
+# An environment variable rather than a flag, so that one setting reaches every
+# process and Ray actor of a deployment (specd/ray_deploy.py passes it on).
+METRICS_TOKEN_ENV = "SPECD_METRICS_TOKEN"
 
 # No `*_created` series per counter/histogram (as vLLM): noise for dashboards.
 disable_created_metrics()
@@ -77,9 +88,37 @@ def metric(cls, name: str, documentation: str, labelnames=(), **kwargs):
 
 def serve(port: int, host: str = "127.0.0.1") -> int:
     """Serve /metrics over HTTP on a daemon thread; port 0 = any free port.
-    Returns the bound port."""
-    server, _ = start_http_server(port, addr=host)
-    return server.server_port
+    Returns the bound port. With $SPECD_METRICS_TOKEN set, only requests
+    bearing that token are answered."""
+    token = os.environ.get(METRICS_TOKEN_ENV, "")
+    if not token:
+        server, _ = start_http_server(port, addr=host)
+        return server.server_port
+    app = bearer_only(make_wsgi_app(REGISTRY), token)
+    httpd = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True, name="metrics").start()
+    return httpd.server_port
+
+
+def bearer_only(app, token: str):
+    """A WSGI app that answers 401 unless the request bears `token`."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ, start_response):
+        given = environ.get("HTTP_AUTHORIZATION", "").encode()
+        if not hmac.compare_digest(given, expected):
+            start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"), ("Content-Type", "text/plain")])
+            return [b"a bearer token is required ($SPECD_METRICS_TOKEN of the deployment)\n"]
+        return app(environ, start_response)
+
+    return guarded
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape on the service's stderr."""
+
+    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+        pass
 
 
 class SpecDecodeCounters:
