@@ -5,23 +5,12 @@ from drafter_svc.core import Drafter
 from drafter_svc.eagle import make_drafter
 from drafter_svc.servicer import SERVICE_NAME, DrafterServicer
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
-from specd_core.net.grpc_util import start_sync_server
-from specd_core.runtime.reaper import start_reaper
+from specd_core.net.service_main import serve_model_core
 
 
 def start(config: DrafterConfig, core: Drafter | None = None):
     """Load the model (unless given a core), start serving; return (server, port)."""
     core = core or make_drafter(config)
-    if config.warmup:  # before the server exists: health says SERVING only once warm
-        core.warm_up()
-    start_reaper(core)  # idle sessions expire (config.session_idle_timeout_s)
-    return start_sync_server(
-        pb_grpc.add_DrafterServiceServicer_to_server,
-        DrafterServicer(core),
-        SERVICE_NAME,
-        config.host,
-        config.port,
-        config.grpc_workers,
-        config.tls,
-        config.max_message_bytes,
+    return serve_model_core(
+        core, config, pb_grpc.add_DrafterServiceServicer_to_server, DrafterServicer(core), SERVICE_NAME
     )

@@ -13,10 +13,29 @@ import signal
 import threading
 
 from specd_core.net.flags import add_flags, config_from_args
-from specd_core.net.grpc_util import prefer_latency
+from specd_core.net.grpc_util import prefer_latency, start_sync_server
 from specd_core.net.security import SecurityConfigError, TlsConfig, tls_from_args
 from specd_core.runtime.hub import ModelSpecError, resolve_model
+from specd_core.runtime.reaper import start_reaper
 from specd_core.telemetry import metrics, tracing
+
+
+def serve_model_core(core, config, add_servicer, servicer, service_name: str):
+    """Start a model service (drafter or verifier) on its core: warm it up,
+    expire idle sessions, serve; return (server, port)."""
+    if config.warmup:  # before the server exists: health says SERVING only once warm
+        core.warm_up()
+    start_reaper(core)  # idle sessions expire (config.session_idle_timeout_s)
+    return start_sync_server(
+        add_servicer,
+        servicer,
+        service_name,
+        config.host,
+        config.port,
+        config.grpc_workers,
+        config.tls,
+        config.max_message_bytes,
+    )
 
 
 def model_service_main(name: str, config_cls, start, argv=None) -> None:
