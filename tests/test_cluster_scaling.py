@@ -9,6 +9,8 @@ second verifier MUST go to the second verifier node).
   output equals target-only decoding, new sessions go to the new replicas, and
   a drained replica is seen draining with live sessions and leaves only after
   they end (a replica killed early would break its streams: no failover here).
+  Each stream runs freely until 200 tokens short of its end, then waits for the
+  test (tests/held_stream.py), so no machine is fast enough to end it early.
 """
 import os
 import subprocess
@@ -24,13 +26,14 @@ from specd import ray_cluster
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.runtime.models import load_model, load_tokenizer
+from tests.held_stream import HeldStream
 from tests.test_greedy_exact import assert_same_or_near_tie
 from tests.tiny_models import build_model, build_perturbed_drafter, build_tokenizer, corpus_lines
 
 pytestmark = pytest.mark.cluster
 
 SPECD = [sys.executable, "-m", "specd"]
-LONG, SHORT = 3500, 2500        # tokens per stream: each must outlive the scale steps after its start
+LONG, SHORT = 3500, 2500        # tokens per stream; each holds 200 short of its end until released
 
 
 @pytest.fixture(scope="module")
@@ -86,27 +89,6 @@ def specd(args, env, timeout=600):
     return subprocess.run(SPECD + args, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-class Stream(threading.Thread):
-    """One Generate stream in the background; keeps every token and any error."""
-
-    def __init__(self, address, prompt, max_new):
-        super().__init__(daemon=True)
-        self.address, self.prompt, self.max_new = address, prompt, max_new
-        self.tokens, self.error, self.finish = [], None, None
-        self.start()
-
-    def run(self):
-        try:
-            with grpc.insecure_channel(self.address) as ch:
-                for r in pb_grpc.OrchestratorServiceStub(ch).Generate(pb.GenerateRequest(
-                        prompt_token_ids=pb.PromptTokenIds(ids=self.prompt), max_new_tokens=self.max_new,
-                        num_speculative_tokens=3), timeout=900):
-                    self.tokens += r.token_ids
-                    self.finish = r.finish_reason or self.finish
-        except grpc.RpcError as e:
-            self.error = f"{e.code().name}: {e.details()}"
-
-
 def status(address) -> list:
     with grpc.insecure_channel(address) as ch:
         return list(pb_grpc.AdminServiceStub(ch).Status(pb.StatusRequest(), timeout=10).replicas)
@@ -155,7 +137,11 @@ def test_pools_on_their_nodes_and_live_scaling(multinode, long_pair, tmp_path):
     tok = load_tokenizer(target)
     lines = [l for l in corpus_lines() if len(l.strip()) > 30]
     prompts = [tok(lines[i * 37])["input_ids"] for i in range(8)]
-    streams = []
+    streams, release = [], threading.Event()
+
+    def Stream(address, prompt, max_new):     # held open until the scale-down has been seen
+        return HeldStream(address, prompt, max_new, release)
+
     try:
         def placed_right():
             for r in status(addr):
@@ -202,7 +188,8 @@ def test_pools_on_their_nodes_and_live_scaling(multinode, long_pair, tmp_path):
         assert len(draining) == 3, now                    # two drafters and one verifier
         assert new_v in draining and any(now[n].sessions > 0 for n in draining), now
         assert _named_actors(address_ray) >= draining     # still alive while serving
-        progress(streams, 'drained; waiting for streams', addr)
+        progress(streams, 'drained; releasing the streams', addr)
+        release.set()
         for s in streams:
             s.join(900)
         wait_for(lambda: not any(r.draining for r in status(addr)), "drained replicas to leave", 30)
@@ -210,6 +197,7 @@ def test_pools_on_their_nodes_and_live_scaling(multinode, long_pair, tmp_path):
         assert left == {"specd-verifier-0", "specd-drafter-0"}, left
         assert not (draining & _named_actors(address_ray)), "drained replicas still running"
     finally:
+        release.set()
         for s in streams:
             s.join(900)
         down = specd(["down"], env)

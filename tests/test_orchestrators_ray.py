@@ -10,50 +10,29 @@ the kernel hands each new connection to one of them.
   seen draining with streams still running, stops listening (a new call on a
   connection it held goes to the first one: GOAWAY), lets them finish and leaves;
   the first one then holds the whole limit. No stream breaks and every stream's
-  tokens equal target-only greedy decoding.
+  tokens equal target-only greedy decoding. The streams wait 200 tokens short
+  of their end until the drain has been seen (tests/held_stream.py).
 """
 import json
 import os
 import threading
 import time
 
-import grpc
 import pytest
 
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import open_channel
 from specd_core.runtime.models import load_model, load_tokenizer
+from tests.held_stream import HeldStream
 from tests.test_cluster_scaling import _named_actors, greedy_check, long_pair, specd, wait_for  # noqa: F401
 from tests.test_greedy_exact import assert_same_or_near_tie
 from tests.tiny_models import corpus_lines
 
 pytestmark = pytest.mark.cluster
 
-STREAMS, TOKENS, LIMIT = 16, 600, 40      # each stream must outlive the scale-down after its start
+STREAMS, TOKENS, LIMIT = 16, 600, 40      # each stream holds 200 short of its end until released
 FIRST, SECOND = "specd-orchestrator", "specd-orchestrator-1"
-
-
-class Stream(threading.Thread):
-    """One Generate stream on a connection of its own; keeps its tokens and any error."""
-
-    def __init__(self, address, prompt, max_new):
-        super().__init__(daemon=True)
-        self.channel = open_channel(address, own_connection=True)
-        self.prompt, self.max_new = prompt, max_new
-        self.tokens, self.error = [], None
-        self.start()
-
-    def run(self):
-        try:
-            for r in pb_grpc.OrchestratorServiceStub(self.channel).Generate(pb.GenerateRequest(
-                    prompt_token_ids=pb.PromptTokenIds(ids=self.prompt), max_new_tokens=self.max_new,
-                    num_speculative_tokens=3), timeout=600):
-                self.tokens += r.token_ids
-        except grpc.RpcError as e:
-            self.error = f"{e.code().name}: {e.details()}"
-        finally:
-            self.channel.close()
 
 
 def status(channel) -> pb.ClusterStatus:
@@ -81,7 +60,7 @@ def test_two_orchestrators_one_address_scale_down_while_streaming(ray_cluster, l
     tok = load_tokenizer(target)
     lines = [line for line in corpus_lines() if len(line.strip()) > 30]
     prompts = [tok(lines[i * 23])["input_ids"] for i in range(STREAMS)]
-    streams, held = [], []
+    streams, held, release = [], [], threading.Event()
     try:
         s = fresh_status(address)
         assert [(o.name, o.address, o.max_active_requests, o.owner) for o in s.orchestrators] == [
@@ -97,7 +76,7 @@ def test_two_orchestrators_one_address_scale_down_while_streaming(ray_cluster, l
                 ch.close()
 
         t0 = time.monotonic()
-        streams = [Stream(address, p, TOKENS) for p in prompts]
+        streams = [HeldStream(address, p, TOKENS, release, timeout=600) for p in prompts]
         wait_for(lambda: all(st.tokens for st in streams), "first tokens of every stream")
         s = fresh_status(address)
         on = {o.name: o.active_requests for o in s.orchestrators}
@@ -121,6 +100,7 @@ def test_two_orchestrators_one_address_scale_down_while_streaming(ray_cluster, l
                 pb.GenerateRequest(prompt="def f(x):", max_new_tokens=4), timeout=120) for t in r.token_ids]
             assert len(ids) == 4
 
+        release.set()
         for st in streams:
             st.join(600)
         print(f"[{time.monotonic() - t0:5.1f}s] streams done", flush=True)
@@ -130,6 +110,7 @@ def test_two_orchestrators_one_address_scale_down_while_streaming(ray_cluster, l
         assert s.max_active_requests == LIMIT and s.active_requests == 0
         assert listed_orchestrators(targets_file) == {FIRST}
     finally:
+        release.set()
         for st in streams:
             st.join(600)
         for ch in held:
