@@ -1,0 +1,47 @@
+"""benchmarks/engine.py: its counters count what they say (operators that
+would launch device work, host reads of tensor data, uploads of host data),
+and a small run goes through the real verifier and drafter cores."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import engine
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_counters_tell_syncs_uploads_and_views_from_kernels():
+    x = torch.arange(12.0).view(3, 4)
+    with engine.counting() as (ops, reads):
+        y = x.transpose(0, 1)[1:]           # views only
+        z = (y * 2).sum()                   # two kernels
+        z.item()                            # a sync
+        y.tolist()                          # a sync the dispatcher does not see
+        torch.tensor([1, 2, 3])             # an upload
+    counts = engine.summarize(ops.ops, reads)
+    assert counts["kernel_like"] == 2, ops.ops
+    assert counts["syncs"] == 2 and counts["uploads"] == 1, (ops.ops, reads)
+    assert counts["ops"] > counts["kernel_like"]
+    # Outside the block nothing is counted and the methods are the originals again.
+    x.tolist()
+    assert sum(reads.values()) == 1 and torch.Tensor.tolist.__name__ == "tolist"
+
+
+def test_tree_parents_follow_the_static_paths():
+    assert engine.tree_parents(engine.TREE) == [-1, -1, 0, 0, 1, 1]
+
+
+def test_a_small_run_through_the_cores(tmp_path):
+    out = tmp_path / "engine.json"
+    assert engine.main(["--sessions", "1", "3", "--reps", "1", "--context", "8", "--drafter-layers", "1",
+                        "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["sessions"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        for kind in ("verify_chain", "verify_tree", "draft_chain"):
+            c = row[kind]
+            assert 0 < c["kernel_like"] < c["ops"] and c["host_ms"] > 0, (kind, c)
+            assert c["syncs"] >= 1          # the verdicts reach the host at least once
+    assert result["target"]["num_hidden_layers"] == 32
