@@ -10,6 +10,8 @@
   of its own through the client helper (specd/client.py): every stream
   completes through the other, equal to target-only greedy token for token,
   and the streams on the killed one were resumed.
+- What docs/http.md says an OpenAI client sees (HTTP has no resume): a
+  stream whose orchestrator is killed raises APIConnectionError.
 
 Bad resume input: tests/test_bad_input.py; the sampled law of resumed
 streams: tests/test_sampling_lossless.py; the helper over fake streams:

@@ -14,6 +14,10 @@ itself (simulated with a fixed seed), and the test also checks that this
 threshold is tight enough to reject the drafter's own distribution - i.e. a
 rule that accepted drafts too readily would fail.
 
+A stream resumed after tokens its client received (resume_token_ids) is
+held to the law given prompt + those tokens, and a rule that ignored them
+must fail the same test.
+
 The N requests run CONCURRENCY at a time (each with its own seed; counted in
 seed order): the law must hold for every request whether or not it shares a
 verify forward with others, and concurrent streams keep both cores busy.
