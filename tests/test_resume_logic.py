@@ -9,6 +9,7 @@ from orchestrator.cycle.detok import OutputTracker
 from orchestrator.cycle.spec import GenerationSpec
 from orchestrator.edge.request import resumed
 from orchestrator.fleet.failover import reseeded
+from specd import cli
 from specd.client import ResumePolicy, ResumingStream, StreamBroken
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.errors import InvalidRequest
@@ -121,6 +122,23 @@ def test_a_request_that_resumed_itself_keeps_its_ids():
     stream = ResumingStream(server, request, ResumePolicy(), lambda s: None)
     assert [t for r in stream for t in r.token_ids] == TRUTH[4:]
     assert list(server.requests[1].resume_token_ids) == TRUTH[:7]
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-resume"]])
+def test_specd_generate_resends_a_broken_stream_unless_told_not_to(flags, monkeypatch, capsys):
+    server = FakeServer([(3, grpc.StatusCode.UNAVAILABLE)])
+
+    def fake(channel, request, retries, **kw):  # specd/client.py's, over the fake server
+        return ResumingStream(server, request, ResumePolicy(retries=retries), lambda s: None)
+
+    monkeypatch.setattr("specd.client.stream_generate", fake)
+    code = cli.main(["generate", "p", "--address", "127.0.0.1:1", *flags])
+    err = capsys.readouterr().err
+    if flags:
+        assert code == 1 and "error: UNAVAILABLE" in err and len(server.requests) == 1
+    else:
+        assert code == 0 and "resumes=1 resumed_tokens=3" in err
+        assert list(server.requests[1].resume_token_ids) == TRUTH[:3]
 
 
 # A resumed request's checks (orchestrator/edge/request.py: resumed).
