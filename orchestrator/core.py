@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Callable
 from orchestrator.config import OrchestratorConfig
 from orchestrator.cycle.adaptive import CostModel
 from orchestrator.cycle.detok import OutputTracker
-from orchestrator.cycle.loop import run_generation
+from orchestrator.cycle.loop import already_ended, run_generation
 from orchestrator.cycle.ngram_drafter import NgramDrafter
 from orchestrator.cycle.ports import DrafterClient
 from orchestrator.cycle.records import Chunk
@@ -74,16 +74,7 @@ class Orchestrator:
         try:
             spec = make_spec()
             trace.describe(spec)
-            m = self.model
-            tracker = OutputTracker(
-                m.tokenizer, m.eos_ids, spec.max_new_tokens, m.target_ctx - len(spec.prompt_ids), spec.stop
-            )
-            verifier, drafter, used = self._clients(spec, tracker)
-            c = spec.sampling.constraint
-            constraint = None if c is None else m.grammar.constraint(c, m.vocab_size)
-            replicas = SessionReplicas(session_id, verifier, drafter)
-            # The cost model is per method: ngram and a drafter differ.
-            loop = run_generation(spec, replicas, tracker, m.contexts, trace, self.costs[spec.method], constraint)
+            loop, used = self._loop(spec, session_id, trace)
             # aclosing: when this generator is closed or cancelled while the loop
             # is suspended at a yield, close the loop NOW so that its `finally`
             # frees the sessions on the replicas; otherwise that waits for the
@@ -103,6 +94,30 @@ class Orchestrator:
             self.admission.active -= 1
             for client in used:
                 client.release()
+
+    def _loop(
+        self, spec: GenerationSpec, session_id: str, trace
+    ) -> tuple[AsyncGenerator[Chunk, None], list[FailoverVerifier | FailoverDrafter]]:
+        """The request's chunks, and the leases to release at its end. A
+        resumed request starts from its resumed tokens: the output and the
+        constraint stand after them (a token the constraint forbids:
+        InvalidRequest), and where they already end the output it ends at once."""
+        m = self.model
+        tracker = OutputTracker(
+            m.tokenizer, m.eos_ids, spec.max_new_tokens, m.target_ctx - len(spec.prompt_ids), spec.stop
+        )
+        c = spec.sampling.constraint
+        constraint = None if c is None else m.grammar.constraint(c, m.vocab_size)
+        if constraint is not None:
+            constraint.commit(spec.resumed, "resume_token_ids")
+        ended = tracker.resume(list(spec.resumed))
+        if ended:
+            return already_ended(spec, ended), []
+        verifier, drafter, used = self._clients(spec, tracker)
+        replicas = SessionReplicas(session_id, verifier, drafter)
+        # The cost model is per method: ngram and a drafter differ.
+        loop = run_generation(spec, replicas, tracker, m.contexts, trace, self.costs[spec.method], constraint)
+        return loop, used
 
     def _clients(
         self, spec: GenerationSpec, tracker: OutputTracker

@@ -43,6 +43,20 @@ BAD_GENERATE = [
      "not both"),
     ("tree of 100k paths", dict(prompt_token_ids=PROMPT, tree={"paths": [{"ranks": [0]}] * 100_000}),
      "over the limit of 64"),
+    # A resumed stream (resume_token_ids) with ids it cannot have received.
+    ("resume id past vocab", dict(prompt_token_ids=PROMPT, max_new_tokens=8, resume_token_ids=[50, 384]),
+     "resume_token_ids holds 1 id(s) outside the vocabulary [0, 384): [384]"),
+    ("resume id negative", dict(prompt_token_ids=PROMPT, max_new_tokens=8, resume_token_ids=[-7]),
+     "resume_token_ids holds 1 id(s) outside the vocabulary [0, 384): [-7]"),
+    ("resume EOS", dict(prompt_token_ids=PROMPT, max_new_tokens=8, resume_token_ids=[50, 0, 51]),
+     "resume_token_ids[1] is 0, an end-of-sequence id"),
+    ("resume over max_new_tokens", dict(prompt_token_ids=PROMPT, max_new_tokens=4, resume_token_ids=[50] * 5),
+     "resume_token_ids has 5 tokens, more than max_new_tokens 4"),
+    ("resume over context", dict(prompt_token_ids={"ids": [5] * 200}, max_new_tokens=100, resume_token_ids=[50] * 60),
+     "the prompt (200 tokens) and resume_token_ids (60) hold 260 tokens; the model's context is 256"),
+    ("resume breaks the constraint", dict(prompt_token_ids=PROMPT, max_new_tokens=8, resume_token_ids=[50, 51],
+                                          structured_output={"regex": "[0-9]+"}),
+     "resume_token_ids break the output constraint"),
 ]
 
 

@@ -218,3 +218,28 @@ def test_a_stream_ended_early_drops_the_prefetched_propose():
     assert len(got) == 3 and drafter.asked == 3
     assert getattr(drafter, "cancelled", False), "the prefetched Propose outlived its stream"
     assert sorted(closed) == ["drafter", "verifier"]
+
+
+def test_a_resumed_request_opens_after_its_tokens_and_streams_only_new_ones():
+    """resume_token_ids: both replicas open on prompt + the resumed tokens (the
+    drafter fake checks its state against the verifier's), the stream carries
+    only what follows, exactly the uninterrupted output's rest, and the
+    output and stats count the resumed tokens."""
+    n, r = 40, 11
+    resumed = truth(n)[len(PROMPT):len(PROMPT) + r]
+    spec = GenerationSpec(prompt_ids=PROMPT, max_new_tokens=n, sampling=SamplingParams(seed=1),
+                          method="draft_model", shape=DraftShape.chain(3), resumed=tuple(resumed))
+    verifier = Verifier()
+    drafter = Drafter(verifier)
+    tracker = OutputTracker(Tok(), set(), n, 1000)
+    assert tracker.resume(resumed) is None
+
+    async def go():
+        replicas = SessionReplicas("s", verifier, drafter)
+        return [c async for c in run_generation(spec, replicas, tracker, ContextLengths(1000, 1000))]
+
+    chunks = asyncio.run(go())
+    assert [t for c in chunks for t in c.emit.token_ids] == truth(n)[len(PROMPT) + r:]
+    assert PROMPT + tracker.ids == truth(n) and chunks[-1].emit.finish_reason == "length"
+    stats = chunks[-1].stats
+    assert stats.resumed_tokens == r and stats.completion_tokens == n and stats.prompt_tokens == len(PROMPT)

@@ -14,6 +14,10 @@ itself (simulated with a fixed seed), and the test also checks that this
 threshold is tight enough to reject the drafter's own distribution - i.e. a
 rule that accepted drafts too readily would fail.
 
+A stream resumed after tokens its client received (resume_token_ids) is
+held to the law given prompt + those tokens, and a rule that ignored them
+must fail the same test.
+
 The N requests run CONCURRENCY at a time (each with its own seed; counted in
 seed order): the law must hold for every request whether or not it shares a
 verify forward with others, and concurrent streams keep both cores busy.
@@ -98,6 +102,34 @@ def test_speculative_sampling_matches_target(prompt, temperature, top_p, top_k, 
 
     check_stream_law(stacks["llama"], prompt, joint, threshold,
                      dict(temperature=temperature, top_p=top_p, top_k=top_k, **draft))
+
+
+def test_resumed_streams_follow_the_target_law_given_the_resumed_tokens(pairs, stacks):
+    """A stream resumed after tokens the client received (resume_token_ids)
+    continues under the target's law given prompt + those tokens: the joint of
+    its first 3 new tokens, over N seeds, within the threshold of the exact
+    one. A rule that ignored the resumed tokens (sessions opened on the prompt
+    alone) is shown to fail the same test."""
+    target_dir, _ = pairs["llama"]
+    prompt, received = [40, 41, 42, 43, 44], [7, 100, 9]
+    params = SamplingParams(1.0, 1.0, 6)
+    joint = exact_joint(target_dir, prompt + received, params)
+    threshold = null_threshold(joint, N)
+    ignoring = exact_joint(target_dir, prompt, params)
+    assert tv(joint, {k: v * N for k, v in ignoring.items()}, N) > 2 * threshold
+    counts, rejections, acceptances = {}, 0, 0
+    for ids, last in generate_seeds(stacks["llama"], N, prompt_token_ids={"ids": prompt}, resume_token_ids=received,
+                                    max_new_tokens=len(received) + 4, temperature=1.0, top_k=6,
+                                    num_speculative_tokens=2):
+        assert last.stats.resumed_tokens == len(received) and last.stats.completion_tokens == len(received) + len(ids)
+        counts[tuple(ids[:3])] = counts.get(tuple(ids[:3]), 0) + 1
+        rejections += last.stats.accepted_tokens < last.stats.drafted_tokens
+        acceptances += last.stats.accepted_tokens > 0
+    stat = tv(joint, counts, N)
+    print(f"resumed after {received}: TV={stat:.4f} threshold={threshold:.4f} support={len(joint)} "
+          f"requests with a rejection={rejections} with an acceptance={acceptances}")
+    assert rejections > N // 10 and acceptances > N // 10
+    assert stat < threshold
 
 
 def check_stream_law(stack, prompt, joint, threshold, fields: dict) -> int:

@@ -97,8 +97,9 @@ class Verifier(ModelCore):
         the result is (first token, HiddenStates of every prompt token); after a
         resume (None, None) - the drafter has the earlier features already.
 
-        params.constraint: structured output (specd_core/runtime/grammar.py); after
-        a resume it consumes prompt_ids[generated_from:], the generated tokens."""
+        params.constraint: structured output (specd_core/runtime/grammar.py); it
+        consumes prompt_ids[generated_from:], the generated tokens (after a
+        resume, or a resumed Generate's first open; 0 = none)."""
         self._check_request(session_id, prompt_ids, params)
         if resume and len(prompt_ids) < 2:
             raise InvalidRequest(
@@ -113,7 +114,7 @@ class Verifier(ModelCore):
                 f"generated_from {generated_from} must point into the {len(prompt_ids)} prompt_token_ids "
                 "of a resumed constrained session (where its generated tokens start)"
             )
-        matcher = self.constraint(constraint, prompt_ids, generated_from if resume else 0)
+        matcher = self.constraint(constraint, prompt_ids, generated_from)
         return OpenJob(session_id, list(prompt_ids), params, resume, hidden, matcher)
 
     def verify(

@@ -37,6 +37,13 @@ class OutputTracker:
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.ids)
 
+    def resume(self, token_ids: list[int]) -> str | None:
+        """A resumed stream's tokens, which its client already has: they count
+        as output sent (max_new_tokens, stop strings, the text emitted - less
+        what an uninterrupted stream would still hold back there). Returns the
+        finish reason when they already end the output, else None."""
+        return self.add(list(token_ids)).finish_reason if token_ids else None
+
     def add(self, token_ids: list[int]) -> Emit:
         """Commit tokens in order until an end condition; return what to send."""
         out, cut = Emit(), None

@@ -67,8 +67,10 @@ def new_stats(spec: GenerationSpec) -> Stats:
     return Stats(
         num_speculative_tokens=spec.shape.depth if spec.shape else 0,
         prompt_tokens=len(spec.prompt_ids),
+        completion_tokens=len(spec.resumed),
         method=spec.method,
         adaptive=spec.adaptive,
+        resumed_tokens=len(spec.resumed),
     )
 
 
@@ -94,9 +96,15 @@ async def open_session(
 ) -> tuple[CycleState, Emit]:
     """Prefill: the first token is the first output."""
     first, hidden = await replicas.open(spec, trace)
-    state = CycleState(len(spec.prompt_ids) + 1, [first], [] if spec.features else None)
+    state = CycleState(len(spec.context_ids) + 1, [first], [] if spec.features else None)
     stats.feature_bytes += state.keep_features(hidden)
     return state, stream(tracker, stats, [first])
+
+
+async def already_ended(spec: GenerationSpec, finish_reason: str) -> AsyncGenerator[Chunk, None]:
+    """A resumed request whose resumed tokens already end its output
+    (OutputTracker.resume): one last message, no session opened."""
+    yield Chunk(Emit(finish_reason=finish_reason), new_stats(spec))
 
 
 def shape_forced(

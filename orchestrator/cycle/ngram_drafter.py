@@ -22,7 +22,9 @@ class NgramDrafter:
         self.contexts: dict[str, NgramIndex] = {}
         self.active = 0
 
-    async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None:
+    async def open(self, session_id: str, prompt_ids: list[int], sampling, *, generated_from: int = 0) -> None:
+        # generated_from: the orchestrator's own matcher cuts n-gram drafts
+        # (orchestrator/cycle/structured.py); the index needs only the tokens.
         self.contexts[session_id] = NgramIndex(self.n_max, self.n_min, list(prompt_ids))
 
     async def propose(self, call: ProposeCall) -> Draft:

@@ -143,6 +143,7 @@ class Stats:
     confidence_stops: int = 0  # cycles whose draft the confidence threshold cut short
     forced_tokens: int = 0  # draft tokens the output constraint forced (in drafted_tokens too)
     forced_accepted: int = 0  # ... kept by the verifier (in accepted_tokens too)
+    resumed_tokens: int = 0  # a resumed stream: the tokens it resumed from (in completion_tokens too)
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens

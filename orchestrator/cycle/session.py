@@ -80,12 +80,14 @@ class SessionReplicas:
         self.opened: list[VerifierClient | DrafterClient] = []  # the clients to close
 
     async def open(self, spec: GenerationSpec, trace: NoTrace) -> tuple[int, HiddenStates | None]:
-        """Prefill both; the first token, and the prompt's features (spec.features)."""
+        """Prefill both (on the prompt and any resumed tokens); the first new
+        token, and the prompt's features (spec.features)."""
         want = {"hidden": True} if spec.features else {}
-        opens = [self.verifier.open(self.session_id, spec.prompt_ids, spec.sampling, **want)]
+        context, more = spec.context_ids, spec.generated_keywords
+        opens = [self.verifier.open(self.session_id, context, spec.sampling, **want, **more)]
         clients: list[VerifierClient | DrafterClient] = [self.verifier]
         if self.drafter is not None:
-            opens.append(self.drafter.open(self.session_id, spec.prompt_ids, spec.sampling))
+            opens.append(self.drafter.open(self.session_id, context, spec.sampling, **more))
             clients.append(self.drafter)
         # Until the opens answer, count them as opened: a client that leaves now
         # cancels them here, but a replica may already have opened the session.

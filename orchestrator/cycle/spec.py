@@ -27,6 +27,21 @@ class GenerationSpec:
     # Structured output (sampling.constraint set): forced tokens join chains
     # up to this draft depth in all (0 = no forced drafting).
     forced_room: int = 0
+    # A resumed stream (GenerateRequest.resume_token_ids): the tokens the client
+    # already has. The sessions open on prompt + these, the output counts them
+    # (max_new_tokens, stop strings), the stream carries only what follows.
+    resumed: tuple[int, ...] = ()
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What the sessions open on: the prompt, and the resumed tokens."""
+        return self.prompt_ids + list(self.resumed)
+
+    @property
+    def generated_keywords(self) -> dict:
+        """The open keywords of a resumed constrained session: its generated
+        tokens start after the prompt, and its constraint consumes them."""
+        return {"generated_from": len(self.prompt_ids)} if self.resumed and self.sampling.constraint else {}
 
     @property
     def features(self) -> bool:

@@ -8,6 +8,7 @@ The edges (gRPC and HTTP) parse here and hand the core the spec
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.core import Orchestrator
 from orchestrator.cycle.spec import GenerationSpec
 from orchestrator.edge.chat import chat_prompt_ids
+from orchestrator.fleet.failover import reseeded
 from orchestrator.spec_config import DRAFTER_METHODS, MAX_PIPELINE_ALTERNATIVES, METHODS, SpeculativeConfig
 from specd_core.errors import InvalidRequest
 from specd_core.net.wire import constraint_from_proto, shape_from_proto
@@ -82,7 +84,7 @@ def spec_for(req, core: Orchestrator) -> GenerationSpec:
     (restarted) before the session needs them, and without one it runs as
     plain decoding anyway."""
     model = core.model
-    return build_spec(
+    spec = build_spec(
         req,
         core.config,
         model.tokenizer,
@@ -92,6 +94,40 @@ def spec_for(req, core: Orchestrator) -> GenerationSpec:
         drafter_method=model.drafter_method,
         compile_constraint=lambda c: model.grammar.compile(c),
     )
+    return resumed(spec, list(req.resume_token_ids), model.vocab_size, model.target_ctx, model.eos_ids)
+
+
+def resumed(spec: GenerationSpec, ids: list[int], vocab_size: int, context_length: int, eos) -> GenerationSpec:
+    """The spec of a resumed request (GenerateRequest.resume_token_ids: the
+    tokens its client already received), checked: ids in the vocabulary and
+    none an end-of-sequence id (a stream that produced one had ended), no
+    more than max_new_tokens, prompt + ids within the target's context. It
+    samples from a fresh seed derived from (seed, resumed length), as a
+    session rebuilt after a replica loss does: its draws must not be those
+    that made the tokens the client has. Whether the constraint allows the
+    ids is checked where it is built (Orchestrator._loop)."""
+    if not ids:
+        return spec
+    check_token_ids(ids, vocab_size, None, "resume_token_ids")
+    ended = [(i, t) for i, t in enumerate(ids) if t in eos]
+    if ended:
+        i, t = ended[0]
+        raise InvalidRequest(
+            f"resume_token_ids[{i}] is {t}, an end-of-sequence id: a stream that produced it had ended "
+            "(its last message said so)"
+        )
+    if len(ids) > spec.max_new_tokens:
+        raise InvalidRequest(
+            f"resume_token_ids has {len(ids)} tokens, more than max_new_tokens {spec.max_new_tokens} "
+            "(resumed tokens count toward it)"
+        )
+    context = len(spec.prompt_ids) + len(ids)
+    if context > context_length:
+        raise InvalidRequest(
+            f"the prompt ({len(spec.prompt_ids)} tokens) and resume_token_ids ({len(ids)}) hold {context} tokens; "
+            f"the model's context is {context_length}"
+        )
+    return dataclasses.replace(spec, resumed=tuple(ids), sampling=reseeded(spec.sampling, context))
 
 
 def forced_room(req, sc: SpeculativeConfig, constrained: bool) -> int:

@@ -149,8 +149,12 @@ class FailoverVerifier:
         self.prompt_len = 0  # a resumed constrained session's generated tokens start here
         self._last_loss = ""
 
-    async def open(self, session_id: str, prompt_ids: list[int], sampling, *, hidden: bool = False):
-        self.sampling, self.hidden, self.prompt_len = sampling, hidden, len(prompt_ids)
+    async def open(
+        self, session_id: str, prompt_ids: list[int], sampling, *, hidden: bool = False, generated_from: int = 0
+    ):
+        """generated_from: a resumed request's generated tokens start there in prompt_ids."""
+        self.sampling, self.hidden, self.prompt_len = sampling, hidden, generated_from or len(prompt_ids)
+        more = {"generated_from": generated_from} if generated_from else {}
         try:
             self.lease.acquire()
         except CapacityExceeded:  # none deployed or all draining: RESOURCE_EXHAUSTED; lost ones: UNAVAILABLE
@@ -164,7 +168,7 @@ class FailoverVerifier:
         while True:
             try:
                 return await self.lease.client.open(
-                    session_id, prompt_ids, sampling, **({"hidden": True} if hidden else {})
+                    session_id, prompt_ids, sampling, **({"hidden": True} if hidden else {}), **more
                 )
             except ServiceError as exc:
                 self._lose_or_raise(session_id, exc)
@@ -252,9 +256,11 @@ class FailoverDrafter:
         self.opening = None  # the client of an open in flight (its session may exist already)
         self.prompt_len = 0  # a rebuilt constrained session's generated tokens start here
 
-    async def open(self, session_id: str, prompt_ids: list[int], sampling) -> None:
-        self.sampling, self.prompt_len = sampling, len(prompt_ids)
-        await self._open_any(session_id, prompt_ids, sampling, rebuild=False)
+    async def open(self, session_id: str, prompt_ids: list[int], sampling, *, generated_from: int = 0) -> None:
+        """generated_from: a resumed request's generated tokens start there in prompt_ids."""
+        self.sampling, self.prompt_len = sampling, generated_from or len(prompt_ids)
+        more = {"generated_from": generated_from} if generated_from else {}
+        await self._open_any(session_id, prompt_ids, sampling, rebuild=False, more=more)
 
     async def propose(self, call: ProposeCall) -> Draft:
         """A rebuilt drafter has no earlier proposal: its first one starts from
@@ -321,16 +327,16 @@ class FailoverDrafter:
         _close_quietly(client, session_id)
         self.opened = self.fresh = self.rebuild = False
 
-    async def _open_any(self, session_id: str, prompt_ids, sampling, rebuild: bool) -> bool:
+    async def _open_any(self, session_id: str, prompt_ids, sampling, rebuild: bool, more: dict | None = None) -> bool:
         """Open the session on the least-loaded serving drafter, past lost ones.
         rebuild: from the committed tokens (all but the last), with a fresh seed.
-        False: no drafter left (or too many lost) - go on without one."""
+        more: the open's other keywords. False: no drafter left (or too many
+        lost) - go on without one."""
         while self.lease.failovers <= self.max_failovers:
             try:
                 self.lease.acquire()
             except CapacityExceeded:
                 return False
-            more = {}
             if rebuild:
                 tokens = self.committed()
                 prompt_ids, sampling = tokens[:-1], reseeded(self.sampling, len(tokens))
@@ -338,7 +344,7 @@ class FailoverDrafter:
                 more = generated_after(self.sampling, self.prompt_len)
             try:
                 self.opening = self.lease.client
-                await self.lease.client.open(session_id, prompt_ids, sampling, **more)
+                await self.lease.client.open(session_id, prompt_ids, sampling, **(more or {}))
             except ServiceError as exc:
                 self.opening = None
                 if is_lost(exc):

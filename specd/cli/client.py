@@ -22,9 +22,12 @@ def default_address(args) -> str:
 
 
 def cmd_generate(args) -> int:
+    """Stream a completion; a stream that breaks (the orchestrator serving it
+    died) is sent again and resumes after the tokens received (specd/client.py),
+    unless --no-resume."""
     import grpc
 
-    from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
+    from specd.client import ResumePolicy, StreamBroken, stream_generate
 
     if not getattr(args, "chat", False) and getattr(args, "system", None) is not None:
         print("error: --system needs --chat", file=sys.stderr)
@@ -36,14 +39,19 @@ def cmd_generate(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with channel:
+        retries = ResumePolicy().retries if getattr(args, "resume", True) else 0
+        stream = stream_generate(channel, req, metadata=auth_metadata(args), retries=retries)
         try:
-            for r in pb_grpc.OrchestratorServiceStub(channel).Generate(req, metadata=auth_metadata(args)):
+            for r in stream:
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
                 if r.finish_reason:
-                    print(_finish_line(r), file=sys.stderr)
+                    print(_finish_line(r, stream.resumes), file=sys.stderr)
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except StreamBroken as e:
+            print(f"\nerror: {e}", file=sys.stderr)
             return 1
     return 0
 
@@ -91,13 +99,16 @@ def generate_request(args):
     return req
 
 
-def _finish_line(r) -> str:
+def _finish_line(r, resumes: int = 0) -> str:
+    """The last message's stats; resumes: the times the stream was sent again
+    (the stats are then the last stream's, counting the tokens it resumed from)."""
     s = r.stats
+    resumed = f" resumes={resumes} resumed_tokens={s.resumed_tokens}" if resumes else ""
     return (
         f"\n[finish={r.finish_reason} method={s.method} prompt_tokens={s.prompt_tokens} "
         f"completion_tokens={s.completion_tokens} K={s.num_speculative_tokens} "
         f"cycles={s.cycles} drafted={s.drafted_tokens} accepted={s.accepted_tokens} "
-        f"mean_accepted_length={s.mean_accepted_length:.2f}]"
+        f"mean_accepted_length={s.mean_accepted_length:.2f}{resumed}]"
     )
 
 

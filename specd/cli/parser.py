@@ -60,6 +60,12 @@ def _add_generate_parser(sub) -> None:
         help="send the prompt as a user message, rendered with the target's chat template (instruct models)",
     )
     gen.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user's")
+    gen.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_false",
+        help="fail when the stream breaks (default: send it again, resuming after the tokens received)",
+    )
     _add_generate_flags(gen)
     add_tls_flags(gen, server=False)
     g = gen.add_argument_group("per-request speculation (default: the service's config)")
