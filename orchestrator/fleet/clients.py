@@ -18,7 +18,8 @@ span; unary calls carry its traceparent in metadata, stream messages in their
 
 Hung replicas (orchestrator/fleet/hang.py): each call's deadline follows the
 replica's measured latencies; past it the replica is suspected, the call and
-every other call in flight there fail as a lost replica's (`Hung`, UNAVAILABLE),
+every Propose / Verify in flight there fail as a lost replica's (`Hung`,
+UNAVAILABLE; an open in flight fails at its own deadline),
 later calls fail at once, closes wait for its recovery (`probe`, `recover`),
 and an answer that comes after all is dropped (its request is no longer pending).
 """
@@ -252,7 +253,7 @@ class _Client:
 
     def _suspect(self, rpc_method: str, timeout: float) -> Hung:
         """A call went unanswered past its deadline: the replica is suspected,
-        and its other calls in flight fail now rather than each at its own."""
+        and its Propose / Verify calls in flight fail now rather than each at its own."""
         assert self.watch is not None
         reason = f"{rpc_method} unanswered after {timeout:.3g} s"
         error = Hung(f"{self.kind} at {self.address} suspected hung: {reason}")
