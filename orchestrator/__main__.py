@@ -70,7 +70,10 @@ def checked_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> Orch
         p.exit(2, f"orchestrator: {exc}\n")
     if warning:
         print(f"orchestrator: {warning}", file=sys.stderr, flush=True)
-    config = config_from_args(args, tls)
+    try:
+        config = config_from_args(args, tls)
+    except ValueError as exc:  # a setting out of its range (e.g. the hang detection's)
+        p.exit(2, f"orchestrator: {exc}\n")
     try:
         return dataclasses.replace(
             config,

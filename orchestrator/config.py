@@ -70,6 +70,62 @@ class AutoscalePolicy:
 
 
 @dataclass(frozen=True)
+class HangConfig:
+    """When a replica that answers nothing is taken for hung (orchestrator/fleet/hang.py):
+    a call's deadline is `multiple` times the p99 of that replica's recent
+    answered calls, within [floor_s, ceiling_s], plus `prefill_s_per_token`
+    for each prompt token of the opens in flight to it. multiple 0 = off
+    (every call waits `rpc_timeout_s`)."""
+
+    floor_s: float = 5.0  # also the deadline until enough calls are measured
+    multiple: float = 10.0
+    ceiling_s: float = 30.0
+    prefill_s_per_token: float = 0.002
+    probe_s: float = 5.0  # a suspected replica's health check and probe call must answer within it
+
+    def __post_init__(self) -> None:
+        if not (0 < self.floor_s <= self.ceiling_s and self.multiple >= 0 and self.prefill_s_per_token >= 0):
+            raise ValueError(
+                "hang detection wants 0 < floor <= ceiling, multiple >= 0 and prefill per token >= 0, got "
+                f"floor {self.floor_s:g}, ceiling {self.ceiling_s:g}, multiple {self.multiple:g}, "
+                f"prefill per token {self.prefill_s_per_token:g}"
+            )
+        if self.probe_s <= 0:
+            raise ValueError(f"the hang probe's timeout must be > 0, got {self.probe_s:g}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.multiple > 0
+
+
+# flag -> HangConfig field
+_HANG_FLAGS = {
+    "--hang-floor": ("floor_s", "seconds a call to a replica may take before it is suspected hung, at least"),
+    "--hang-multiple": ("multiple", "a call's deadline: this many times the replica's recent p99 (0 = no detection)"),
+    "--hang-ceiling": ("ceiling_s", "seconds a call may take before its replica is suspected hung, at most"),
+    "--hang-prefill-per-token": ("prefill_s_per_token", "seconds added to the deadline per prompt token prefilling"),
+    "--hang-probe-timeout": ("probe_s", "seconds a suspected replica gets to answer its health check and probe"),
+}
+
+
+def add_hang_flags(parser) -> None:
+    """Hung-replica detection (`python -m orchestrator`, `specd up`)."""
+    g = parser.add_argument_group("hung-replica detection (docs/operations.md#hung-replicas)")
+    defaults = HangConfig()
+    for name, (attr, help_) in _HANG_FLAGS.items():
+        g.add_argument(name, type=float, metavar="X", help=f"{help_} (default {getattr(defaults, attr):g})")
+
+
+def hang_config_from_args(args) -> HangConfig:
+    given = {attr: v for name, (attr, _) in _HANG_FLAGS.items() if (v := getattr(args, _dest(name), None)) is not None}
+    return HangConfig(**given)
+
+
+def _dest(flag_name: str) -> str:
+    return flag_name.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
 class OrchestratorConfig:
     # the verifier's model dir (tokenizer + context length)
     # (`python -m orchestrator` resolves a repo id to its Hugging Face cache directory)
@@ -111,6 +167,9 @@ class OrchestratorConfig:
     # Replacements of a lost verifier (and, apart, drafter) per request before
     # it fails (verifier) or goes on without a drafter (orchestrator/fleet/failover.py).
     max_failovers: int = field(default=3, metadata=not_flag(FIXED))
+    # A replica whose call goes unanswered past its deadline is suspected hung:
+    # its sessions move as from a lost one (orchestrator/fleet/hang.py).
+    hang: HangConfig = field(default_factory=HangConfig, metadata=flag_group(add_hang_flags, hang_config_from_args))
     # TLS for the public server AND the channels to the replicas (the same
     # cert/key/CA; see specd_core.net.security). None = plaintext everywhere.
     tls: TlsConfig | None = field(default=None, metadata=flag_group(add_server_tls_flags, tls_from_args))

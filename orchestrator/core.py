@@ -52,6 +52,7 @@ class Orchestrator:
             on_send=lambda kind: self.metrics.step_sessions.labels(kind).observe,
             launcher=launcher,
             peers=peers,
+            on_hang=self.metrics.hang,
         )
         self.ngram = NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
         # Verify / draft costs and acceptance per level, learnt from every cycle

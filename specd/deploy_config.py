@@ -19,6 +19,9 @@ from orchestrator.config import (
     MAX_MESSAGE_BYTES_HELP,
     SERVED_MODEL_NAME_HELP,
     AutoscalePolicy,
+    HangConfig,
+    add_hang_flags,
+    hang_config_from_args,
 )
 from orchestrator.spec_config import SpeculativeConfig, add_speculative_flags, speculative_config_from_args
 from specd.demo import DEMO_TARGET
@@ -175,6 +178,8 @@ class DeploymentConfig:
     speculative: SpeculativeConfig = field(
         default_factory=SpeculativeConfig, metadata=flag_group(add_speculative_flags, speculative_config_from_args)
     )
+    # Hung-replica detection, the orchestrators' (orchestrator/fleet/hang.py).
+    hang: HangConfig = field(default_factory=HangConfig, metadata=flag_group(add_hang_flags, hang_config_from_args))
     # Ray custom resources of the pools (deploy/cluster.yaml's node types).
     verifier_resource: str = field(default="verifier", metadata=not_flag("the pool's Ray resource (deploy/)"))
     drafter_resource: str = field(default="drafter", metadata=not_flag("the pool's Ray resource (deploy/)"))

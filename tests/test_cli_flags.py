@@ -139,13 +139,18 @@ def test_groups_are_read_into_their_fields():
     """TLS, the speculative config and the autoscaling policies: several flags, one field."""
     args = _subparser(build_parser(), "up").parse_args([
         "--tls-cert", "c.pem", "--tls-key", "k.pem", "--method", "ngram", "--num-speculative-tokens", "3",
-        "--autoscale-verifiers", "1:4:8"])
+        "--autoscale-verifiers", "1:4:8", "--hang-floor", "2", "--hang-ceiling", "9"])
     cfg = config_from_args(DeploymentConfig, args, target_dir="t", drafter_dir=None)
     assert cfg.tls is not None and cfg.tls.cert.endswith("c.pem")
     assert (cfg.speculative.method, cfg.speculative.num_speculative_tokens) == ("ngram", 3)
     assert set(cfg.autoscale) == {"verifier"}
-    args = orchestrator_main.parser().parse_args(["--target", "t", "--verifier-address", "v:1", "--tree", "2,1"])
-    assert orchestrator_main.config_from_args(args, None).speculative.tree == {"branching": [2, 1]}
+    assert (cfg.hang.floor_s, cfg.hang.ceiling_s, cfg.hang.multiple) == (2.0, 9.0, 10.0)
+    assert shared_fields(cfg, OrchestratorConfig)["hang"] == cfg.hang   # reaches the orchestrators on Ray
+    args = orchestrator_main.parser().parse_args(["--target", "t", "--verifier-address", "v:1", "--tree", "2,1",
+                                                  "--hang-multiple", "0"])
+    orch = orchestrator_main.config_from_args(args, None)
+    assert orch.speculative.tree == {"branching": [2, 1]}
+    assert not orch.hang.enabled and orch.hang.floor_s == 5.0
 
 
 def test_the_deployment_hands_its_fields_on_by_name():
@@ -156,7 +161,7 @@ def test_the_deployment_hands_its_fields_on_by_name():
     orch = shared_fields(cfg, OrchestratorConfig)
     assert {"target_dir", "drafter_dir", "port", "http_port", "max_active_requests", "speculative", "tls",
             "autoscale", "auth_tokens_file", "max_message_bytes", "metrics_targets_file",
-            "served_model_name"} <= set(orch)
+            "served_model_name", "hang"} <= set(orch)
     assert OrchestratorConfig(**orch).port == 1234
     for cls in (VerifierConfig, DrafterConfig):
         replica = shared_fields(cfg, cls, exclude=NOT_FOR_REPLICAS)

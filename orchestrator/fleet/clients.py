@@ -15,18 +15,31 @@ the wake-ups) is then paid once per step rather than once per session.
 Tracing (specd_core.telemetry.tracing, a no-op unless configured): each call is a CLIENT
 span; unary calls carry its traceparent in metadata, stream messages in their
 `traceparent` field (stream metadata is sent once, for all sessions).
+
+Hung replicas (orchestrator/fleet/hang.py): each call's deadline follows the
+replica's measured latencies; past it the replica is suspected, the call and
+every Propose / Verify in flight there fail as a lost replica's (`Hung`,
+UNAVAILABLE; an open in flight fails at its own deadline),
+later calls fail at once, closes wait for its recovery (`probe`, `recover`),
+and an answer that comes after all is dropped (its request is no longer pending).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.config import HangConfig
 from orchestrator.cycle.records import Draft, Verdict
+from orchestrator.fleet.hang import HangWatch
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import MAX_MESSAGE_BYTES, open_channel
@@ -42,6 +55,8 @@ from specd_core.runtime.propose_call import ProposeCall
 from specd_core.telemetry import tracing
 from specd_core.telemetry.probe import mark
 
+log = logging.getLogger(__name__)
+
 
 class ServiceError(Exception):
     """A replica refused or failed a call; carries the grpc status to pass on."""
@@ -49,6 +64,22 @@ class ServiceError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+class Unanswered(ServiceError):
+    """No answer within the call's own deadline."""
+
+    def __init__(self, timeout: float):
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, f"the replica did not answer within {timeout:g} s")
+
+
+class Hung(ServiceError):
+    """The replica is suspected hung: its calls fail as a lost replica's
+    (UNAVAILABLE, so the session moves), but it is not lost: it comes back
+    once it answers a probe, at the same address."""
+
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -147,6 +178,10 @@ class StreamMux:
             raise
         if self._queue is queue:
             self._queue = None  # next call opens a fresh stream
+        self.fail_pending(error)
+
+    def fail_pending(self, error: Exception) -> None:
+        """Fail every request in flight; an answer that comes for one later is dropped."""
         for future in list(self._pending.values()):
             if not future.done():
                 future.set_exception(error)
@@ -171,24 +206,31 @@ class _Message:
 def _expire(futures: list[asyncio.Future], timeout: float) -> None:
     for future in futures:
         if not future.done():
-            future.set_exception(
-                ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the replica did not answer within {timeout:g} s")
-            )
+            future.set_exception(Unanswered(timeout))
 
 
 class _Client:
     stub_cls: ClassVar[type[Any]]  # the service's generated stub class
-    service = ""  # the grpc service name, for span attributes
+    service = ""  # the grpc service name, for span attributes and its health check
+    kind = ""  # "verifier" | "drafter"
     mux: StreamMux  # the subclass's per-cycle stream
 
     def __init__(
-        self, address: str, timeout_s: float, tls: TlsConfig | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES
+        self,
+        address: str,
+        timeout_s: float,
+        tls: TlsConfig | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        hang: HangConfig | None = None,
     ):
         self.address = address
-        self.timeout = timeout_s
+        self.timeout = timeout_s  # every call's longest wait
         self.channel = open_channel(address, tls, max_message_bytes, aio=True)
         self.stub = self.stub_cls(self.channel)
         self.active = 0  # sessions this orchestrator has open here (for routing)
+        # Hung-replica detection (None: off; every call waits `timeout`).
+        self.watch = HangWatch(hang) if hang is not None and hang.enabled else None
+        self.on_suspect: Callable[[], None] | None = None  # told when newly suspected (a metric)
 
     def _span_attributes(self, rpc_method: str) -> dict:
         return {
@@ -198,21 +240,123 @@ class _Client:
             "server.address": self.address,
         }
 
-    async def _unary(self, method, request, span_name: str, rpc_method: str):
+    @property
+    def suspected(self) -> bool:
+        return self.watch is not None and self.watch.suspected
+
+    def _deadline(self) -> float:
+        return self.timeout if self.watch is None else min(self.timeout, self.watch.deadline())
+
+    def _refuse_if_suspected(self) -> None:
+        if self.watch is not None and self.watch.suspected:
+            raise Hung(f"{self.kind} at {self.address} is suspected hung ({self.watch.reason})")
+
+    def _suspect(self, rpc_method: str, timeout: float) -> Hung:
+        """A call went unanswered past its deadline: the replica is suspected,
+        and its Propose / Verify calls in flight fail now rather than each at its own."""
+        assert self.watch is not None
+        reason = f"{rpc_method} unanswered after {timeout:.3g} s"
+        error = Hung(f"{self.kind} at {self.address} suspected hung: {reason}")
+        if self.watch.suspect(reason):
+            log.warning(
+                "%s at %s suspected hung (%s): its sessions move, none go there", self.kind, self.address, reason
+            )
+            self.mux.fail_pending(error)
+            if self.on_suspect is not None:
+                self.on_suspect()
+        return error
+
+    async def _call(self, method, request, timeout: float):
+        """One unary call; its failure as a ServiceError (Unanswered past `timeout`)."""
+        try:
+            return await method(request, timeout=timeout, metadata=tracing.outgoing_metadata())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise Unanswered(timeout) from None
+            raise ServiceError(exc.code(), exc.details() or str(exc.code())) from None
+
+    async def _unary(self, method, request, span_name: str, rpc_method: str, prompt_tokens: int = 0):
+        """prompt_tokens: an open's, allowed for in every deadline while it runs
+        (an open's own time, growing with the prompt, is not a sample)."""
+        self._refuse_if_suspected()
         with tracing.client_span(span_name, attributes=self._span_attributes(rpc_method) if tracing.ENABLED else None):
-            try:
-                return await method(request, timeout=self.timeout, metadata=tracing.outgoing_metadata())
-            except grpc.aio.AioRpcError as exc:
-                raise ServiceError(exc.code(), exc.details() or str(exc.code())) from None
+            if self.watch is None:
+                return await self._call(method, request, self.timeout)
+            with self.watch.prefill(prompt_tokens):
+                timeout, start = self._deadline(), time.perf_counter()
+                try:
+                    response = await self._call(method, request, timeout)
+                except Unanswered:
+                    raise self._suspect(rpc_method, timeout) from None
+            if not prompt_tokens:
+                self.watch.answered(time.perf_counter() - start)
+            return response
 
     async def _stream(self, request, span_name: str, rpc_method: str):
+        self._refuse_if_suspected()
         with tracing.client_span(span_name, request, self._span_attributes(rpc_method) if tracing.ENABLED else None):
-            return await self.mux.call(request, self.timeout)
+            timeout, start = self._deadline(), time.perf_counter()
+            try:
+                response = await self.mux.call(request, timeout)
+            except Unanswered:
+                if self.watch is None:
+                    raise
+                raise self._suspect(rpc_method, timeout) from None
+            if self.watch is not None:
+                self.watch.answered(time.perf_counter() - start)
+            return response
 
     async def close(self, session_id: str) -> None:
+        """On a suspected replica the close waits for its recovery (`recover`)."""
+        if self.watch is not None and self.watch.suspected:
+            self.watch.defer_close(session_id)
+            return
         await self._unary(
             self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), "specdec.close", "CloseSession"
         )
+
+    def _probe_open(self, session_id: str):
+        """The OpenSession request of a probe: one token, greedy."""
+        raise NotImplementedError
+
+    async def probe(self, timeout_s: float) -> None:
+        """Raise a ServiceError unless the replica answers again: its health check
+        says SERVING and a one-token probe session opens (or is refused: an answer
+        too) and closes, each within timeout_s. The open goes through the model."""
+        health = health_pb2_grpc.HealthStub(self.channel)
+        r = await self._call(health.Check, health_pb2.HealthCheckRequest(service=self.service), timeout_s)
+        if r.status != health_pb2.HealthCheckResponse.SERVING:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"its health check says {r.status}")
+        session_id = f"hang-probe-{uuid.uuid4().hex}"
+        try:
+            await self._call(self.stub.OpenSession, self._probe_open(session_id), timeout_s)
+        except Unanswered:
+            assert self.watch is not None
+            self.watch.defer_close(session_id)  # it may open the session when it wakes
+            raise
+        except ServiceError as exc:
+            if exc.code == grpc.StatusCode.UNAVAILABLE:
+                raise
+            return  # refused (full, draining...): it answered, and holds nothing
+        await self._call(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), timeout_s)
+
+    async def recover(self, timeout_s: float) -> None:
+        """After a probe answered: close the sessions it kept for requests that
+        moved away, then take sessions again. A close it does not answer keeps
+        it suspected (the close is kept for the next try)."""
+        assert self.watch is not None
+        closes = self.watch.deferred()
+        results = await asyncio.gather(
+            *(self._call(self.stub.CloseSession, pb.CloseSessionRequest(session_id=s), timeout_s) for s in closes),
+            return_exceptions=True,
+        )
+        # Refusals (already expired, never opened) are answers: only silence keeps it suspected.
+        silent = [s for s, r in zip(closes, results) if isinstance(r, Unanswered)]
+        for session_id in silent:
+            self.watch.defer_close(session_id)
+        if silent:
+            raise Unanswered(timeout_s)
+        self.watch.recover()
 
     async def info(self, timeout_s: float) -> dict:
         """The replica's ReplicaInfo as a dict (engine, model, KV budget...)."""
@@ -229,6 +373,7 @@ class _Client:
 class GrpcVerifier(_Client):
     stub_cls = pb_grpc.VerifierServiceStub
     service = "specdec.v1.VerifierService"
+    kind = "verifier"
 
     def __init__(self, address: str, timeout_s: float, **channel):
         super().__init__(address, timeout_s, **channel)
@@ -251,11 +396,15 @@ class GrpcVerifier(_Client):
             ),
             "specdec.prefill",
             "OpenSession",
+            prompt_tokens=len(prompt_ids),
         )
         first = None if resume else r.first_token_id
         if hidden:
             return first, hidden_from_proto(r.hidden_states, r.HasField("hidden_states"))
         return first
+
+    def _probe_open(self, session_id: str):
+        return pb.OpenVerifySessionRequest(session_id=session_id, prompt_token_ids=[0], sampling=pb.SamplingParams())
 
     async def verify(self, session_id, draft: Draft) -> Verdict:
         r = await self._stream(
@@ -282,6 +431,7 @@ class GrpcVerifier(_Client):
 class GrpcDrafter(_Client):
     stub_cls = pb_grpc.DrafterServiceStub
     service = "specdec.v1.DrafterService"
+    kind = "drafter"
 
     def __init__(self, address: str, timeout_s: float, target_vocab_size: int = 0, **channel):
         super().__init__(address, timeout_s, **channel)
@@ -304,6 +454,15 @@ class GrpcDrafter(_Client):
             ),
             "specdec.draft_prefill",
             "OpenSession",
+            prompt_tokens=len(prompt_ids),
+        )
+
+    def _probe_open(self, session_id: str):
+        return pb.OpenDraftSessionRequest(
+            session_id=session_id,
+            prompt_token_ids=[0],
+            sampling=pb.SamplingParams(),
+            target_vocab_size=self.target_vocab_size,
         )
 
     async def propose(self, call: ProposeCall) -> Draft:

@@ -31,7 +31,12 @@ that made the earlier tokens would correlate the new ones with them.
 "Lost" = a call failed with UNAVAILABLE: the process is gone, refuses
 connections, or the stream shared by its sessions broke. The replica is marked
 lost in its pool (no new sessions) until the scaler finds it serving again
-(orchestrator/fleet/scaling.py). Each session replaces each kind at most
+(orchestrator/fleet/scaling.py). A replica suspected hung (a call unanswered
+past its deadline, orchestrator/fleet/hang.py) fails its calls the same way
+(`Hung`, UNAVAILABLE) and its sessions move alike; it is not marked lost: it
+serves again, at the same address, once it answers a probe
+(orchestrator/fleet/recovery.py), and the closes of its moved sessions wait
+for that. Each session replaces each kind at most
 `max_failovers` times, so a flapping cluster cannot keep a stream looping.
 
 FailoverVerifier / FailoverDrafter have the loop's client interfaces
@@ -51,7 +56,7 @@ from typing import Any
 import grpc
 
 from orchestrator.cycle.records import Draft, Verdict
-from orchestrator.fleet.clients import ServiceError
+from orchestrator.fleet.clients import Hung, ServiceError
 from orchestrator.fleet.pool import Pool, Replica
 from specd_core.errors import CapacityExceeded
 from specd_core.runtime.propose_call import ProposeCall
@@ -85,7 +90,8 @@ def reseeded(sampling, committed: int):
 
 def _close_quietly(client, session_id: str) -> None:
     """Free the session on a replica marked lost, in the background: a broken
-    stream does not always mean a dead process, and then it still holds KV."""
+    stream does not always mean a dead process, and then it still holds KV.
+    (A suspected replica's client keeps the close until the replica recovers.)"""
 
     async def close():
         with contextlib.suppress(Exception):  # the replica is likely gone; nothing to do
@@ -125,7 +131,7 @@ class _Lease:
 
     def lose(self, session_id: str, exc: ServiceError) -> None:
         r, client = self.held, self.client
-        if Pool.mark_lost(r, client):
+        if not isinstance(exc, Hung) and Pool.mark_lost(r, client):
             log.warning(
                 "%s %s at %s lost (%s): no new sessions go there",
                 self.pool.kind,
@@ -158,12 +164,18 @@ class FailoverVerifier:
         try:
             self.lease.acquire()
         except CapacityExceeded:  # none deployed or all draining: RESOURCE_EXHAUSTED; lost ones: UNAVAILABLE
-            lost = [r.spec.name for r in self.lease.pool.lost()]
-            if not lost:
+            pool = self.lease.pool
+            out = [f"{r.spec.name} lost" for r in pool.lost()] + [
+                f"{r.spec.name} suspected hung" for r in pool.suspected()
+            ]
+            if not out:
                 raise
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,
-                (f"no verifier is serving: {', '.join(lost)} lost (on Ray a restarted one serves again once found)"),
+                (
+                    f"no verifier is serving: {', '.join(out)} (on Ray a restarted one serves again once found; "
+                    "a suspected one once it answers a probe)"
+                ),
             ) from None
         while True:
             try:

@@ -20,6 +20,7 @@ from orchestrator.fleet.discovery import TargetsFile
 from orchestrator.fleet.failover import FailoverDrafter, FailoverVerifier
 from orchestrator.fleet.peers import Group, OrchestratorReport, Peers, PoolView, follow, merge_status
 from orchestrator.fleet.pool import Pool
+from orchestrator.fleet.recovery import Recovery
 from orchestrator.fleet.scaling import Launcher, Scaler
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Fleet:
         on_send: Callable[[str], Callable[[int], None]] | None = None,
         launcher: Launcher | None = None,
         peers: Peers | None = None,
+        on_hang: Callable[[str, str], None] | None = None,
     ):
         """specs: the replicas to start with (initial_replicas); admission: the
         orchestrator's own (its report shows it; the owner sets its share);
@@ -73,9 +75,11 @@ class Fleet:
         starts and stops replicas (on Ray), which makes the pools scalable;
         peers: the other orchestrators of the deployment (on Ray), of which
         the first (config.index 0) scales and the others follow it
-        (orchestrator/fleet/peers.py)."""
+        (orchestrator/fleet/peers.py); on_hang: told (event, pool) when a
+        replica is "suspected" hung and when it has "recovered" (metrics)."""
         self.config, self.admission, self.peers = config, admission, peers
         self.vocab_size, self.on_send = vocab_size, on_send
+        self.on_hang = on_hang or (lambda event, kind: None)
         self.pools = {"verifier": Pool("verifier"), "drafter": Pool("drafter")}
         for spec in specs:
             self.pools[spec.kind].add(spec, self.client_for(spec))
@@ -99,6 +103,12 @@ class Fleet:
         # Scaling needs a launcher (on Ray) and is the owner's alone; without
         # one the pools are fixed (or follow the owner's).
         self.scaler = self._scaler(launcher, on_change) if launcher and owner else None
+        # Every orchestrator probes the replicas it suspects (each finds its own).
+        self.recovery = (
+            Recovery(self.pools, config.hang.probe_s, lambda kind: self.on_hang("recovered", kind))
+            if config.hang.enabled
+            else None
+        )
 
     def _group(self, peers: Peers, on_change: Callable[[], None] | None) -> Group:
         total = self.config.admission_total or self.admission.limit
@@ -117,14 +127,16 @@ class Fleet:
         )
 
     def client_for(self, spec: ReplicaSpec):
-        tls, limit, timeout = self.config.tls, self.config.max_message_bytes, self.config.rpc_timeout_s
+        config, timeout = self.config, self.config.rpc_timeout_s
+        channel = {"tls": config.tls, "max_message_bytes": config.max_message_bytes, "hang": config.hang}
         client: GrpcVerifier | GrpcDrafter
         if spec.kind == "verifier":
-            client = GrpcVerifier(spec.address, timeout, tls=tls, max_message_bytes=limit)
+            client = GrpcVerifier(spec.address, timeout, **channel)
         else:
-            client = GrpcDrafter(spec.address, timeout, self.vocab_size, tls=tls, max_message_bytes=limit)
+            client = GrpcDrafter(spec.address, timeout, self.vocab_size, **channel)
         if self.on_send is not None:
             client.mux.on_send = self.on_send(spec.kind)
+        client.on_suspect = lambda: self.on_hang("suspected", spec.kind)
         return client
 
     def has_drafter(self) -> bool:
@@ -142,9 +154,12 @@ class Fleet:
         return FailoverDrafter(self.pools["drafter"], committed, self.config.max_failovers, rebuild=rebuild)
 
     def start(self) -> None:
-        """The background work of an owner that scales (reaping, autoscaling)."""
+        """The background work: probing suspected replicas; an owner that
+        scales also reaps, re-discovers and autoscales."""
         if self.scaler:
             self.scaler.start()
+        if self.recovery:
+            self.recovery.start()
 
     async def scale(self, counts: dict[str, int]) -> None:
         """Bring each named pool ("verifier", "drafter") to that many serving
@@ -241,6 +256,8 @@ class Fleet:
     async def aclose(self) -> None:
         if self.scaler:
             self.scaler.stop()
+        if self.recovery:
+            self.recovery.stop()
         for pool in self.pools.values():
             for r in pool.replicas.values():
                 await r.client.aclose()
@@ -254,14 +271,14 @@ def _replica_status(r, info: dict) -> dict:
         "node": r.spec.node,
         "sessions": r.sessions,
         "draining": r.draining,
-        "lost": r.lost,
+        "lost": r.lost or r.suspected,  # either way it takes no sessions until it serves again
         "metrics_address": r.spec.metrics_address,
         **{k: info[k] for k in REPLICA_INFO_FIELDS if k in info},
     }
 
 
 async def _info(replica) -> dict:
-    if replica.lost or not hasattr(replica.client, "info"):
+    if replica.lost or replica.suspected or not hasattr(replica.client, "info"):
         return {}
     try:
         return await replica.client.info(INFO_TIMEOUT_S)

@@ -6,7 +6,10 @@ drafter its own). Scaling down drains: a draining replica takes no new
 sessions and is handed back (`reap`) once its last session has ended. A lost
 replica (a call to it failed with UNAVAILABLE: orchestrator/fleet/failover.py) takes
 no new sessions until it is found serving again (`revive`: on Ray the actor
-restarts, often at a new port) or is known gone for good (`remove`). Pure
+restarts, often at a new port) or is known gone for good (`remove`). A
+suspected replica (its calls went unanswered past their deadline: its client's
+HangWatch, orchestrator/fleet/hang.py) takes no new sessions until it answers a
+probe (orchestrator/fleet/recovery.py). Pure
 bookkeeping, no grpc and no Ray: the scaler (orchestrator/fleet/scaling.py) starts
 and stops the replicas.
 """
@@ -36,6 +39,11 @@ class Replica:
     def sessions(self) -> int:
         return self.client.active
 
+    @property
+    def suspected(self) -> bool:
+        """Suspected hung (a client without hang detection never is)."""
+        return bool(getattr(self.client, "suspected", False))
+
 
 @dataclass
 class Pool:
@@ -51,7 +59,7 @@ class Pool:
         return r
 
     def serving(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if not r.draining and not r.lost]
+        return [r for r in self.replicas.values() if not r.draining and not r.lost and not r.suspected]
 
     def acquire(self) -> Replica:
         """The least-loaded serving replica, with one more session counted on it."""
@@ -80,6 +88,9 @@ class Pool:
 
     def lost(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.lost]
+
+    def suspected(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.suspected and not r.lost]
 
     def revive(self, name: str, spec: ReplicaSpec, client):
         """A lost replica serves again, maybe at a new address: route to it through

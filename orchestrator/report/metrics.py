@@ -83,6 +83,22 @@ class OrchestratorMetrics:
             ("kind",),
         )
 
+        # Hung replicas (orchestrator/fleet/hang.py), by the replica's pool.
+        self.hang_events = {
+            "suspected": metric(
+                Counter,
+                "specdec:hang_suspicions",
+                "Replicas suspected hung: a call unanswered past its deadline (kind: the replica's pool).",
+                ("kind",),
+            ),
+            "recovered": metric(
+                Counter,
+                "specdec:hang_recoveries",
+                "Suspected replicas back in service: they answered a health check and a probe (kind: pool).",
+                ("kind",),
+            ),
+        }
+
         # Sessions per Propose / Verify message: how well the sessions on one
         # replica advance in step (orchestrator/fleet/clients.py StreamMux).
         self.step_sessions = metric(
@@ -92,6 +108,10 @@ class OrchestratorMetrics:
             ("kind",),
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
+
+    def hang(self, event: str, kind: str) -> None:
+        """A replica of pool `kind` was "suspected" hung, or has "recovered"."""
+        self.hang_events[event].labels(kind).inc()
 
     def request(self) -> RequestMetrics:
         return RequestMetrics(self)
