@@ -135,11 +135,14 @@ def freeze_mid_stream(deployment, cases, kind):
     """8 streams; freeze a `kind` replica holding some of them until all have
     ended; check them; thaw it and check it is back, holding nothing.
     Returns the frozen replica's Status entry from before the freeze."""
+    # The first of the pool: the streams spread evenly (least loaded), so it
+    # takes half of them. Its process is found first, so that the freeze
+    # follows the streams' first tokens at once (on Ray that takes seconds).
+    busy = min((r for r in status(deployment).values() if r.kind == kind), key=lambda r: r.name)
+    assert not busy.lost
+    pid = deployment.pid(busy)
     streams = [Stream(deployment, prompt) for prompt, _ in cases]
     wait_for(lambda: all(len(s.tokens) >= ARRIVED or s.error for s in streams), "every stream's first tokens")
-    busy = max((r for r in status(deployment).values() if r.kind == kind), key=lambda r: r.sessions)
-    assert busy.sessions > 0 and not busy.lost
-    pid = deployment.pid(busy)
     frozen_at = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -157,8 +160,8 @@ def freeze_mid_stream(deployment, cases, kind):
         assert s.last.finish_reason == "length" and s.last.stats.completion_tokens == MAX_NEW
         silences.append(s.longest_silence(frozen_at))
     print(f"{kind} frozen: each stream's longest silence {[round(x, 2) for x in silences]} s")
-    # The freeze hit streams mid-way (their calls waited at least the floor)...
-    assert max(silences) >= 0.9 * HANG_FLOOR_S, silences
+    # The freeze hit its streams mid-way (their calls waited at least the floor)...
+    assert sum(x >= 0.9 * HANG_FLOOR_S for x in silences) >= STREAMS // 4, silences
     # ...and none waited past the detection bound plus one re-prefill (without
     # detection they would have waited until CLIENT_DEADLINE_S and failed).
     assert max(silences) < HANG_CEILING_S + PREFILL_ALLOWANCE_S, silences
