@@ -83,6 +83,7 @@ class Verifier(ModelCore):
         resume: bool = False,
         hidden: bool = False,
         generated_from: int = 0,
+        owner: str = "",
     ) -> OpenJob:
         """Check an OpenSession call (no lock, no forward), like `prepare`.
 
@@ -98,8 +99,12 @@ class Verifier(ModelCore):
         resume (None, None) - the drafter has the earlier features already.
 
         params.constraint: structured output (specd_core/runtime/grammar.py); after
-        a resume it consumes prompt_ids[generated_from:], the generated tokens."""
+        a resume it consumes prompt_ids[generated_from:], the generated tokens.
+
+        owner: who opens it (an orchestrator's incarnation): its sessions close
+        when it is not heard from for owner_timeout_s (specd_core/runtime/sessions.py)."""
         self._check_request(session_id, prompt_ids, params)
+        self.sessions.heard(owner)  # checked, and word from it while the prefill waits
         if resume and len(prompt_ids) < 2:
             raise InvalidRequest(
                 "a resumed session needs the prompt and at least one generated token "
@@ -114,7 +119,7 @@ class Verifier(ModelCore):
                 "of a resumed constrained session (where its generated tokens start)"
             )
         matcher = self.constraint(constraint, prompt_ids, generated_from if resume else 0)
-        return OpenJob(session_id, list(prompt_ids), params, resume, hidden, matcher)
+        return OpenJob(session_id, list(prompt_ids), params, resume, hidden, matcher, owner)
 
     def verify(
         self,
@@ -234,7 +239,7 @@ class Verifier(ModelCore):
         done = {}
         for (j, s), lg, h in zip(admitted, logits, states):
             done[id(j)] = self._first_token(j, s, lg[0], h)
-            self.sessions.add(j.session_id, s)
+            self.sessions.add(j.session_id, s, j.owner)
         return done
 
     def _reserve_verify(self, j: VerifyJob) -> None:
