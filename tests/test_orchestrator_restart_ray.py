@@ -11,7 +11,6 @@ process (its pid from Status) while greedy streams run on both.
 - The streams it carried broke; the others end exact (target-only greedy), and
   at the end no replica holds a session.
 """
-import json
 import os
 import signal
 import time
@@ -22,11 +21,19 @@ import pytest
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import open_channel
-from specd_core.runtime.models import load_model, load_tokenizer
+from specd_core.runtime.models import load_model
 from tests.test_cluster_scaling import greedy_check, long_pair, specd, wait_for  # noqa: F401
 from tests.test_greedy_exact import assert_same_or_near_tie
-from tests.test_orchestrators_ray import FIRST, SECOND, Stream, fresh_status, status
-from tests.tiny_models import corpus_lines
+from tests.test_orchestrators_ray import (
+    FIRST,
+    SECOND,
+    Stream,
+    corpus_prompts,
+    fresh_status,
+    orchestrator_targets,
+    status,
+    up_two,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -52,22 +59,10 @@ def orphans(address) -> dict:
     return {name: held[name] - reported.get(name, 0) for name in held}
 
 
-def orchestrator_targets(targets_file) -> dict:
-    return {g["labels"]["specd_replica"]: g["targets"][0] for g in json.loads(targets_file.read_text())
-            if g["labels"]["specd_kind"] == "orchestrator"}
-
-
 def test_a_killed_orchestrator_restarts_and_its_sessions_close(ray_cluster, long_pair, tmp_path):
-    target, drafter = long_pair
-    env = dict(os.environ, RAY_ADDRESS=ray_cluster, SPECD_HOME=str(tmp_path / "home"))
-    up = specd(["up", "--target", target, "--drafter", drafter, "--port", "0", "--http-port", "-1",
-                "--orchestrators", "2", "--owner-timeout-s", str(T)], env)
-    assert up.returncode == 0, up.stderr
-    address = up.stdout.strip().splitlines()[-1]
-    targets_file = tmp_path / "home" / "prometheus_targets.json"
-    tok = load_tokenizer(target)
-    lines = [line for line in corpus_lines() if len(line.strip()) > 30]
-    prompts = [tok(lines[i * 29])["input_ids"] for i in range(STREAMS)]
+    target, _ = long_pair
+    env, address, targets_file = up_two(ray_cluster, long_pair, tmp_path, "--owner-timeout-s", str(T))
+    prompts = corpus_prompts(target, STREAMS, 29)
     streams = []
     try:
         before = {o.name: o for o in fresh_status(address).orchestrators}
