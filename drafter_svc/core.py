@@ -68,13 +68,16 @@ class Drafter(ModelCore):
         params: SamplingParams,
         target_vocab_size: int = 0,
         generated_from: int = 0,
+        owner: str = "",
     ) -> None:
         """target_vocab_size: the target's rows (0 = the drafter's own); see drafter_svc/vocab.py.
         params.constraint: structured output; prompt_ids[generated_from:] are
-        generated tokens it consumes (a rebuilt session; 0 = none)."""
+        generated tokens it consumes (a rebuilt session; 0 = none). owner: who
+        opens it (Verifier.prepare_open)."""
         target_vocab = self._target_vocab(target_vocab_size)
         self.method.check_vocab(target_vocab_size, target_vocab, self.vocab_size)
         self._check_request(session_id, prompt_ids, params, target_vocab)
+        self.sessions.check_owner(owner)
         matcher = self.constraint(params.constraint, prompt_ids, generated_from)
         with self.sessions.lock:
             self.sessions.check_room(session_id)
@@ -82,7 +85,7 @@ class Drafter(ModelCore):
             s.constraint = matcher
             self.method.prefill(s, session_id, prompt_ids)
             s.base = s.cache.length
-            self.sessions.add(session_id, s)  # idle expiry counts from now
+            self.sessions.add(session_id, s, owner)  # idle (and owner) expiry count from now
 
     def warm_up(self) -> dict[str, float]:
         """Run the calls clients make before serving (specd_core/runtime/warmup.py)."""

@@ -77,6 +77,7 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
                 sampling_from_proto(request.sampling),
                 request.target_vocab_size,
                 generated_from=request.generated_from,
+                owner=request.owner,
             )
         close_if_caller_left(self.core, request.session_id, context)
         return pb.OpenDraftSessionResponse()
@@ -152,3 +153,9 @@ class DrafterServicer(pb_grpc.DrafterServiceServicer):
     def Info(self, request, context):
         """Its engine, model, dtype and KV budget (AdminService Status shows them)."""
         return pb.ReplicaInfo(**self.core.info())
+
+    @grpc_errors
+    def KeepAlive(self, request, context):
+        """An orchestrator is alive: its sessions here stay open (owner_timeout_s)."""
+        sessions, timeout = self.core.keep_alive(request.owner)
+        return pb.KeepAliveResponse(sessions=sessions, owner_timeout_s=timeout)

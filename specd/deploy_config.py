@@ -129,6 +129,15 @@ class DeploymentConfig:
         ),
     )
     kv_block_size: int = field(default=64, metadata=flag("tokens per block of the KV budget"))
+    # Every replica closes the sessions of an orchestrator it has not heard
+    # from for this long (one that died; specd_core/runtime/sessions.py).
+    owner_timeout_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "each replica closes the sessions of an orchestrator not heard from (calls, keep-alives) "
+            "for this long (0 = never)"
+        ),
+    )
     replica_gpus: float = field(default=0.0, metadata=flag("GPUs each replica asks Ray for (1 on GPU pools; 0 = CPU)"))
     autoscale: dict[str, AutoscalePolicy] = field(  # per pool, optional
         default_factory=dict, metadata=flag_group(add_autoscale_flags, autoscale_from_args)
@@ -185,6 +194,8 @@ class DeploymentConfig:
     drafter_resource: str = field(default="drafter", metadata=not_flag("the pool's Ray resource (deploy/)"))
     # Ray restarts a dead replica this often (then it is gone).
     replica_max_restarts: int = field(default=3, metadata=not_flag(FIXED))
+    # Ray restarts a dead orchestrator this often; it serves the same ports again.
+    orchestrator_max_restarts: int = field(default=3, metadata=not_flag(FIXED))
     # Per scaler tick, asking a lost replica where it serves.
     locate_timeout_s: float = field(default=2.0, metadata=not_flag(FIXED))
 

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import re
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -172,12 +173,18 @@ async def _on_loop(fn, *args):
 ORCHESTRATOR_CONCURRENCY = 16
 
 
-@ray.remote(num_cpus=0, max_restarts=3)
+@ray.remote(num_cpus=0)
 class OrchestratorActor:
     """One orchestrator of the deployment (orchestrator/fleet/peers.py): the
     first (index 0) scales the pools and the number of orchestrators; every
     one serves the deployment's one address (SO_REUSEPORT). Its Ray methods
-    are how the others reach it; each runs on the server's event loop."""
+    are how the others reach it; each runs on the server's event loop.
+
+    Ray restarts it when its process dies (DeploymentConfig.orchestrator_max_restarts),
+    with the arguments it was created with: its ports are fixed numbers by
+    then (`fixed_ports`), so it serves the same address again. The restarted
+    process is a new session owner (orchestrator/fleet/keepalive.py): the
+    replicas close the dead one's sessions within their owner_timeout_s."""
 
     def __init__(self, config: OrchestratorConfig, deployment: DeploymentConfig, view: PoolView | None = None):
         from orchestrator.edge.server import BackgroundServer
@@ -284,6 +291,27 @@ def orchestrator_config(cfg: DeploymentConfig, replicas: list[ReplicaSpec]) -> O
         replicas=replicas,
         admission_total=cfg.max_active_requests,
     )
+
+
+def fixed_ports(config: OrchestratorConfig) -> OrchestratorConfig:
+    """The config with "any free port" (gRPC 0, HTTP -1) replaced by free
+    ports chosen now. Ray restarts a dead orchestrator with the arguments it
+    was created with, and the restarted one must serve the address clients
+    were given. Called on the node the first orchestrator is pinned to (the
+    one running `specd up`); the actor checks again that they are free."""
+    from orchestrator.edge.server import address_family
+
+    wanted = (config.port == 0) + (config.http_port < 0)
+    with contextlib.ExitStack() as held:  # held together: two different ports
+        socks = [
+            held.enter_context(socket.socket(address_family(config.host), socket.SOCK_STREAM)) for _ in range(wanted)
+        ]
+        for sock in socks:
+            sock.bind((config.host, 0))
+        free = [sock.getsockname()[1] for sock in socks]
+    port = free.pop(0) if config.port == 0 else config.port
+    http_port = free.pop(0) if config.http_port < 0 else config.http_port
+    return dataclasses.replace(config, port=port, http_port=http_port)
 
 
 def _replica(cfg: DeploymentConfig, kind: str, name: str):
@@ -454,6 +482,7 @@ class RayPeers:
             lifetime="detached",
             scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False),
             max_concurrency=ORCHESTRATOR_CONCURRENCY,
+            max_restarts=self.cfg.orchestrator_max_restarts,
             **_actor_env((TOKENS_ENV,)),
         ).remote(config, self.cfg, view)
         try:
@@ -548,8 +577,9 @@ def _deploy(cfg: DeploymentConfig, handles: list, warn: Callable[[str], None] | 
         lifetime="detached",
         scheduling_strategy=here,
         max_concurrency=ORCHESTRATOR_CONCURRENCY,
+        max_restarts=cfg.orchestrator_max_restarts,
         **_actor_env((TOKENS_ENV,)),
-    ).remote(orchestrator_config(cfg, specs), cfg)
+    ).remote(fixed_ports(orchestrator_config(cfg, specs)), cfg)
     handles.append(orch)
     not_ready = TimeoutError(f"the orchestrator did not start within {cfg.ready_timeout_s}s")
     address = _ready([orch.address.remote()], cfg.ready_timeout_s, "the orchestrator", not_ready)[0]

@@ -293,6 +293,19 @@ def test_fuzz_admin(stack, stubs, scale, status):
     alive(stack)
 
 
+@settings(max_examples=20, **FUZZ)
+@given(req=message_strategy(pb.KeepAliveRequest))
+def test_fuzz_keep_alive(stack, stubs, req):
+    for stub in stubs[:2]:
+        code, details, r = call(stub.KeepAlive, req)
+        assert_clear(code, details, req)
+        if code == OK:      # an owner nobody opened a session for has none
+            assert r.sessions == 0 and r.owner_timeout_s > 0, r
+        else:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "owner" in details, (code, details)
+    alive(stack)
+
+
 # ----------------------------------------------------- the context's end --
 
 def test_wide_trees_at_the_end_of_the_context(stack, stubs, pairs):

@@ -44,22 +44,37 @@ def fresh_status(address) -> pb.ClusterStatus:
         return status(ch)
 
 
-def listed_orchestrators(targets_file) -> set:
-    return {g["labels"]["specd_replica"] for g in json.loads(targets_file.read_text())
+def orchestrator_targets(targets_file) -> dict:
+    """Orchestrator name -> its /metrics address, as the targets file lists them."""
+    return {g["labels"]["specd_replica"]: g["targets"][0] for g in json.loads(targets_file.read_text())
             if g["labels"]["specd_kind"] == "orchestrator"}
+
+
+def listed_orchestrators(targets_file) -> set:
+    return set(orchestrator_targets(targets_file))
+
+
+def up_two(ray_cluster, long_pair, tmp_path, *flags):
+    """`specd up --orchestrators 2` (any free ports) on the shared head: its
+    environment (for `specd down`), the one address and the targets file."""
+    target, drafter = long_pair
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster, SPECD_HOME=str(tmp_path / "home"))
+    up = specd(["up", "--target", target, "--drafter", drafter, "--port", "0", "--http-port", "-1",
+                "--orchestrators", "2", *flags], env)
+    assert up.returncode == 0, up.stderr
+    return env, up.stdout.strip().splitlines()[-1], tmp_path / "home" / "prometheus_targets.json"
+
+
+def corpus_prompts(target, n, step) -> list:
+    tok = load_tokenizer(target)
+    lines = [line for line in corpus_lines() if len(line.strip()) > 30]
+    return [tok(lines[i * step])["input_ids"] for i in range(n)]
 
 
 def test_two_orchestrators_one_address_scale_down_while_streaming(ray_cluster, long_pair, tmp_path):
     target, drafter = long_pair
-    env = dict(os.environ, RAY_ADDRESS=ray_cluster, SPECD_HOME=str(tmp_path / "home"))
-    up = specd(["up", "--target", target, "--drafter", drafter, "--port", "0", "--http-port", "-1",
-                "--orchestrators", "2", "--max-active-requests", str(LIMIT)], env)
-    assert up.returncode == 0, up.stderr
-    address = up.stdout.strip().splitlines()[-1]
-    targets_file = tmp_path / "home" / "prometheus_targets.json"
-    tok = load_tokenizer(target)
-    lines = [line for line in corpus_lines() if len(line.strip()) > 30]
-    prompts = [tok(lines[i * 23])["input_ids"] for i in range(STREAMS)]
+    env, address, targets_file = up_two(ray_cluster, long_pair, tmp_path, "--max-active-requests", str(LIMIT))
+    prompts = corpus_prompts(target, STREAMS, 23)
     streams, held, release = [], [], threading.Event()
     try:
         s = fresh_status(address)

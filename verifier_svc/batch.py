@@ -73,6 +73,7 @@ class OpenJob:
     resume: bool = False
     hidden: bool = False
     constraint: Constraint | None = None  # structured output, standing at the committed tokens
+    owner: str = ""  # who opened it (SessionTable.add)
 
 
 def is_chain(tree: TokenTree) -> bool:

@@ -83,6 +83,7 @@ class Verifier(ModelCore):
         resume: bool = False,
         hidden: bool = False,
         generated_from: int = 0,
+        owner: str = "",
     ) -> OpenJob:
         """Check an OpenSession call (no lock, no forward), like `prepare`.
 
@@ -99,8 +100,12 @@ class Verifier(ModelCore):
 
         params.constraint: structured output (specd_core/runtime/grammar.py); it
         consumes prompt_ids[generated_from:], the generated tokens (after a
-        resume, or a resumed Generate's first open; 0 = none)."""
+        resume, or a resumed Generate's first open; 0 = none).
+
+        owner: who opens it (an orchestrator's incarnation): its sessions close
+        when it is not heard from for owner_timeout_s (specd_core/runtime/sessions.py)."""
         self._check_request(session_id, prompt_ids, params)
+        self.sessions.heard(owner)  # checked, and word from it while the prefill waits
         if resume and len(prompt_ids) < 2:
             raise InvalidRequest(
                 "a resumed session needs the prompt and at least one generated token "
@@ -115,7 +120,7 @@ class Verifier(ModelCore):
                 "of a resumed constrained session (where its generated tokens start)"
             )
         matcher = self.constraint(constraint, prompt_ids, generated_from)
-        return OpenJob(session_id, list(prompt_ids), params, resume, hidden, matcher)
+        return OpenJob(session_id, list(prompt_ids), params, resume, hidden, matcher, owner)
 
     def verify(
         self,
@@ -235,7 +240,7 @@ class Verifier(ModelCore):
         done = {}
         for (j, s), lg, h in zip(admitted, logits, states):
             done[id(j)] = self._first_token(j, s, lg[0], h)
-            self.sessions.add(j.session_id, s)
+            self.sessions.add(j.session_id, s, j.owner)
         return done
 
     def _reserve_verify(self, j: VerifyJob) -> None:

@@ -7,12 +7,13 @@ from __future__ import annotations
 from prometheus_client import Gauge, Histogram
 
 from specd_core.runtime.grammar import live_matchers
-from specd_core.telemetry.metrics import COUNT_BUCKETS, SpecDecodeCounters, metric
+from specd_core.telemetry.metrics import COUNT_BUCKETS, SpecDecodeCounters, count_expired_sessions, metric
 
 
 class VerifierMetrics:
     def __init__(self, core):
         self.spec = SpecDecodeCounters()
+        count_expired_sessions(core.sessions)
         self.batch_size = metric(
             Histogram,
             "specdec:verify_batch_size",

@@ -64,6 +64,7 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
                 resume=request.resume,
                 hidden=request.return_hidden_states,
                 generated_from=request.generated_from,
+                owner=request.owner,
             )
             first = self.batcher.submit(job).result()
         close_if_caller_left(self.core, request.session_id, context)
@@ -137,3 +138,9 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
     def Info(self, request, context):
         """Its engine, model, dtype and KV budget (AdminService Status shows them)."""
         return pb.ReplicaInfo(**self.core.info())
+
+    @grpc_errors
+    def KeepAlive(self, request, context):
+        """An orchestrator is alive: its sessions here stay open (owner_timeout_s)."""
+        sessions, timeout = self.core.keep_alive(request.owner)
+        return pb.KeepAliveResponse(sessions=sessions, owner_timeout_s=timeout)

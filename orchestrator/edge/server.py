@@ -46,7 +46,7 @@ class _Uvicorn(uvicorn.Server):
 SHARE_PORTS = ("", "first", "join")  # OrchestratorConfig.share_ports
 
 
-def _family(host: str) -> socket.AddressFamily:
+def address_family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
@@ -55,7 +55,7 @@ def claim_port(host: str, port: int, what: str) -> int:
     for a moment WITHOUT SO_REUSEPORT, which fails while any server listens
     there (sharing or not), so a group never joins an unrelated server. Port
     0: a free one. Returns the port."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
+    with socket.socket(address_family(host), socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # old connections' TIME_WAIT is no conflict
         try:
             probe.bind((host, port))
@@ -76,7 +76,7 @@ class HttpServer:
             if config.share_ports == "first":
                 port = claim_port(config.host, port, "the HTTP API")
             self.sock = socket.create_server(
-                (config.host, port), family=_family(config.host), reuse_port=bool(config.share_ports)
+                (config.host, port), family=address_family(config.host), reuse_port=bool(config.share_ports)
             )
         except OSError as exc:
             raise OSError(

@@ -214,6 +214,9 @@ class _Client:
     service = ""  # the grpc service name, for span attributes and its health check
     kind = ""  # "verifier" | "drafter"
     mux: StreamMux  # the subclass's per-cycle stream
+    # Who opens the sessions (this orchestrator's incarnation): the replica
+    # closes them if it stops hearing from it (orchestrator/fleet/keepalive.py).
+    session_owner = ""
 
     def __init__(
         self,
@@ -360,11 +363,22 @@ class _Client:
 
     async def info(self, timeout_s: float) -> dict:
         """The replica's ReplicaInfo as a dict (engine, model, KV budget...)."""
+        r = await self._untraced(self.stub.Info, pb.ReplicaInfoRequest(), timeout_s)
+        return {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
+
+    async def keep_alive(self, timeout_s: float) -> float:
+        """Tell the replica that this orchestrator (`session_owner`) is alive; returns
+        the replica's owner_timeout_s (orchestrator/fleet/keepalive.py)."""
+        r = await self._untraced(self.stub.KeepAlive, pb.KeepAliveRequest(owner=self.session_owner), timeout_s)
+        return r.owner_timeout_s
+
+    @staticmethod
+    async def _untraced(method, request, timeout_s: float):
+        """A housekeeping call (no span, its own deadline)."""
         try:
-            r = await self.stub.Info(pb.ReplicaInfoRequest(), timeout=timeout_s)
+            return await method(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise ServiceError(exc.code(), exc.details() or str(exc.code())) from None
-        return {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
 
     async def aclose(self) -> None:
         await self.channel.close()
@@ -393,6 +407,7 @@ class GrpcVerifier(_Client):
                 resume=resume,
                 return_hidden_states=hidden,
                 generated_from=generated_from,
+                owner=self.session_owner,
             ),
             "specdec.prefill",
             "OpenSession",
@@ -451,6 +466,7 @@ class GrpcDrafter(_Client):
                 sampling=sampling_to_proto(sampling),
                 target_vocab_size=self.target_vocab_size,
                 generated_from=generated_from,
+                owner=self.session_owner,
             ),
             "specdec.draft_prefill",
             "OpenSession",

@@ -18,6 +18,7 @@ from orchestrator.fleet.admission import Admission
 from orchestrator.fleet.clients import GrpcDrafter, GrpcVerifier, ServiceError
 from orchestrator.fleet.discovery import TargetsFile
 from orchestrator.fleet.failover import FailoverDrafter, FailoverVerifier
+from orchestrator.fleet.keepalive import KeepAlive, session_owner_name
 from orchestrator.fleet.peers import Group, OrchestratorReport, Peers, PoolView, follow, merge_status
 from orchestrator.fleet.pool import Pool
 from orchestrator.fleet.recovery import Recovery
@@ -80,7 +81,12 @@ class Fleet:
         self.config, self.admission, self.peers = config, admission, peers
         self.vocab_size, self.on_send = vocab_size, on_send
         self.on_hang = on_hang or (lambda event, kind: None)
+        # Who opens this process's sessions (their `owner` field; not the
+        # owner orchestrator of a group): the replicas close them when they
+        # stop hearing from it (orchestrator/fleet/keepalive.py).
+        self.session_owner = session_owner_name(config.name)
         self.pools = {"verifier": Pool("verifier"), "drafter": Pool("drafter")}
+        self.keepalive = KeepAlive(self.pools)
         for spec in specs:
             self.pools[spec.kind].add(spec, self.client_for(spec))
         # Every /metrics endpoint for Prometheus, rewritten on each pool change.
@@ -137,6 +143,7 @@ class Fleet:
         if self.on_send is not None:
             client.mux.on_send = self.on_send(spec.kind)
         client.on_suspect = lambda: self.on_hang("suspected", spec.kind)
+        client.session_owner = self.session_owner
         return client
 
     def has_drafter(self) -> bool:
@@ -154,8 +161,10 @@ class Fleet:
         return FailoverDrafter(self.pools["drafter"], committed, self.config.max_failovers, rebuild=rebuild)
 
     def start(self) -> None:
-        """The background work: probing suspected replicas; an owner that
-        scales also reaps, re-discovers and autoscales."""
+        """The background work: keep-alives to the replicas, probing
+        suspected ones; an owner that scales also reaps, re-discovers and
+        autoscales."""
+        self.keepalive.start()
         if self.scaler:
             self.scaler.start()
         if self.recovery:
@@ -254,6 +263,7 @@ class Fleet:
         }
 
     async def aclose(self) -> None:
+        self.keepalive.stop()
         if self.scaler:
             self.scaler.stop()
         if self.recovery:

@@ -113,6 +113,18 @@ class ModelServiceConfig:
     session_idle_timeout_s: float = field(
         default=600.0, metadata=flag("close a session without a call for this long (0 = never)")
     )
+    # The sessions of an orchestrator not heard from (no call of it, no
+    # keep-alive) for this long are closed: it died, and its sessions would
+    # otherwise hold KV until the idle timeout, which must stay long for slow
+    # clients. A live orchestrator sends a keep-alive every quarter of it
+    # (orchestrator/fleet/keepalive.py). Sessions opened without an owner keep
+    # only the idle rule. 0 = never.
+    owner_timeout_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "close the sessions of an orchestrator not heard from (calls, keep-alives) for this long (0 = never)"
+        ),
+    )
     # Calls waiting for a batch past this many: RESOURCE_EXHAUSTED (a bounded
     # queue; the orchestrator sends one call per session at a time, so only a
     # misbehaving client gets here).

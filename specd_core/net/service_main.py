@@ -25,7 +25,7 @@ def serve_model_core(core, config, add_servicer, servicer, service_name: str):
     expire idle sessions, serve; return (server, port)."""
     if config.warmup:  # before the server exists: health says SERVING only once warm
         core.warm_up()
-    start_reaper(core)  # idle sessions expire (config.session_idle_timeout_s)
+    start_reaper(core)  # idle and orphaned sessions expire (session_idle_timeout_s, owner_timeout_s)
     return start_sync_server(
         add_servicer,
         servicer,

@@ -60,7 +60,9 @@ class ModelCore:
         self.vocab_size = vocab_size(self.model)
         self.context_length = context_length(self.model.config)
         self.kv_pool = self._install_kv_pool()
-        self.sessions = SessionTable(role, config.max_sessions, config.session_idle_timeout_s)
+        self.sessions = SessionTable(
+            role, config.max_sessions, config.session_idle_timeout_s, getattr(config, "owner_timeout_s", 0.0)
+        )
         self.tokenizer_dir = tokenizer_dir or config.model_dir
         # Built on the first constrained session; kept, engine or reason, so a
         # tokenizer it cannot run over is read (and logged) once.
@@ -114,6 +116,14 @@ class ModelCore:
     def expire_idle(self, now: float | None = None) -> list[str]:
         """Close the sessions idle past `session_idle_timeout_s` (SessionTable.expire_idle)."""
         return self.sessions.expire_idle(now)
+
+    def expire_orphans(self, now: float | None = None) -> list[str]:
+        """Close the sessions of owners silent past `owner_timeout_s` (SessionTable.expire_orphans)."""
+        return self.sessions.expire_orphans(now)
+
+    def keep_alive(self, owner: str) -> tuple[int, float]:
+        """An owner says it is alive: (its sessions here, the owner timeout it must beat)."""
+        return self.sessions.heard(owner), self.sessions.owner_timeout_s
 
     @property
     def grammar(self) -> GrammarEngine:

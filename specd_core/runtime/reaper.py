@@ -1,10 +1,20 @@
-"""Closing idle sessions (drafter and verifier): a daemon thread that calls the
-core's `expire_idle` every so often. The rule itself (what is idle, what is
-remembered) lives in the session table (specd_core/runtime/sessions.py) and is tested there."""
+"""Closing abandoned sessions (drafter and verifier): a daemon thread that calls
+the core's `expire_idle` and `expire_orphans` every so often. The rules
+themselves (what is idle, whose owner is gone, what is remembered) live in the
+session table (specd_core/runtime/sessions.py) and are tested there."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+
+log = logging.getLogger(__name__)
+
+# The thread woke this fraction of the owner timeout late: the process itself
+# was not running (SIGSTOP, a paused VM, starved), and the owners' silence is
+# partly its own (SessionTable.pardon_owners).
+STALL_FRACTION = 0.25
 
 
 def check_interval(timeout_s: float) -> float:
@@ -14,16 +24,30 @@ def check_interval(timeout_s: float) -> float:
 
 
 def start_reaper(core) -> threading.Event | None:
-    """Start expiring `core`'s idle sessions; set the returned event to stop.
-    None when the config turns expiry off (session_idle_timeout_s <= 0)."""
-    timeout = core.config.session_idle_timeout_s
-    if timeout <= 0:
+    """Start expiring `core`'s idle sessions and those of vanished owners; set
+    the returned event to stop. None when the config turns both off
+    (session_idle_timeout_s and owner_timeout_s <= 0). Each rule is checked
+    at least every quarter of its own timeout (the thread wakes at the
+    shorter one's pace)."""
+    owner_timeout = core.config.owner_timeout_s
+    timeouts = [t for t in (core.config.session_idle_timeout_s, owner_timeout) if t > 0]
+    if not timeouts:
         return None
     stop = threading.Event()
+    interval = check_interval(min(timeouts))
 
     def run():
-        while not stop.wait(check_interval(timeout)):
+        slept = time.monotonic()
+        while not stop.wait(interval):
+            late = time.monotonic() - slept - interval
+            if owner_timeout > 0 and late > STALL_FRACTION * owner_timeout:
+                log.warning(
+                    "%s was not running for %.1f s: its sessions' owners count as heard from now", core.role, late
+                )
+                core.sessions.pardon_owners()
             core.expire_idle()
+            core.expire_orphans()
+            slept = time.monotonic()
 
     threading.Thread(target=run, daemon=True, name=f"{core.role}-reaper").start()
     return stop

@@ -1,6 +1,7 @@
 """A replica's session table, held by the drafter and verifier cores: the open
 sessions, the lock their forwards run under, admission of a new id, idle
-expiry, and what a late or unknown id is told. What a session is (its cache,
+expiry, the expiry of a vanished owner's sessions, and what a late or unknown
+id is told. What a session is (its cache,
 its tokens) is the core's; the table only needs `session.cache.release()` and
 an optional `session.constraint`."""
 
@@ -10,6 +11,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from specd_core.errors import CapacityExceeded, InvalidRequest, SessionExpired, UnknownSession
 
@@ -22,6 +24,7 @@ EXPIRED_IDS_KEPT = 4096
 # is expected to call again soon; the moving average's weight per call.
 ACTIVE_INTERVALS = 3.0
 INTERVAL_EMA = 0.05
+MAX_OWNER = 256  # characters of an owner's name (held in tables, echoed in logs)
 
 
 class SessionTable:
@@ -30,12 +33,19 @@ class SessionTable:
     batcher instead, specd_core/runtime/batcher.py); adding, closing and
     expiring take it too."""
 
-    def __init__(self, role: str, max_sessions: int, idle_timeout_s: float):
+    def __init__(self, role: str, max_sessions: int, idle_timeout_s: float, owner_timeout_s: float = 0.0):
         self.role, self.max_sessions, self.idle_timeout_s = role, max_sessions, idle_timeout_s
+        self.owner_timeout_s = owner_timeout_s
         self.lock = threading.Lock()
         self._sessions: dict = {}
         self._touched: dict[str, float] = {}  # session id -> time.monotonic() of its last call
-        self._expired: collections.OrderedDict[str, float] = collections.OrderedDict()  # id -> idle seconds
+        # Owned sessions (opened with an owner: an orchestrator's incarnation)
+        # and when each owner was last heard from (a call, a keep-alive).
+        self._owner_of: dict[str, str] = {}
+        self._heard: dict[str, float] = {}
+        self._expired: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why it expired
+        # Told (reason "idle" | "owner", how many) when sessions expire (a metric).
+        self.on_expired: Callable[[str, int], None] | None = None
         self.call_interval_s = 0.0  # moving average of the time between a session's calls
         # Ids closed before they were opened (bounded like _expired). A caller
         # that gives up while its OpenSession is in flight closes the id at once;
@@ -80,11 +90,39 @@ class SessionTable:
         if len(self._sessions) + pending >= self.max_sessions:
             raise CapacityExceeded(f"{self.role} is at its limit of {self.max_sessions} sessions")
 
-    def add(self, session_id: str, session) -> None:
-        """Under the lock: register a new session (and forget an old expiry of its id)."""
+    def add(self, session_id: str, session, owner: str = "") -> None:
+        """Under the lock: register a new session (and forget an old expiry of
+        its id); owner: who opened it ("" = nobody in particular: only the idle
+        rule applies)."""
+        now = time.monotonic()
         self._sessions[session_id] = session
-        self._touched[session_id] = time.monotonic()
+        self._touched[session_id] = now
         self._expired.pop(session_id, None)
+        if owner:
+            self._owner_of[session_id] = owner
+            self._heard[owner] = now
+
+    @staticmethod
+    def check_owner(owner: str) -> None:
+        if len(owner) > MAX_OWNER:
+            raise InvalidRequest(f"owner has {len(owner)} characters; at most {MAX_OWNER} are allowed")
+
+    def heard(self, owner: str) -> int:
+        """An owner is alive (its keep-alive): its sessions' clock restarts.
+        Returns how many sessions it has open here. No lock: plain stores, as in `get`."""
+        self.check_owner(owner)
+        if not owner:
+            return 0
+        self._heard[owner] = time.monotonic()
+        return sum(1 for o in list(self._owner_of.values()) if o == owner)
+
+    def pardon_owners(self) -> None:
+        """Every owner counts as heard from now: this replica itself was not
+        running (stopped, paused, starved), so the silence it measured is
+        partly its own, and a live owner's keep-alives may still be queued."""
+        now = time.monotonic()
+        for owner in list(self._heard):
+            self._heard[owner] = now
 
     @staticmethod
     def _free(session) -> None:
@@ -99,6 +137,7 @@ class SessionTable:
     def close(self, session_id: str) -> None:
         with self.lock:
             self._touched.pop(session_id, None)
+            self._owner_of.pop(session_id, None)
             session = self._sessions.pop(session_id, None)
             if session is not None:
                 self._free(session)
@@ -118,26 +157,63 @@ class SessionTable:
             return []
         now = time.monotonic() if now is None else now
         with self.lock:
-            stale = [sid for sid in self._sessions if now - self._touched.get(sid, now) > timeout]
-            for sid in stale:
-                self._free(self._sessions.pop(sid))
-                self._expired[sid] = now - self._touched.pop(sid)
+            stale = {sid: now - self._touched.get(sid, now) for sid in self._sessions}
+            stale = {sid: idle for sid, idle in stale.items() if idle > timeout}
+            for sid, idle in stale.items():
+                self._drop(sid, f"no call for {idle:.1f} s (this {self.role}'s session_idle_timeout_s is {timeout:g})")
             for sid in [sid for sid in list(self._touched) if sid not in self._sessions]:
                 self._touched.pop(sid, None)  # left by a call racing its session's close
-            while len(self._expired) > EXPIRED_IDS_KEPT:
-                self._expired.popitem(last=False)
-        for sid in stale:
-            log.info("%s session %r expired after %.0f s idle", self.role, sid, self._expired.get(sid, timeout))
-        return stale
+        for sid, idle in stale.items():
+            log.info("%s session %r expired after %.0f s idle", self.role, sid, idle)
+        self._count("idle", len(stale))
+        return list(stale)
+
+    def expire_orphans(self, now: float | None = None) -> list[str]:
+        """Close the sessions of every owner not heard from for
+        `owner_timeout_s` (an orchestrator that died: a restarted one is a new
+        owner); return their ids. Sessions without an owner are not touched."""
+        timeout = self.owner_timeout_s
+        if timeout <= 0:
+            return []
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            gone = {o: now - t for o, t in list(self._heard.items()) if now - t > timeout}
+            stale = [(sid, o) for sid, o in list(self._owner_of.items()) if o in gone]
+            for sid, owner in stale:
+                why = f"its owner {owner!r} was not heard from for {gone[owner]:.1f} s"
+                self._drop(sid, f"{why} (this {self.role}'s owner_timeout_s is {timeout:g})")
+            for owner in gone:  # none of its sessions is left
+                del self._heard[owner]
+        for owner, closed in collections.Counter(o for _, o in stale).items():
+            log.warning(
+                "%s closed %d session(s) of %r: not heard from for %.1f s (owner_timeout_s %g)",
+                self.role,
+                closed,
+                owner,
+                gone[owner],
+                timeout,
+            )
+        self._count("owner", len(stale))
+        return [sid for sid, _ in stale]
+
+    def _drop(self, session_id: str, why: str) -> None:
+        """Under the lock: close a session the table expires itself, noting why
+        for its late calls."""
+        self._free(self._sessions.pop(session_id))
+        self._touched.pop(session_id, None)
+        self._owner_of.pop(session_id, None)
+        self._expired[session_id] = why
+        while len(self._expired) > EXPIRED_IDS_KEPT:
+            self._expired.popitem(last=False)
+
+    def _count(self, reason: str, n: int) -> None:
+        if n and self.on_expired is not None:
+            self.on_expired(reason, n)
 
     def _raise_missing(self, session_id: str):
-        idle = self._expired.get(session_id)
-        if idle is not None:
-            raise SessionExpired(
-                f"session {session_id!r} expired: no call for {idle:.1f} s (this {self.role}'s "
-                f"session_idle_timeout_s is {self.idle_timeout_s:g}); "
-                f"open a new session"
-            )
+        why = self._expired.get(session_id)
+        if why is not None:
+            raise SessionExpired(f"session {session_id!r} expired: {why}; open a new session")
         raise UnknownSession(f"unknown session id {session_id!r}")
 
     def live(self, jobs: list) -> list:
@@ -156,6 +232,9 @@ class SessionTable:
         now = time.monotonic()
         last = self._touched.get(session_id)
         self._touched[session_id] = now
+        owner = self._owner_of.get(session_id)
+        if owner is not None:  # a call of the owner's is word from it
+            self._heard[owner] = now
         if last is not None:  # a moving average over all sessions' calls (races only blur it)
             ema = self.call_interval_s
             # Clipped: one session back after a long stall must not make every

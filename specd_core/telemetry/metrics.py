@@ -86,6 +86,21 @@ def metric(cls, name: str, documentation: str, labelnames=(), **kwargs):
     return made
 
 
+def count_expired_sessions(table) -> None:
+    """Count the sessions a replica's session table closes by itself
+    (specd_core/runtime/sessions.py: its `on_expired`), by reason: `idle` (no
+    call for session_idle_timeout_s) or `owner` (their orchestrator not heard
+    from for owner_timeout_s)."""
+    counter = metric(
+        Counter,
+        "specdec:sessions_expired",
+        "Sessions the replica closed by itself: idle (no call for session_idle_timeout_s) or owner "
+        "(their orchestrator not heard from for owner_timeout_s).",
+        ("reason",),
+    )
+    table.on_expired = lambda reason, n: counter.labels(reason).inc(n)
+
+
 def serve(port: int, host: str = "127.0.0.1") -> int:
     """Serve /metrics over HTTP on a daemon thread; port 0 = any free port.
     Returns the bound port. With $SPECD_METRICS_TOKEN set, only requests

@@ -83,18 +83,20 @@ class HiddenStates(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class OpenDraftSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "target_vocab_size", "generated_from")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "target_vocab_size", "generated_from", "owner")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FROM_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     target_vocab_size: int
     generated_from: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target_vocab_size: _Optional[int] = ..., generated_from: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target_vocab_size: _Optional[int] = ..., generated_from: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class OpenDraftSessionResponse(_message.Message):
     __slots__ = ()
@@ -235,20 +237,22 @@ class ReplicaInfo(_message.Message):
     def __init__(self, engine: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class OpenVerifySessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "resume", "return_hidden_states", "generated_from")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "resume", "return_hidden_states", "generated_from", "owner")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FROM_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     resume: bool
     return_hidden_states: bool
     generated_from: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., return_hidden_states: _Optional[bool] = ..., generated_from: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., return_hidden_states: _Optional[bool] = ..., generated_from: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class OpenVerifySessionResponse(_message.Message):
     __slots__ = ("first_token_id", "hidden_states")
@@ -532,3 +536,17 @@ class ClusterStatus(_message.Message):
     max_active_requests: int
     answered_by: str
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., active_requests: _Optional[int] = ..., scalable: _Optional[bool] = ..., autoscale: _Optional[_Mapping[str, str]] = ..., metrics_address: _Optional[str] = ..., orchestrators: _Optional[_Iterable[_Union[OrchestratorStatus, _Mapping]]] = ..., max_active_requests: _Optional[int] = ..., answered_by: _Optional[str] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("owner",)
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    def __init__(self, owner: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("sessions", "owner_timeout_s")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    owner_timeout_s: float
+    def __init__(self, sessions: _Optional[int] = ..., owner_timeout_s: _Optional[float] = ...) -> None: ...

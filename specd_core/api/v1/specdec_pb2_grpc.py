@@ -64,6 +64,11 @@ class DrafterServiceStub:
                 request_serializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.SerializeToString,
                 response_deserializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/specdec.v1.DrafterService/KeepAlive',
+                request_serializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServiceServicer:
@@ -110,6 +115,13 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """An orchestrator says it is alive (sessions' owners: OpenSession.owner).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +154,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.FromString,
                     response_serializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveRequest.FromString,
+                    response_serializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +333,33 @@ class DrafterService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DrafterService/KeepAlive',
+            specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveRequest.SerializeToString,
+            specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class VerifierServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -355,6 +399,11 @@ class VerifierServiceStub:
                 '/specdec.v1.VerifierService/Info',
                 request_serializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.SerializeToString,
                 response_deserializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.FromString,
+                _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/specdec.v1.VerifierService/KeepAlive',
+                request_serializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
 
 
@@ -397,6 +446,13 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """An orchestrator says it is alive (sessions' owners: OpenSession.owner).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -429,6 +485,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.FromString,
                     response_serializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveRequest.FromString,
+                    response_serializer=specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -593,6 +654,33 @@ class VerifierService:
             '/specdec.v1.VerifierService/Info',
             specd__core_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfoRequest.SerializeToString,
             specd__core_dot_api_dot_v1_dot_specdec__pb2.ReplicaInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.VerifierService/KeepAlive',
+            specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveRequest.SerializeToString,
+            specd__core_dot_api_dot_v1_dot_specdec__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,
