@@ -192,10 +192,14 @@ class DeploymentConfig:
     # Ray custom resources of the pools (deploy/cluster.yaml's node types).
     verifier_resource: str = field(default="verifier", metadata=not_flag("the pool's Ray resource (deploy/)"))
     drafter_resource: str = field(default="drafter", metadata=not_flag("the pool's Ray resource (deploy/)"))
-    # Ray restarts a dead replica this often (then it is gone).
-    replica_max_restarts: int = field(default=3, metadata=not_flag(FIXED))
+    # Ray restarts a dead replica this often over the deployment's life
+    # (then it is gone); -1 = always. Bounded by default so that a replica that
+    # dies at every start does not loop for ever.
+    replica_max_restarts: int = field(default=3, metadata=flag("times Ray restarts a dead replica (-1 = always)"))
     # Ray restarts a dead orchestrator this often; it serves the same ports again.
-    orchestrator_max_restarts: int = field(default=3, metadata=not_flag(FIXED))
+    orchestrator_max_restarts: int = field(
+        default=3, metadata=flag("times Ray restarts a dead orchestrator (-1 = always)")
+    )
     # Per scaler tick, asking a lost replica where it serves.
     locate_timeout_s: float = field(default=2.0, metadata=not_flag(FIXED))
 
