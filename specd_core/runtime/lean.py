@@ -240,9 +240,10 @@ class LeanModel:
         # RoPE and the cast to the cache's dtype once over every session's rows.
         cos, sin = rope
         q = self._rope(q, cos, sin).to(kvt)  # (R, nh, hd)
-        data = step.data[i]  # (2, storage rows, nkv, hd)
-        data[0].index_put_((step.write,), self._rope(k, cos, sin).to(kvt))
-        data[1].index_put_((step.write,), v.view(rows, nkv, hd).to(kvt))
+        # Every session's new rows, K and V side by side, in one indexed write.
+        new = torch.stack((self._rope(k, cos, sin), v.view(rows, nkv, hd)), 1).to(kvt)  # (R, 2, nkv, hd)
+        data = step.data[i].view(step.data.shape[1], -1)  # (storage rows, 2 * nkv * hd)
+        data.index_copy_(0, step.write, new.view(rows, -1))
         ys = [self._attend(data, q, g, L["kind"]) for g in step.groups]
         y = ys[0] if len(ys) == 1 else torch.cat(ys)  # (padded rows, nh * hd)
         if step.order is not None:
@@ -254,8 +255,9 @@ class LeanModel:
         """One group's attention in one call: its keys gathered from the
         blocks by one index, (size * rows, nh * hd)."""
         hd, nh = self.head_dim, self.n_heads
-        kv = data[:, g.keys[kind]]  # (2, size, K, nkv, hd)
-        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (size, nkv, K, hd)
+        keys = g.keys[kind]
+        kv = torch.index_select(data, 0, keys.view(-1)).view(*keys.shape, 2, self.n_kv, hd)  # (size, K, 2, nkv, hd)
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (size, nkv, K, hd)
         q = (q if g.q_index is None else q[g.q_index]).view(g.size, g.rows, nh, hd).transpose(1, 2)
         mask = g.masks[kind]
         if self.softcap is not None:

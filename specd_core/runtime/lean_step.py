@@ -167,6 +167,7 @@ class _Spec(NamedTuple):
     end: slice
     k0: list[slice]  # per window kind
     keys: list[int]  # per kind: key columns
+    slots: list[slice] | None  # per kind: a lone entry's key rows, listed on the host
     trees: slice | None  # the places in the group of members with a caller's mask
     causal: bool | None  # None: masks; else the lone entry's is_causal
 
@@ -211,6 +212,8 @@ def _spec(pack: _Pack, entries: list[Entry], members: list[int], windows: list[i
         pack.put(e.end for e in es),
         [pack.put(ks) for ks in k0s],
         keys,
+        # One session: its key rows are a short list (fewer operators than computing them).
+        [pack.put(es[0].session.slots(ks[0], es[0].end)) for ks in k0s] if len(es) == 1 else None,
         pack.put(j for j, e in enumerate(es) if e.mask is not None) if any(e.mask is not None for e in es) else None,
         _lone(es[0], windows, softcap) if len(es) == 1 else None,
     )
@@ -261,18 +264,26 @@ def _trees(entries: list[Entry], s: _Spec, kvt: torch.dtype) -> torch.Tensor | N
 def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.Tensor) -> Group:
     """A group's key rows and masks per window kind, on the device."""
     size, b = len(s.members), s.block_rows
-    table = pack[s.table].view(size, s.width)
-    end = pack[s.end][:, None]
     q_row = None
     if s.causal is None:  # each query's own cache row; padding rows repeat their entry's last
-        q_row = (pack[s.start][:, None] + torch.minimum(ar[: s.rows][None], pack[s.n][:, None] - 1))[:, :, None]
+        r = ar[: s.rows][None] if s.q_index is None else torch.minimum(ar[: s.rows][None], pack[s.n][:, None] - 1)
+        q_row = (pack[s.start][:, None] + r)[:, :, None]
     placed = None if trees is None or s.trees is None else (pack[s.trees], trees.to(model.device))
     keys, masks = [], []
     for kind, w in enumerate(model.windows):
-        key_row = pack[s.k0[kind]][:, None] + ar[: s.keys[kind]][None]  # (size, K)
-        slot = table.gather(1, key_row // b) * b + key_row % b
-        keys.append(torch.where(key_row < end, slot, 0))  # past its rows: the zero block
-        masks.append(None if q_row is None else _mask(key_row, q_row, w, placed, model.kv_dtype))
+        key_row = None
+        if s.slots is not None:
+            keys.append(pack[s.slots[kind]][None])
+        else:
+            key_row = pack[s.k0[kind]][:, None] + ar[: s.keys[kind]][None]  # (size, K)
+            slot = pack[s.table].view(size, s.width).gather(1, key_row // b) * b + key_row % b
+            keys.append(torch.where(key_row < pack[s.end][:, None], slot, 0))  # past its rows: the zero block
+        if q_row is None:
+            masks.append(None)
+            continue
+        if key_row is None:
+            key_row = pack[s.k0[kind]][:, None] + ar[: s.keys[kind]][None]
+        masks.append(_mask(key_row, q_row, w, placed, model.kv_dtype))
     return Group(size, s.rows, None if s.q_index is None else pack[s.q_index], keys, masks, bool(s.causal))
 
 

@@ -1,15 +1,16 @@
 """The lean engine's paged KV cache: one tensor of fixed-size blocks per
 replica, and sessions that each hold a table of block ids.
 
-Storage (`PagedKV.data`): (layers, 2 (K, V), rows, kv_heads, head_dim), rows
+Storage (`PagedKV.data`): (layers, rows, 2 (K, V), kv_heads, head_dim), rows
 = (blocks + 1) x block_rows. Block id b of the pool is storage block b + 1;
 storage block 0 is zeros and never handed out: attention reads it where a
 session of a padded batch has no row (specd_core/runtime/lean_step.py), and
 zeros are finite where the rest of the storage is uninitialised memory.
 
-A row's heads are contiguous, so gathering a session's keys copies
-kv_heads x head_dim elements at a time, and a block of one layer is one
-contiguous range of memory (on a CPU its pages become resident when first
+A row's keys and values are contiguous, so gathering a session's rows
+copies 2 x kv_heads x head_dim elements at a time (index_select on rows:
+3-7x faster on a CPU than indexing a (2, rows, ...) layout), and a block of
+one layer is one contiguous range of memory (on a CPU its pages become resident when first
 written: `torch.empty` costs no RAM for blocks never used).
 
 The pool (specd_core/runtime/kv_budget.py) owns the storage (`pool.storage`)
@@ -47,8 +48,8 @@ class PagedKV:
     def _alloc(self, blocks: int) -> torch.Tensor:
         layers, n_kv, head_dim = self.shape
         rows = (blocks + NULL_BLOCK) * self.block_rows
-        data = torch.empty(layers, 2, rows, n_kv, head_dim, dtype=self.dtype, device=self.device)
-        data[:, :, : NULL_BLOCK * self.block_rows].zero_()
+        data = torch.empty(layers, rows, 2, n_kv, head_dim, dtype=self.dtype, device=self.device)
+        data[:, : NULL_BLOCK * self.block_rows].zero_()
         self.blocks = blocks
         return data
 
@@ -60,7 +61,7 @@ class PagedKV:
             return
         old = self.data
         self.data = self._alloc(max(blocks, 2 * self.blocks))
-        self.data[:, :, : old.shape[2]] = old
+        self.data[:, : old.shape[1]] = old
 
     def fits(self, model: LeanModel) -> bool:
         return self.shape == (len(model.layers), model.n_kv, model.head_dim) and self.dtype == model.kv_dtype
@@ -118,7 +119,7 @@ class LeanSession:
     def kv(self) -> torch.Tensor:
         """A copy of the rows held, (layers, 2, kv_heads, capacity, head_dim) (tests, tools)."""
         idx = torch.tensor(self.slots(0, self.capacity), dtype=torch.long, device=self.store.device)
-        return self.store.data[:, :, idx].transpose(2, 3)
+        return self.store.data[:, idx].permute(0, 2, 3, 1, 4)
 
     def reserve(self, rows: int, what: str = "a session") -> None:
         """Hold `rows` rows: take max(the blocks needed, GROWTH of those held),
@@ -160,5 +161,5 @@ class LeanSession:
         if moved:
             pairs = torch.tensor([[self.slot(a), self.slot(b)] for a, b in moved], device=self.store.device)
             data = self.store.data
-            data[:, :, pairs[:, 1]] = data[:, :, pairs[:, 0]]
+            data[:, pairs[:, 1]] = data[:, pairs[:, 0]]
         self.rollback(start + len(keep))
