@@ -1,18 +1,30 @@
-"""A lean forward for decoder-only transformers with a preallocated KV cache:
+"""A lean forward for decoder-only transformers over a paged KV cache:
 Llama 1-3.3, Mistral, Qwen2/2.5, Qwen3, Phi-3/3.5, Gemma-2 and Gemma-3 text
 (specd_core/runtime/arch.py says which configs exactly; docs/models.md lists them).
 
 Why: a small model's step is almost all framework overhead (a 2.6 M model costs
 ~3.4 ms per HF forward on 2 CPU cores, nearly all Python; docs/architecture.md,
-"Why things are the way they are"), and the
-HF DynamicCache grows by torch.cat every step. Here the weights are plain
-tensors, the cache is one (layers, 2, kv_heads, capacity, head_dim) tensor per
-session (grown in blocks of the replica's KV budget: LeanSession) with a length,
-rollback is `length = n` (free), and tree compaction copies only the kept rows. Configs this does not cover exactly
-(`supports`; e.g. MoE, other architectures, unknown RoPE types) fall back to the
-Hugging Face forward (specd_core.runtime.models.SessionCache); tests/test_families.py
-checks every covered family's logits, trees, compaction, hidden states and
-batching against Hugging Face's forward.
+"Why things are the way they are"), and the HF DynamicCache grows by
+torch.cat every step. Here the weights are plain tensors and a step costs
+the same number of operators whatever the number of sessions in it:
+
+* the cache is paged (specd_core/runtime/paged_kv.py): one tensor of blocks
+  per replica, sized by its KV budget; a session is a table of block ids and
+  a length, so growing takes blocks and copies nothing, rollback is
+  `length = n`, and tree compaction moves only the kept rows;
+* one step (specd_core/runtime/lean_step.py) plans every session's rows at
+  once: their cache slots, RoPE positions and attention masks, uploaded as
+  one tensor and built on the device once per window size, not per layer;
+* per layer, every weight matmul runs once over all rows, all new keys and
+  values go to their blocks in one indexed write, and attention is one call
+  over a padded batch (each session's keys gathered from its blocks by one
+  index; sessions of very different sizes in a few padded groups).
+
+Configs this does not cover exactly (`supports`; e.g. MoE, other
+architectures, unknown RoPE types) fall back to the Hugging Face forward
+(specd_core.runtime.models.SessionCache); tests/test_families.py checks every
+covered family's logits, trees, compaction, hidden states and batching against
+Hugging Face's forward, tests/test_paged_kv.py the paging and the padding.
 
 What differs between the families is data (`arch.Arch`): Gemma's (1 + weight)
 norms, sandwich norms, scaled embeddings, soft-capping and query_pre_attn_scalar;
@@ -20,14 +32,16 @@ Qwen3/Gemma-3's per-head q/k norms; Phi-3's fused weights and partial rotary;
 sliding windows per layer; RoPE per layer type (specd_core/runtime/rope.py, HF's own
 frequency functions).
 
-Sliding windows and how new rows attend: specd_core/runtime/lean_attention.py.
-
 The KV cache is float32 on a CPU even when the weights are bf16/fp16: CPU
 attention kernels have no fast half-precision path (measured here: one
 decode-step attention, 4 heads x 64 dims x 200 keys, takes 250 us in bf16 and
-85 us in fp32), and with several sessions per forward attention runs once per
-session and layer. The stored keys/values are the bf16 results widened, so
+85 us in fp32). The stored keys/values are the bf16 results widened, so
 only the softmax's arithmetic is more precise than a bf16 cache's.
+
+On a CPU, gathering the keys costs a copy of every session's rows per layer,
+which the old in-place attention per session did not pay: for short contexts
+the saved operators win, for long ones (8 sessions x 900 tokens of the demo
+target) the copy costs more (benchmarks/README.md, the engine section).
 """
 
 from __future__ import annotations
@@ -191,11 +205,11 @@ class LeanModel:
         positions | None, mask | None) as in `forward`; returns each one's logits,
         or (logits, hidden states) with `hidden`. last_only: for all items, or
         one flag per item (a prefill beside verifies needs only its last row).
+        The sessions must share one KV pool.
 
-        Every weight matmul (QKV, output, MLP, LM head) runs once over the rows
-        of all sessions together - at small batch a step is bound by reading
-        the weights, so this is where batching pays. Attention runs per session
-        on its own cache rows, in place: no session's cache is copied."""
+        Every operator runs once over the rows of all sessions together (the
+        module docstring): at small batch a step is bound by reading the
+        weights and by launching operators, so this is where batching pays."""
         ids = [t for _, token_ids, _, _ in items for t in token_ids]
         x = self.embed[torch.tensor(ids, device=self.device)]
         if self.embed_scale is not None:

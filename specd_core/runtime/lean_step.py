@@ -269,7 +269,8 @@ def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.T
         r = ar[: s.rows][None] if s.q_index is None else torch.minimum(ar[: s.rows][None], pack[s.n][:, None] - 1)
         q_row = (pack[s.start][:, None] + r)[:, :, None]
     placed = None if trees is None or s.trees is None else (pack[s.trees], trees.to(model.device))
-    keys, masks = [], []
+    keys: list[torch.Tensor] = []
+    masks: list[torch.Tensor | None] = []
     for kind, w in enumerate(model.windows):
         key_row = None
         if s.slots is not None:
