@@ -270,7 +270,10 @@ class LeanModel:
         blocks by one index, (size * rows, nh * hd)."""
         hd, nh = self.head_dim, self.n_heads
         keys = g.keys[kind]
-        kv = torch.index_select(data, 0, keys.view(-1)).view(*keys.shape, 2, self.n_kv, hd)  # (size, K, 2, nkv, hd)
+        if isinstance(keys, range):  # one session's rows, contiguous: read in place
+            kv = data[keys.start : keys.stop].view(1, len(keys), 2, self.n_kv, hd)
+        else:
+            kv = torch.index_select(data, 0, keys.view(-1)).view(*keys.shape, 2, self.n_kv, hd)  # (size, K, 2, nkv, hd)
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (size, nkv, K, hd)
         q = (q if g.q_index is None else q[g.q_index]).view(g.size, g.rows, nh, hd).transpose(1, 2)
         mask = g.masks[kind]

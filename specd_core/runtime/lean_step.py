@@ -63,7 +63,7 @@ class Group(NamedTuple):
     size: int
     rows: int  # query rows per entry
     q_index: torch.Tensor | None  # (size * rows,) the x row of each query; None: x as it is
-    keys: list[torch.Tensor]  # per window kind: (size, K) storage rows of the keys
+    keys: list[torch.Tensor | range]  # per window kind: (size, K) storage rows of the keys, or their range
     masks: list[torch.Tensor | None]  # per kind: additive (size, 1, rows, K); None: `causal` says
     causal: bool  # no mask: causal (a lone prefill) or not (a lone decode row)
 
@@ -167,7 +167,7 @@ class _Spec(NamedTuple):
     end: slice
     k0: list[slice]  # per window kind
     keys: list[int]  # per kind: key columns
-    slots: list[slice] | None  # per kind: a lone entry's key rows, listed on the host
+    slots: list[slice | range] | None  # per kind: a lone entry's key rows (a range: contiguous)
     trees: slice | None  # the places in the group of members with a caller's mask
     causal: bool | None  # None: masks; else the lone entry's is_causal
 
@@ -213,10 +213,23 @@ def _spec(pack: _Pack, entries: list[Entry], members: list[int], windows: list[i
         [pack.put(ks) for ks in k0s],
         keys,
         # One session: its key rows are a short list (fewer operators than computing them).
-        [pack.put(es[0].session.slots(ks[0], es[0].end)) for ks in k0s] if len(es) == 1 else None,
+        [_lone_keys(pack, es[0], ks[0]) for ks in k0s] if len(es) == 1 else None,
         pack.put(j for j, e in enumerate(es) if e.mask is not None) if any(e.mask is not None for e in es) else None,
         _lone(es[0], windows, softcap) if len(es) == 1 else None,
     )
+
+
+def _lone_keys(pack: _Pack, e: Entry, k0: int) -> slice | range:
+    """A lone entry's key rows: where they are listed in the pack, or the
+    storage range they fill when its blocks from k0 on are consecutive (the
+    usual case: a session takes its blocks in runs), which attention then
+    reads in place."""
+    s, b = e.session, e.session.block_rows
+    blocks = s.table[k0 // b : (e.end - 1) // b + 1]
+    if all(y == x + 1 for x, y in zip(blocks, blocks[1:])):
+        first = s.slot(k0)
+        return range(first, first + e.end - k0)
+    return pack.put(s.slots(k0, e.end))
 
 
 def plan(model, items: list, last_only: bool | list[bool]) -> Step:
@@ -269,12 +282,13 @@ def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.T
         r = ar[: s.rows][None] if s.q_index is None else torch.minimum(ar[: s.rows][None], pack[s.n][:, None] - 1)
         q_row = (pack[s.start][:, None] + r)[:, :, None]
     placed = None if trees is None or s.trees is None else (pack[s.trees], trees.to(model.device))
-    keys: list[torch.Tensor] = []
+    keys: list[torch.Tensor | range] = []
     masks: list[torch.Tensor | None] = []
     for kind, w in enumerate(model.windows):
         key_row = None
         if s.slots is not None:
-            keys.append(pack[s.slots[kind]][None])
+            at = s.slots[kind]
+            keys.append(pack[at][None] if isinstance(at, slice) else at)
         else:
             key_row = pack[s.k0[kind]][:, None] + ar[: s.keys[kind]][None]  # (size, K)
             slot = pack[s.table].view(size, s.width).gather(1, key_row // b) * b + key_row % b
