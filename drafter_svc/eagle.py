@@ -105,7 +105,7 @@ class HeadSession:
 
     def __init__(self, runner: HeadRunner, kv):
         self.runner, self.kv = runner, kv
-        self.feats = torch.zeros(kv.kv.shape[3], runner.hidden_size, dtype=runner.lean.dtype, device=runner.lean.device)
+        self.feats = torch.zeros(kv.capacity, runner.hidden_size, dtype=runner.lean.dtype, device=runner.lean.device)
 
     @property
     def length(self) -> int:

@@ -6,11 +6,12 @@ x head_dim x the cache's element size). Sessions take blocks as their cache
 grows and give them back when they close or expire; what the pool does not
 grant fails with CapacityExceeded (gRPC RESOURCE_EXHAUSTED) naming the budget.
 
-Blocks are the unit of ACCOUNTING, not of storage: a lean session keeps its
-cache as one contiguous tensor whose capacity is a whole number of blocks
-(specd_core/runtime/lean.py), because attention then reads it in place; a paged
-cache would gather the blocks on every forward, which costs more than it saves
-on a CPU. Fragmentation is the allocator's business; the pool bounds the sum.
+Blocks are the unit of accounting AND of storage: the pool hands out block
+ids (`take_blocks`), and the lean engine keeps every session's rows in one
+tensor of the pool's blocks (`storage`, made by specd_core/runtime/paged_kv.py on
+first use, sized by the budget), so a session's cache never moves and the
+pool cannot run the device out of memory mid-batch. The Hugging Face engine's
+sessions only count blocks (`take` / `give`): their caches are its own.
 
 The budget is `--kv-cache-memory`: bytes ("512MiB", "4GiB", "1000000") or a
 fraction in (0, 1] of the memory free once the weights are loaded
@@ -32,8 +33,8 @@ from specd_core.errors import CapacityExceeded
 # and a decode cycle K + 1 <= 17, so one cycle grows a session by one or two
 # blocks; a session wastes under one block (here 64 rows: 2 MiB for a 7B Llama
 # with 8 KV heads in fp16, negligible for the models this serves on CPUs).
-# Smaller blocks would only mean more, smaller growth steps (each a copy of the
-# session's cache), larger ones more memory held and not used.
+# Smaller blocks would mean longer block tables (more index work per step),
+# larger ones more memory held and not used.
 DEFAULT_BLOCK_ROWS = 64
 
 # The default budget, a fraction of the memory free after loading the weights.
@@ -122,16 +123,27 @@ def kv_row_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) 
 class KVPool:
     """`total_blocks` blocks of `block_rows` rows, `row_bytes` bytes per row,
     shared by the sessions of one replica. Thread-safe: the batcher's thread
-    grows sessions while gRPC threads open and close them."""
+    grows sessions while gRPC threads open and close them.
 
-    def __init__(self, total_blocks: int, block_rows: int, row_bytes: int, owner: str = "replica"):
+    growable: a pool without a budget (tests, tools: a lean model's own
+    default) that adds blocks instead of refusing."""
+
+    def __init__(
+        self, total_blocks: int, block_rows: int, row_bytes: int, owner: str = "replica", growable: bool = False
+    ):
         if block_rows < 1:
             raise ValueError(f"kv_block_size must be >= 1 rows, got {block_rows}")
         if total_blocks < 0 or row_bytes < 1:
             raise ValueError(f"bad pool: {total_blocks} blocks, {row_bytes} bytes per row")
         self.total_blocks, self.block_rows, self.row_bytes, self.owner = total_blocks, block_rows, row_bytes, owner
+        self.growable = growable
         self._used = 0
         self._lock = threading.Lock()
+        # Free block ids, lowest last: pop() hands out low ids first, and a
+        # block given back is the next one taken (its pages are warm).
+        self._free_ids = list(range(total_blocks - 1, -1, -1))
+        # The engine's tensor of the blocks (paged_kv.PagedKV), made on first use.
+        self.storage: object | None = None
 
     @classmethod
     def of_bytes(cls, nbytes: int, block_rows: int, row_bytes: int, owner: str = "replica") -> KVPool:
@@ -174,27 +186,49 @@ class KVPool:
         """Take `want` blocks if free, else as many as are free down to `need`
         (default: want); return how many were taken. Fewer than `need` free:
         CapacityExceeded naming the budget, nothing taken."""
+        with self._lock:
+            return self._take(want, need, what)
+
+    def _take(self, want: int, need: int | None, what: str) -> int:
         need = want if need is None else need
         if need < 0 or want < need:
             raise ValueError(f"bad request: want {want}, need {need} blocks")
+        free = self.total_blocks - self._used
+        if free < want and self.growable:
+            grown = max(2 * self.total_blocks, self._used + want)
+            self._free_ids[:0] = range(grown - 1, self.total_blocks - 1, -1)
+            self.total_blocks, free = grown, grown - self._used
+        if free < need:
+            raise CapacityExceeded(
+                f"{self.owner} KV budget full: {what} needs {need} more block(s) of {self.block_rows} tokens, "
+                f"{free} of {self.total_blocks} are free ({self.used_tokens} of {self.capacity_tokens} tokens, "
+                f"{_mib(self.used_bytes)} of {_mib(self.capacity_bytes)} in use; --kv-cache-memory sets the budget)"
+            )
+        got = min(want, free)
+        self._used += got
+        return got
+
+    def take_blocks(self, want: int, need: int | None = None, what: str = "a session") -> list[int]:
+        """`take`, returning the ids of the blocks taken (0 <= id < total_blocks)."""
         with self._lock:
-            free = self.total_blocks - self._used
-            if free < need:
-                raise CapacityExceeded(
-                    f"{self.owner} KV budget full: {what} needs {need} more block(s) of {self.block_rows} tokens, "
-                    f"{free} of {self.total_blocks} are free ({self.used_tokens} of {self.capacity_tokens} tokens, "
-                    f"{_mib(self.used_bytes)} of {_mib(self.capacity_bytes)} in use; --kv-cache-memory sets the budget)"
-                )
-            got = min(want, free)
-            self._used += got
-            return got
+            got = self._take(want, need, what)
+            return [self._free_ids.pop() for _ in range(got)]
 
     def give(self, blocks: int) -> None:
         """Give back blocks taken before."""
         with self._lock:
-            if not 0 <= blocks <= self._used:
-                raise ValueError(f"giving back {blocks} blocks, but {self._used} are taken")
-            self._used -= blocks
+            self._give(blocks)
+
+    def _give(self, blocks: int) -> None:
+        if not 0 <= blocks <= self._used:
+            raise ValueError(f"giving back {blocks} blocks, but {self._used} are taken")
+        self._used -= blocks
+
+    def give_blocks(self, ids: list[int]) -> None:
+        """Give back blocks taken with `take_blocks`."""
+        with self._lock:
+            self._give(len(ids))
+            self._free_ids.extend(reversed(ids))
 
     def describe(self) -> dict:
         """The pool's figures (replica info, status, metrics)."""

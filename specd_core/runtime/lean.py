@@ -1,18 +1,30 @@
-"""A lean forward for decoder-only transformers with a preallocated KV cache:
+"""A lean forward for decoder-only transformers over a paged KV cache:
 Llama 1-3.3, Mistral, Qwen2/2.5, Qwen3, Phi-3/3.5, Gemma-2 and Gemma-3 text
 (specd_core/runtime/arch.py says which configs exactly; docs/models.md lists them).
 
 Why: a small model's step is almost all framework overhead (a 2.6 M model costs
 ~3.4 ms per HF forward on 2 CPU cores, nearly all Python; docs/architecture.md,
-"Why things are the way they are"), and the
-HF DynamicCache grows by torch.cat every step. Here the weights are plain
-tensors, the cache is one (layers, 2, kv_heads, capacity, head_dim) tensor per
-session (grown in blocks of the replica's KV budget: LeanSession) with a length,
-rollback is `length = n` (free), and tree compaction copies only the kept rows. Configs this does not cover exactly
-(`supports`; e.g. MoE, other architectures, unknown RoPE types) fall back to the
-Hugging Face forward (specd_core.runtime.models.SessionCache); tests/test_families.py
-checks every covered family's logits, trees, compaction, hidden states and
-batching against Hugging Face's forward.
+"Why things are the way they are"), and the HF DynamicCache grows by
+torch.cat every step. Here the weights are plain tensors and a step costs
+the same number of operators whatever the number of sessions in it:
+
+* the cache is paged (specd_core/runtime/paged_kv.py): one tensor of blocks
+  per replica, sized by its KV budget; a session is a table of block ids and
+  a length, so growing takes blocks and copies nothing, rollback is
+  `length = n`, and tree compaction moves only the kept rows;
+* one step (specd_core/runtime/lean_step.py) plans every session's rows at
+  once: their cache slots, RoPE positions and attention masks, uploaded as
+  one tensor and built on the device once per window size, not per layer;
+* per layer, every weight matmul runs once over all rows, all new keys and
+  values go to their blocks in one indexed write, and attention is one call
+  over a padded batch (each session's keys gathered from its blocks by one
+  index; sessions of very different sizes in a few padded groups).
+
+Configs this does not cover exactly (`supports`; e.g. MoE, other
+architectures, unknown RoPE types) fall back to the Hugging Face forward
+(specd_core.runtime.models.SessionCache); tests/test_families.py checks every
+covered family's logits, trees, compaction, hidden states and batching against
+Hugging Face's forward, tests/test_paged_kv.py the paging and the padding.
 
 What differs between the families is data (`arch.Arch`): Gemma's (1 + weight)
 norms, sandwich norms, scaled embeddings, soft-capping and query_pre_attn_scalar;
@@ -20,29 +32,34 @@ Qwen3/Gemma-3's per-head q/k norms; Phi-3's fused weights and partial rotary;
 sliding windows per layer; RoPE per layer type (specd_core/runtime/rope.py, HF's own
 frequency functions).
 
-Sliding windows and how new rows attend: specd_core/runtime/lean_attention.py.
-
 The KV cache is float32 on a CPU even when the weights are bf16/fp16: CPU
 attention kernels have no fast half-precision path (measured here: one
 decode-step attention, 4 heads x 64 dims x 200 keys, takes 250 us in bf16 and
-85 us in fp32), and with several sessions per forward attention runs once per
-session and layer. The stored keys/values are the bf16 results widened, so
+85 us in fp32). The stored keys/values are the bf16 results widened, so
 only the softmax's arithmetic is more precise than a bf16 cache's.
+
+On a CPU, gathering the keys costs a copy of every session's rows per layer,
+which the old in-place attention per session did not pay: for short contexts
+the saved operators win, for long ones (8 sessions x 900 tokens of the demo
+target) the copy costs more (benchmarks/README.md, the engine section).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from specd_core.runtime.arch import Arch, describe
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, kv_row_bytes
-from specd_core.runtime.lean_attention import Attend, attend_rows, capped_attention
+from specd_core.runtime.lean_attention import capped_attention
+from specd_core.runtime.lean_step import Group, Step, plan
+from specd_core.runtime.paged_kv import LeanSession
 from specd_core.runtime.rope import Rope
+
+__all__ = ["LeanModel", "LeanSession", "supports", "unsupported_reason"]
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -69,16 +86,6 @@ def _fused(module, fused: str, parts: tuple[str, ...]) -> tuple[torch.Tensor, to
     linears = [getattr(module, p) for p in parts]
     bias = torch.cat([x.bias for x in linears]) if linears[0].bias is not None else None
     return torch.cat([x.weight for x in linears]), bias
-
-
-class _Plan(NamedTuple):
-    """One item of a batched forward: where its rows go and how they attend."""
-
-    session: LeanSession
-    n: int  # rows it adds
-    start: int  # its cache length before them
-    end: int
-    attend: tuple[Attend, ...]  # per distinct window of the model's layers (LeanModel.windows)
 
 
 class LeanModel:
@@ -119,6 +126,8 @@ class LeanModel:
         self.lm_head = hf_model.lm_head.weight
         self.layers = [self._layer(i, layer) for i, layer in enumerate(m.layers)]
         self.vocab_size = self.lm_head.shape[0]
+        # Sessions made without a pool (tests, tools) share this one, which grows.
+        self.default_pool = KVPool(0, DEFAULT_BLOCK_ROWS, self.kv_row_bytes, "lean", growable=True)
 
     def _layer(self, i: int, layer) -> dict:
         """Layer i's weights as plain tensors, and which window and RoPE it uses."""
@@ -196,11 +205,11 @@ class LeanModel:
         positions | None, mask | None) as in `forward`; returns each one's logits,
         or (logits, hidden states) with `hidden`. last_only: for all items, or
         one flag per item (a prefill beside verifies needs only its last row).
+        The sessions must share one KV pool.
 
-        Every weight matmul (QKV, output, MLP, LM head) runs once over the rows
-        of all sessions together - at small batch a step is bound by reading
-        the weights, so this is where batching pays. Attention runs per session
-        on its own cache rows, in place: no session's cache is copied."""
+        Every operator runs once over the rows of all sessions together (the
+        module docstring): at small batch a step is bound by reading the
+        weights and by launching operators, so this is where batching pays."""
         ids = [t for _, token_ids, _, _ in items for t in token_ids]
         x = self.embed[torch.tensor(ids, device=self.device)]
         if self.embed_scale is not None:
@@ -214,44 +223,28 @@ class LeanModel:
         item's last-layer hidden states before the final norm, (n, C), every
         row even with last_only - the features an EAGLE head reads (and, for a
         head built on this class, the features it predicts)."""
-        plans, rope = self._plan(items)
-        sizes = [p.n for p in plans]
-        rows = sum(sizes)
-        for i, L in enumerate(self.layers):
-            x = x + self._attention(i, L, x, plans, rope[L["rope"]], rows)
-            x = x + self._mlp(L, x)
-        for p in plans:
-            p.session.length = p.end
-        states = list(x.split(sizes)) if hidden else None  # (n, C) per session
-        logits = self._logits(x, sizes, last_only)
-        return (logits, states) if hidden else logits
-
-    def _plan(self, items: list) -> tuple[list[_Plan], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Each item's cache rows (reserved now) and attention per window, and
-        the RoPE cos/sin of all rows per RoPE parameter set, (R, 1, rotary_dim)."""
-        plans, rope_items = [], []
-        for s, token_ids, positions, mask in items:
-            n, start = len(token_ids), s.length
-            end = start + n
-            s.reserve(end)
-            default = positions is None
-            pos = torch.arange(start, end, device=self.device) if default else positions.to(self.device)
-            rope_items.append((pos, start, end, default))
-            attend = tuple(
-                attend_rows(mask, n, start, end, window, self.kv_dtype, self.device, self.softcap)
-                for window in self.windows
-            )
-            plans.append(_Plan(s, n, start, end, attend))
+        step = plan(self, items, last_only)
+        top = max(e.end for e in step.entries)
+        spans = [(e.start, e.end, e.positions is None) for e in step.entries]
         rope = []
         for r in self.ropes:
-            cos, sin = r.cos_sin(rope_items)
+            cos, sin = r.cos_sin(step.positions, spans, top)
             rope.append((cos[:, None], sin[:, None]))
-        return plans, rope
+        for i, L in enumerate(self.layers):
+            x = x + self._attention(i, L, x, step, rope[L["rope"]])
+            x = x + self._mlp(L, x)
+        for e in step.entries:
+            e.session.length = e.end
+        sizes = [e.n for e in step.entries]
+        states = list(x.split(sizes)) if hidden else None  # (n, C) per session
+        logits = self._logits(x, sizes, last_only, step.keep)
+        return (logits, states) if hidden else logits
 
-    def _attention(self, i: int, L: dict, x: torch.Tensor, plans: list[_Plan], rope, rows: int):
+    def _attention(self, i: int, L: dict, x: torch.Tensor, step: Step, rope) -> torch.Tensor:
         """Layer i's attention block over all rows: its output projection, (R, C).
-        Writes each session's new keys and values into its cache rows."""
+        Writes every session's new keys and values into its blocks first."""
         hd, nh, nkv, kvt = self.head_dim, self.n_heads, self.n_kv, self.kv_dtype
+        rows = x.shape[0]
         h = self._rms(x, L["ln1"])
         qkv = F.linear(h, L["qkv_w"], L["qkv_b"])  # (R, (nh+2nkv)*hd)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -260,41 +253,46 @@ class LeanModel:
             q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
         # RoPE and the cast to the cache's dtype once over every session's rows.
         cos, sin = rope
-        q = self._rope(q, cos, sin).to(kvt).transpose(0, 1)  # (nh, R, hd)
-        k = self._rope(k, cos, sin).to(kvt).transpose(0, 1)  # (nkv, R, hd)
-        v = v.view(rows, nkv, hd).to(kvt).transpose(0, 1)
-        kind, cap = L["kind"], self.softcap
-        ys, r0 = [], 0
-        for s, n, start, end, attend in plans:
-            k0, attn_mask, causal = attend[kind]
-            s.kv[i, 0, :, start:end] = k[:, r0 : r0 + n]
-            s.kv[i, 1, :, start:end] = v[:, r0 : r0 + n]
-            if cap is not None:
-                ys.append(
-                    capped_attention(
-                        q[:, r0 : r0 + n], s.kv[i, 0, :, k0:end], s.kv[i, 1, :, k0:end], attn_mask, cap, self.scale
-                    )
-                )
-            else:
-                # 4-D (batch of 1): with 3-D inputs PyTorch's CPU dispatch takes the
-                # unfused "math" attention, ~3.5x slower per call here (334 vs 94 us
-                # for 5 queries x 155 keys), and a batched verify makes a call per
-                # session and layer.
-                ys.append(
-                    F.scaled_dot_product_attention(
-                        q[None, :, r0 : r0 + n],
-                        s.kv[i, 0, None, :, k0:end],
-                        s.kv[i, 1, None, :, k0:end],
-                        attn_mask=attn_mask,
-                        is_causal=causal,
-                        scale=self.scale,
-                        enable_gqa=nh != nkv,
-                    )[0]
-                )  # (nh, n, hd)
-            r0 += n
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # (nh, R, hd)
-        out = F.linear(y.transpose(0, 1).reshape(rows, nh * hd).to(x.dtype), L["o"], L["o_b"])
+        q = self._rope(q, cos, sin).to(kvt)  # (R, nh, hd)
+        # Every session's new rows, K and V side by side, in one indexed write.
+        new = torch.stack((self._rope(k, cos, sin), v.view(rows, nkv, hd)), 1).to(kvt)  # (R, 2, nkv, hd)
+        data = step.data[i].view(step.data.shape[1], -1)  # (storage rows, 2 * nkv * hd)
+        data.index_copy_(0, step.write, new.view(rows, -1))
+        ys = [self._attend(data, q, g, L["kind"]) for g in step.groups]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)  # (padded rows, nh * hd)
+        if step.order is not None:
+            y = y[step.order]
+        out = F.linear(y.to(x.dtype), L["o"], L["o_b"])
         return out if L["post_attn"] is None else self._rms(out, L["post_attn"])
+
+    def _attend(self, data: torch.Tensor, q: torch.Tensor, g: Group, kind: int) -> torch.Tensor:
+        """One group's attention in one call: its keys gathered from the
+        blocks by one index, (size * rows, nh * hd)."""
+        hd, nh = self.head_dim, self.n_heads
+        keys = g.keys[kind]
+        if isinstance(keys, range):  # one session's rows, contiguous: read in place
+            kv = data[keys.start : keys.stop].view(1, len(keys), 2, self.n_kv, hd)
+        else:
+            kv = torch.index_select(data, 0, keys.view(-1)).view(*keys.shape, 2, self.n_kv, hd)  # (size, K, 2, nkv, hd)
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (size, nkv, K, hd)
+        q = (q if g.q_index is None else q[g.q_index]).view(g.size, g.rows, nh, hd).transpose(1, 2)
+        mask = g.masks[kind]
+        if self.softcap is not None:
+            y = capped_attention(q, k, v, mask, self.softcap, self.scale)
+        else:
+            # 4-D: with 3-D inputs PyTorch's CPU dispatch takes the unfused
+            # "math" attention, ~3.5x slower per call (334 vs 94 us for 5
+            # queries x 155 keys).
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None and g.causal,
+                scale=self.scale,
+                enable_gqa=nh != self.n_kv,
+            )
+        return y.transpose(1, 2).reshape(g.size * g.rows, nh * hd)
 
     def _mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         """The layer's MLP block (SwiGLU / GeGLU), (R, C)."""
@@ -303,101 +301,17 @@ class LeanModel:
         out = F.linear(self._act(gate) * up, L["down"], L["down_b"])
         return out if L["post_ff"] is None else self._rms(out, L["post_ff"])
 
-    def _logits(self, x: torch.Tensor, sizes: list[int], last_only: bool | list[bool]) -> list[torch.Tensor]:
-        """Final norm and LM head over the rows wanted: every row, or each
-        item's last where last_only says so; one (n or 1, V) float tensor per item."""
-        if last_only:
+    def _logits(
+        self, x: torch.Tensor, sizes: list[int], last_only: bool | list[bool], keep: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """Final norm and LM head over the rows wanted (keep: the step's,
+        None: all): every row, or each item's last where last_only says so;
+        one (n or 1, V) float tensor per item."""
+        if keep is not None:
             flags = last_only if isinstance(last_only, list) else [True] * len(sizes)
-            if all(flags):
-                x = x[torch.tensor(sizes, device=self.device).cumsum(0) - 1]  # each session's last row
-            else:
-                ends = torch.tensor(sizes).cumsum(0).tolist()
-                keep = [r for n, e, last in zip(sizes, ends, flags) for r in ((e - 1,) if last else range(e - n, e))]
-                x = x[torch.tensor(keep, device=self.device)]
+            x = x[keep]
             sizes = [1 if last else n for n, last in zip(sizes, flags)]
         logits = F.linear(self._rms(x, self.norm), self.lm_head)
         if self.final_softcap is not None:  # Gemma: in the model dtype, before the cast, as HF
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return list(logits.float().split(sizes))
-
-
-class LeanSession:
-    """One session's KV rows; rollback is moving the length, compaction copies only kept rows.
-
-    The cache is one contiguous tensor (attention reads it in place) whose
-    capacity is a whole number of blocks of the replica's KV pool
-    (specd_core/runtime/kv_budget.py); it grows geometrically in blocks, so copies
-    stay amortised, never past what the pool grants nor the model's context,
-    and gives its blocks back on `release` (the session closed or expired).
-    Without a pool (tests, tools) it grows the same way, unaccounted."""
-
-    GROWTH = 0.25  # a grow adds at least this fraction of the capacity (and at least one block)
-
-    def __init__(self, model: LeanModel, max_len: int, pool: KVPool | None = None):
-        self.lean = model
-        self.max_len = max_len
-        self.pool = pool
-        self.block_rows = pool.block_rows if pool else DEFAULT_BLOCK_ROWS
-        self.kv = self._alloc(0)  # the first reserve (the prefill) sizes it
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        """Rows the cache holds without growing."""
-        return self.kv.shape[3]
-
-    @property
-    def blocks(self) -> int:
-        """Blocks of the pool this session holds."""
-        return self.capacity // self.block_rows
-
-    @torch.inference_mode()
-    def _alloc(self, rows: int) -> torch.Tensor:
-        m = self.lean
-        return torch.zeros(len(m.layers), 2, m.n_kv, rows, m.head_dim, dtype=m.kv_dtype, device=m.device)
-
-    @torch.inference_mode()
-    def reserve(self, rows: int, what: str = "a session") -> None:
-        """Grow capacity to hold `rows` rows: by max(1 block, GROWTH of the
-        capacity), or just the blocks needed when the pool has no more.
-        CapacityExceeded when even those are not free; the session is unchanged
-        then (nothing taken, nothing copied)."""
-        if rows > self.max_len:
-            raise ValueError(f"{rows} rows exceed the model's context of {self.max_len}")
-        if rows <= self.capacity:
-            return
-        have, limit = self.blocks, -(-self.max_len // self.block_rows)
-        need = -(-rows // self.block_rows) - have
-        want = min(max(need, max(1, int(have * self.GROWTH))), limit - have)
-        got = self.pool.take(want, need, what) if self.pool else want
-        try:
-            new = self._alloc((have + got) * self.block_rows)
-        except BaseException:  # out of device memory: the blocks were not used
-            if self.pool:
-                self.pool.give(got)
-            raise
-        new[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
-        self.kv = new
-
-    def release(self) -> None:
-        """Free the cache and give its blocks back (the session is over)."""
-        blocks = self.blocks
-        self.kv, self.length = self._alloc(0), 0
-        if self.pool:
-            self.pool.give(blocks)
-
-    def forward(self, token_ids: list[int], last_only: bool = False, positions=None, mask=None) -> torch.Tensor:
-        return self.lean.forward(self, token_ids, positions, mask, last_only)
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
-        self.length = length
-
-    @torch.inference_mode()
-    def compact(self, start: int, keep: list[int]) -> None:
-        """Keep rows start+keep[j] at start+j (keep ascending), drop the rest."""
-        if keep != list(range(len(keep))):  # a kept prefix is already in place
-            idx = torch.tensor(keep, device=self.kv.device) + start
-            self.kv[:, :, :, start : start + len(keep)] = self.kv[:, :, :, idx]
-        self.rollback(start + len(keep))

@@ -89,19 +89,23 @@ class Rope:
         self._tables = {name: self._cos_sin(pos, inv) for name, inv in self._inv.items()}
         self._rows = rows
 
-    def cos_sin(self, items: list[tuple[torch.Tensor, int, int, bool]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (R, rotary_dim) for every row of a forward. items: per
-        session (positions (n,), its cache length before the forward, after it,
-        whether the positions are the default ones start..end-1); every
-        position is below end (a row never sits past its own cache row)."""
-        top = max(end for _, _, end, _ in items)
+    def cos_sin(
+        self, positions: torch.Tensor, spans: list[tuple[int, int, bool]], top: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (R, rotary_dim) for every row of a forward. positions:
+        (R,) on the device; spans: per session in row order (its cache length
+        before the forward, after it, whether its positions are the default
+        ones start..end-1); top: the largest end. Every position is below its
+        session's end (a row never sits past its own cache row)."""
         if top > self._rows:
             self._grow(top)
         if self.rope_type in STATIC:
             cos, sin = self._tables["short"]
-            pos = items[0][0] if len(items) == 1 else torch.cat([p for p, _, _, _ in items])
-            return cos[pos], sin[pos]
-        parts = [self._item(*item) for item in items]
+            return cos[positions], sin[positions]
+        parts, r0 = [], 0
+        for start, end, default in spans:
+            parts.append(self._item(positions[r0 : r0 + end - start], start, end, default))
+            r0 += end - start
         if len(parts) == 1:
             return parts[0]
         return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])

@@ -1,0 +1,343 @@
+"""One forward step of the lean engine (specd_core/runtime/lean.py) over
+every session at once: where each new row is written in the paged cache
+(specd_core/runtime/paged_kv.py), its RoPE position, and how the rows attend.
+
+Attention runs over a padded batch: each session an entry of `rows` query
+rows (its own, the padding repeating its last one) and K key columns, the
+keys gathered from the session's blocks by one index per layer; columns past
+a session's rows read the zero block and are masked. The additive masks
+(causal, sliding window, a caller's tree mask placed into its entry) are
+built once per step and window size, on the device, and serve every layer.
+
+Sessions of very different sizes would pad each other out (a 2000-row
+prefill beside 5-row verifies, a long context beside short ones), so
+entries are grouped: a session joins the group while the group's padded
+area (entries x rows x keys) stays within SPREAD times its real area plus
+SLACK; each group is one attention call per layer. A step of sessions of
+about one size, which a decode or verify step is, is one group.
+
+Host -> device: one int64 tensor per step (every index below, the tree
+positions appended) and one tensor of tree masks per group that has trees;
+nothing is read back.
+
+Sliding windows: a key is attended when the query's position minus its
+position is below the window (Hugging Face's rule). Positions are not stored
+per cache row; instead a row attends to the last `window` keys that its mask
+lets it see. The rows a mask shows a query (the committed sequence, then its
+tree ancestors, then itself) are its own sequence, at consecutive positions -
+so the last `window` of them are exactly the keys within the window, trees
+included. A causal entry's keys start at its first row's window.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from specd_core.runtime.paged_kv import LeanSession
+
+SPREAD = 2  # a group's padded attention area may be this many times its real area ...
+SLACK = 1 << 15  # ... plus this many (row, key) pairs
+
+
+class Entry(NamedTuple):
+    """One item of a step: its session's rows [start, end), at x rows [r0, r0 + n)."""
+
+    session: LeanSession
+    n: int
+    start: int
+    r0: int
+    positions: torch.Tensor | None  # (n,) RoPE positions; None: start..end-1
+    mask: torch.Tensor | None  # (n, end) additive, a tree's; None: causal
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+
+class Group(NamedTuple):
+    """Entries that attend in one call per layer."""
+
+    size: int
+    rows: int  # query rows per entry
+    q_index: torch.Tensor | None  # (size * rows,) the x row of each query; None: x as it is
+    keys: list[torch.Tensor | range]  # per window kind: (size, K) storage rows of the keys, or their range
+    masks: list[torch.Tensor | None]  # per kind: additive (size, 1, rows, K); None: `causal` says
+    causal: bool  # no mask: causal (a lone prefill) or not (a lone decode row)
+
+
+class Step(NamedTuple):
+    entries: list[Entry]
+    data: torch.Tensor  # the sessions' storage (paged_kv.PagedKV.data)
+    positions: torch.Tensor  # (R,) RoPE position of each row
+    write: torch.Tensor  # (R,) storage row each new row's K and V go to
+    groups: list[Group]
+    order: torch.Tensor | None  # (R,) each row's place in the groups' padded outputs; None: in place
+    keep: torch.Tensor | None  # the rows whose logits are wanted; None: all
+
+
+class _Pack:
+    """Integers for the device, gathered on the host and uploaded as one tensor."""
+
+    def __init__(self):
+        self.ints: list[int] = []
+        self.tensors: list[torch.Tensor] = []  # CPU int tensors appended after the ints
+        self.data = torch.empty(0, dtype=torch.long)
+
+    def put(self, values) -> slice:
+        a = len(self.ints)
+        self.ints.extend(values)
+        return slice(a, len(self.ints))
+
+    def upload(self, device: torch.device) -> None:
+        data = torch.tensor(self.ints, dtype=torch.long)
+        if self.tensors:
+            data = torch.cat([data, *self.tensors])
+        self.data = data.to(device)
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        return self.data[where]
+
+
+def entries_of(items: list) -> list[Entry]:
+    """Each item's entry, its session's rows reserved now (CapacityExceeded
+    from the pool for a session that cannot have them)."""
+    entries, r0 = [], 0
+    for s, token_ids, positions, mask in items:
+        n, start = len(token_ids), s.length
+        s.reserve(start + n)
+        entries.append(Entry(s, n, start, r0, positions, mask))
+        r0 += n
+    return entries
+
+
+def group_entries(entries: list[Entry]) -> list[list[int]]:
+    """Indices of the entries of each group (see the module docstring), each in item order."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    rows = keys = real = 0
+    for i in sorted(range(len(entries)), key=lambda i: -entries[i].end):
+        e = entries[i]
+        r, k, a = max(rows, e.n), max(keys, e.end), real + e.n * e.end
+        if cur and (len(cur) + 1) * r * k > SPREAD * a + SLACK:
+            groups.append(sorted(cur))
+            cur, r, k, a = [], e.n, e.end, e.n * e.end
+        cur.append(i)
+        rows, keys, real = r, k, a
+    groups.append(sorted(cur))
+    return groups
+
+
+def _positions(pack: _Pack, entries: list[Entry]) -> tuple[slice, bool]:
+    """Where the rows' RoPE positions are in the pack, and whether that is
+    an index into the pack instead (callers' position tensors, which follow
+    the ints: so this puts the last ints)."""
+    if all(e.positions is None for e in entries):
+        return pack.put(p for e in entries for p in range(e.start, e.end)), False
+    after = len(pack.ints) + sum(e.n for e in entries)  # where `defaults` will start; tensors follow them
+    defaults: list[int] = [p for e in entries if e.positions is None for p in range(e.start, e.end)]
+    index: list[int] = []
+    d, t = after, after + len(defaults)
+    for e in entries:
+        if e.positions is None:
+            index.extend(range(d, d + e.n))
+            d += e.n
+        else:
+            index.extend(range(t, t + e.n))
+            pack.tensors.append(e.positions.to("cpu", torch.long).reshape(-1))
+            t += e.n
+    at = pack.put(index)
+    pack.put(defaults)
+    return at, True
+
+
+class _Spec(NamedTuple):
+    """A group's fields in the pack, and what the host knows of its shape."""
+
+    members: list[int]
+    rows: int
+    block_rows: int
+    q_index: slice | None
+    table: slice
+    width: int  # blocks per table row
+    start: slice
+    n: slice
+    end: slice
+    k0: list[slice]  # per window kind
+    keys: list[int]  # per kind: key columns
+    slots: list[slice | range] | None  # per kind: a lone entry's key rows (a range: contiguous)
+    trees: slice | None  # the places in the group of members with a caller's mask
+    causal: bool | None  # None: masks; else the lone entry's is_causal
+
+
+def _lone(e: Entry, windows: list[int | None], softcap: bool) -> bool | None:
+    """A group of this one entry without a mask: None (it needs masks), or
+    whether SDPA's is_causal does it (a prefill; a decode row sees every key)."""
+    if softcap or e.mask is not None:  # the soft-capped path takes masks only
+        return None
+    if e.n == 1:  # its keys start at its window: it sees them all
+        return False
+    return True if e.start == 0 and all(w is None or w >= e.end for w in windows) else None
+
+
+def _k0(e: Entry, w: int | None) -> int:
+    """The first key row an entry's queries may see in a layer of window w."""
+    if e.mask is not None or w is None or w >= e.end:
+        return 0
+    return max(0, e.start - w + 1)
+
+
+def _spec(pack: _Pack, entries: list[Entry], members: list[int], windows: list[int | None], softcap: bool) -> _Spec:
+    es = [entries[i] for i in members]
+    rows = max(e.n for e in es)
+    q_index = None
+    if len(es) < len(entries) or any(e.n != rows for e in es):
+        q_index = pack.put(e.r0 + min(r, e.n - 1) for e in es for r in range(rows))
+    k0s = [[_k0(e, w) for e in es] for w in windows]
+    keys = [max(e.end - k for e, k in zip(es, ks)) for ks in k0s]
+    b = es[0].session.block_rows
+    width = max(-(-(k + ks[j]) // b) for k, ks in zip(keys, k0s) for j in range(len(es)))
+    table = pack.put(t for e in es for t in (e.session.table[:width] + [0] * (width - len(e.session.table))))
+    return _Spec(
+        members,
+        rows,
+        b,
+        q_index,
+        table,
+        width,
+        pack.put(e.start for e in es),
+        pack.put(e.n for e in es),
+        pack.put(e.end for e in es),
+        [pack.put(ks) for ks in k0s],
+        keys,
+        # One session: its key rows are a short list (fewer operators than computing them).
+        [_lone_keys(pack, es[0], ks[0]) for ks in k0s] if len(es) == 1 else None,
+        pack.put(j for j, e in enumerate(es) if e.mask is not None) if any(e.mask is not None for e in es) else None,
+        _lone(es[0], windows, softcap) if len(es) == 1 else None,
+    )
+
+
+def _lone_keys(pack: _Pack, e: Entry, k0: int) -> slice | range:
+    """A lone entry's key rows: where they are listed in the pack, or the
+    storage range they fill when its blocks from k0 on are consecutive (the
+    usual case: a session takes its blocks in runs), which attention then
+    reads in place."""
+    s, b = e.session, e.session.block_rows
+    blocks = s.table[k0 // b : (e.end - 1) // b + 1]
+    if all(y == x + 1 for x, y in zip(blocks, blocks[1:])):
+        first = s.slot(k0)
+        return range(first, first + e.end - k0)
+    return pack.put(s.slots(k0, e.end))
+
+
+def plan(model, items: list, last_only: bool | list[bool]) -> Step:
+    """The step of a forward_batch's items (see the module docstring)."""
+    entries = entries_of(items)
+    if len({id(e.session.store) for e in entries}) > 1:
+        raise ValueError("the sessions of one forward must share a KV pool")
+    pack = _Pack()
+    write = pack.put(s for e in entries for s in e.session.slots(e.start, e.end))
+    specs = [_spec(pack, entries, m, model.windows, model.softcap is not None) for m in group_entries(entries)]
+    order = _order(pack, entries, specs)
+    keep = _keep(pack, entries, last_only)
+    at, indexed = _positions(pack, entries)  # last: the tensors it appends follow every int
+    trees = [_trees(entries, s, model.kv_dtype) for s in specs]
+    pack.upload(model.device)
+    positions = pack.data[pack[at]] if indexed else pack[at]
+    ar = torch.arange(max(max(s.rows, *s.keys) for s in specs), device=model.device)
+    groups = [_group(model, pack, s, t, ar) for s, t in zip(specs, trees)]
+    return Step(
+        entries,
+        entries[0].session.store.data,
+        positions,
+        pack[write],
+        groups,
+        None if order is None else pack[order],
+        None if keep is None else pack[keep],
+    )
+
+
+def _trees(entries: list[Entry], s: _Spec, kvt: torch.dtype) -> torch.Tensor | None:
+    """The callers' masks of a group's members, (trees, rows, widest), on the
+    host: -inf past each one's rows and columns, but column 0 open on its
+    padding rows (a query row that sees nothing would be NaN)."""
+    es = [entries[i] for i in s.members if entries[i].mask is not None]
+    if not es:
+        return None
+    out = torch.full((len(es), s.rows, max(e.end for e in es)), float("-inf"), dtype=kvt)
+    out[:, :, 0] = 0.0
+    for t, e in enumerate(es):
+        assert e.mask is not None
+        out[t, : e.n, : e.end] = e.mask
+    return out
+
+
+def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.Tensor) -> Group:
+    """A group's key rows and masks per window kind, on the device."""
+    size, b = len(s.members), s.block_rows
+    q_row = None
+    if s.causal is None:  # each query's own cache row; padding rows repeat their entry's last
+        r = ar[: s.rows][None] if s.q_index is None else torch.minimum(ar[: s.rows][None], pack[s.n][:, None] - 1)
+        q_row = (pack[s.start][:, None] + r)[:, :, None]
+    placed = None if trees is None or s.trees is None else (pack[s.trees], trees.to(model.device))
+    keys: list[torch.Tensor | range] = []
+    masks: list[torch.Tensor | None] = []
+    for kind, w in enumerate(model.windows):
+        key_row = None
+        if s.slots is not None:
+            at = s.slots[kind]
+            keys.append(pack[at][None] if isinstance(at, slice) else at)
+        else:
+            key_row = pack[s.k0[kind]][:, None] + ar[: s.keys[kind]][None]  # (size, K)
+            slot = pack[s.table].view(size, s.width).gather(1, key_row // b) * b + key_row % b
+            keys.append(torch.where(key_row < pack[s.end][:, None], slot, 0))  # past its rows: the zero block
+        if q_row is None:
+            masks.append(None)
+            continue
+        if key_row is None:
+            key_row = pack[s.k0[kind]][:, None] + ar[: s.keys[kind]][None]
+        masks.append(_mask(key_row, q_row, w, placed, model.kv_dtype))
+    return Group(size, s.rows, None if s.q_index is None else pack[s.q_index], keys, masks, bool(s.causal))
+
+
+def _mask(key_row: torch.Tensor, q_row: torch.Tensor, w: int | None, placed, kvt: torch.dtype) -> torch.Tensor:
+    """Additive (size, 1, rows, K): causal within the window, the callers'
+    masks placed into their entries (keys from row 0) and cut to the window."""
+    key_row = key_row[:, None]  # (size, 1, K) against q_row (size, rows, 1)
+    seen = key_row <= q_row
+    if w is not None:
+        seen &= key_row > q_row - w
+    mask = torch.zeros(seen.shape, dtype=kvt, device=seen.device).masked_fill_(~seen, float("-inf"))
+    if placed is not None:
+        at, trees = placed
+        mask[at, :, : trees.shape[-1]] = trees
+        if w is not None and w < trees.shape[-1]:
+            # A tree row sees its past and ancestors: keep the last `w` of them.
+            later = (mask > torch.finfo(kvt).min / 2).flip(-1).cumsum(-1).flip(-1)
+            mask.masked_fill_(later > w, float("-inf"))
+    return mask[:, None]
+
+
+def _order(pack: _Pack, entries: list[Entry], specs: list[_Spec]) -> slice | None:
+    """Each row's place in the concatenated padded outputs, None when that is its own."""
+    if len(specs) == 1 and specs[0].q_index is None:
+        return None
+    place: dict[int, int] = {}
+    offset = 0
+    for s in specs:
+        for j, i in enumerate(s.members):
+            place[i] = offset + j * s.rows
+        offset += len(s.members) * s.rows
+    return pack.put(place[i] + r for i, e in enumerate(entries) for r in range(e.n))
+
+
+def _keep(pack: _Pack, entries: list[Entry], last_only: bool | list[bool]) -> slice | None:
+    """The rows whose logits are wanted: every row, or each item's last where last_only says so."""
+    if not last_only:
+        return None
+    flags = last_only if isinstance(last_only, list) else [True] * len(entries)
+    return pack.put(
+        r for e, last in zip(entries, flags) for r in ((e.r0 + e.n - 1,) if last else range(e.r0, e.r0 + e.n))
+    )

@@ -1,0 +1,165 @@
+"""The lean engine's paged KV cache: one tensor of fixed-size blocks per
+replica, and sessions that each hold a table of block ids.
+
+Storage (`PagedKV.data`): (layers, rows, 2 (K, V), kv_heads, head_dim), rows
+= (blocks + 1) x block_rows. Block id b of the pool is storage block b + 1;
+storage block 0 is zeros and never handed out: attention reads it where a
+session of a padded batch has no row (specd_core/runtime/lean_step.py), and
+zeros are finite where the rest of the storage is uninitialised memory.
+
+A row's keys and values are contiguous, so gathering a session's rows
+copies 2 x kv_heads x head_dim elements at a time (index_select on rows:
+3-7x faster on a CPU than indexing a (2, rows, ...) layout), and a block of
+one layer is one contiguous range of memory (on a CPU its pages become resident when first
+written: `torch.empty` costs no RAM for blocks never used).
+
+The pool (specd_core/runtime/kv_budget.py) owns the storage (`pool.storage`)
+and the block ids; the budget's pool is sized at the replica's start. A
+session reserves by taking block ids (nothing is copied, ever), rolls back by
+setting its length, compacts by moving kept rows within its own blocks, and
+releases by giving its ids back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specd_core.runtime.kv_budget import KVPool
+
+if TYPE_CHECKING:
+    from specd_core.runtime.lean import LeanModel
+
+NULL_BLOCK = 1  # storage blocks before the pool's: block 0, zeros
+
+
+class PagedKV:
+    """The storage of one pool's blocks for one model's shape."""
+
+    def __init__(self, model: LeanModel, pool: KVPool):
+        self.shape = (len(model.layers), model.n_kv, model.head_dim)
+        self.dtype, self.device = model.kv_dtype, model.device
+        self.block_rows = pool.block_rows
+        self.blocks = 0
+        self.data = self._alloc(pool.total_blocks)
+
+    @torch.inference_mode()
+    def _alloc(self, blocks: int) -> torch.Tensor:
+        layers, n_kv, head_dim = self.shape
+        rows = (blocks + NULL_BLOCK) * self.block_rows
+        data = torch.empty(layers, rows, 2, n_kv, head_dim, dtype=self.dtype, device=self.device)
+        data[:, : NULL_BLOCK * self.block_rows].zero_()
+        self.blocks = blocks
+        return data
+
+    @torch.inference_mode()
+    def cover(self, blocks: int) -> None:
+        """Hold at least `blocks` blocks: a growable pool's storage grows by
+        a copy (a budget's pool is allocated whole and never does)."""
+        if blocks <= self.blocks:
+            return
+        old = self.data
+        self.data = self._alloc(max(blocks, 2 * self.blocks))
+        self.data[:, : old.shape[1]] = old
+
+    def fits(self, model: LeanModel) -> bool:
+        return self.shape == (len(model.layers), model.n_kv, model.head_dim) and self.dtype == model.kv_dtype
+
+
+def storage_of(model: LeanModel, pool: KVPool) -> PagedKV:
+    """The pool's storage, made on first use for this model's rows."""
+    store = pool.storage
+    if store is None:
+        store = pool.storage = PagedKV(model, pool)
+    if not isinstance(store, PagedKV) or not store.fits(model):
+        raise ValueError(f"the {pool.owner} KV pool already holds another model's rows")
+    return store
+
+
+class LeanSession:
+    """One session's KV rows: a table of the pool's blocks and a length.
+
+    reserve takes blocks by max(the blocks needed, GROWTH of those held):
+    the pool's accounting of a session's growth is the same whatever the
+    storage, and a step rarely has to take the pool's lock. Without a pool
+    (tests, tools) the model's own growable pool serves (LeanModel.default_pool)."""
+
+    GROWTH = 0.25  # a grow adds at least this fraction of the capacity (and at least one block)
+
+    def __init__(self, model: LeanModel, max_len: int, pool: KVPool | None = None):
+        self.lean = model
+        self.max_len = max_len
+        self.pool = pool if pool is not None else model.default_pool
+        self.store = storage_of(model, self.pool)
+        self.block_rows = self.pool.block_rows
+        self.table: list[int] = []  # storage block of each block of rows, in order
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        """Rows the session holds without taking blocks."""
+        return len(self.table) * self.block_rows
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of the pool this session holds."""
+        return len(self.table)
+
+    def slot(self, row: int) -> int:
+        """The storage row of the session's row `row`."""
+        return self.table[row // self.block_rows] * self.block_rows + row % self.block_rows
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """The storage rows of rows [start, end)."""
+        b, tab = self.block_rows, self.table
+        return [tab[r // b] * b + r % b for r in range(start, end)]
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """A copy of the rows held, (layers, 2, kv_heads, capacity, head_dim) (tests, tools)."""
+        idx = torch.tensor(self.slots(0, self.capacity), dtype=torch.long, device=self.store.device)
+        return self.store.data[:, idx].permute(0, 2, 3, 1, 4)
+
+    def reserve(self, rows: int, what: str = "a session") -> None:
+        """Hold `rows` rows: take max(the blocks needed, GROWTH of those held),
+        or just the blocks needed when the pool has no more. CapacityExceeded
+        when even those are not free; the session is unchanged then."""
+        if rows > self.max_len:
+            raise ValueError(f"{rows} rows exceed the model's context of {self.max_len}")
+        if rows <= self.capacity:
+            return
+        have, limit = self.blocks, -(-self.max_len // self.block_rows)
+        need = -(-rows // self.block_rows) - have
+        want = min(max(need, max(1, int(have * self.GROWTH))), limit - have)
+        ids = self.pool.take_blocks(want, need, what)
+        try:
+            self.store.cover(max(ids) + 1)
+        except BaseException:  # out of memory growing a default pool's storage
+            self.pool.give_blocks(ids)
+            raise
+        self.table += [i + NULL_BLOCK for i in ids]
+
+    def release(self) -> None:
+        """Give the blocks back (the session is over)."""
+        ids, self.table, self.length = [b - NULL_BLOCK for b in self.table], [], 0
+        self.pool.give_blocks(ids)
+
+    def forward(self, token_ids: list[int], last_only: bool = False, positions=None, mask=None) -> torch.Tensor:
+        return self.lean.forward(self, token_ids, positions, mask, last_only)
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
+        self.length = length
+
+    @torch.inference_mode()
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Keep rows start+keep[j] at start+j (keep ascending), drop the rest:
+        the kept rows move within the session's blocks, every layer at once."""
+        moved = [(start + k, start + j) for j, k in enumerate(keep) if k != j]  # a kept prefix is in place
+        if moved:
+            pairs = torch.tensor([[self.slot(a), self.slot(b)] for a, b in moved], device=self.store.device)
+            data = self.store.data
+            data[:, pairs[:, 1]] = data[:, pairs[:, 0]]
+        self.rollback(start + len(keep))
