@@ -13,6 +13,7 @@ process (its pid from Status) while greedy streams run on both.
 """
 import os
 import signal
+import threading
 import time
 
 import grpc
@@ -23,11 +24,11 @@ from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import open_channel
 from specd_core.runtime.models import load_model
 from tests.test_cluster_scaling import greedy_check, long_pair, specd, wait_for  # noqa: F401
+from tests.held_stream import HeldStream
 from tests.test_greedy_exact import assert_same_or_near_tie
 from tests.test_orchestrators_ray import (
     FIRST,
     SECOND,
-    Stream,
     corpus_prompts,
     fresh_status,
     orchestrator_targets,
@@ -37,7 +38,7 @@ from tests.test_orchestrators_ray import (
 
 pytestmark = pytest.mark.cluster
 
-STREAMS, TOKENS = 8, 3000
+STREAMS, TOKENS = 8, 1200   # the streams hold 200 short of their end until the restart is seen
 T = 8.0             # the replicas' owner timeout
 SLACK_S = 15.0      # Ray and a loaded machine, on top of the 1.25 T bound
 
@@ -77,11 +78,11 @@ def test_a_killed_orchestrator_restarts_and_its_sessions_close(ray_cluster, long
     target, _ = long_pair
     env, address, targets_file = up_two(ray_cluster, long_pair, tmp_path, "--owner-timeout-s", str(T))
     prompts = corpus_prompts(target, STREAMS, 29)
-    streams = []
+    streams, release = [], threading.Event()
     try:
         before = {o.name: o for o in fresh_status(address).orchestrators}
         assert set(before) == {FIRST, SECOND}
-        streams = [Stream(address, p, TOKENS) for p in prompts]
+        streams = [HeldStream(address, p, TOKENS, release) for p in prompts]
         wait_for(lambda: all(st.tokens for st in streams), "first tokens of every stream")
         on = {o.name: o.active_requests for o in fresh_status(address).orchestrators}
         assert on[FIRST] > 0 and on[SECOND] > 0, on
@@ -117,11 +118,13 @@ def test_a_killed_orchestrator_restarts_and_its_sessions_close(ray_cluster, long
         else:
             pytest.fail("no connection reached the restarted orchestrator")
 
+        release.set()
         for st in streams:
             st.join(900)
         wait_for(lambda: not any(replica_sessions(r) for r in live_status(address).replicas),
                  "every replica to hold 0 sessions", 60)
     finally:
+        release.set()
         for st in streams:
             st.join(900)
         down = specd(["down"], env)
