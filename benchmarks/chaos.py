@@ -141,8 +141,13 @@ class Deployment:
         return int(pid)
 
     def close(self) -> None:
+        import ray
+
         with contextlib.suppress(Exception):
             self.specd("down")
+        # Leave the cluster before it stops: a driver that outlives its GCS
+        # is terminated by Ray after a minute (here: the test process).
+        ray.shutdown()
         ray_cluster.stop_local_ray(self.ray_pid)
 
 
