@@ -52,6 +52,7 @@ import grpc
 
 from specd import ray_cluster
 from specd.client import stream_generate
+from specd.ray_deploy import NAMESPACE
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import open_channel
@@ -123,7 +124,7 @@ class Deployment:
         self.address = up.stdout.strip().splitlines()[-1]
         import ray
 
-        ray.init(address=self.ray_address, logging_level=logging.ERROR)
+        ray.init(address=self.ray_address, namespace=NAMESPACE, logging_level=logging.ERROR)
 
     def specd(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -137,7 +138,7 @@ class Deployment:
     def replica_pid(self, name: str, timeout: float = 5.0) -> int:
         import ray
 
-        pid: Any = ray.get(ray.get_actor(name).pid.remote(), timeout=timeout)
+        pid: Any = ray.get(ray.get_actor(name, namespace=NAMESPACE).pid.remote(), timeout=timeout)
         return int(pid)
 
     def close(self) -> None:
