@@ -90,6 +90,12 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+# A run kills each member many times: Ray restarts them without limit, and
+# the replicas close a dead orchestrator's sessions within 10 s so that the
+# end check need not wait the default 30 s.
+ALWAYS_UP_ARGS = ("--replica-max-restarts", "-1", "--orchestrator-max-restarts", "-1", "--owner-timeout-s", "10")
+
+
 class Deployment:
     """A private Ray cluster with `specd up` on it; pids, Status and metrics."""
 
@@ -394,7 +400,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target", type=Path, default=DEMO_TARGET)
     ap.add_argument("--drafter", type=Path, default=DEMO_TARGET.parent / "drafter")
-    ap.add_argument("--up-args", nargs=argparse.REMAINDER, default=[], help="more `specd up` flags (last)")
+    ap.add_argument("--up-args", nargs=argparse.REMAINDER, default=[], help="more `specd up` flags (last; after ALWAYS_UP_ARGS)")
     ap.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
     return ap.parse_args(argv)
 
@@ -410,7 +416,7 @@ def prompts_for(target: Path, rng: random.Random, n: int = 64) -> list[list[int]
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rng, tally = random.Random(args.seed), Tally()
     with tempfile.TemporaryDirectory(prefix="specd-chaos-") as tmp:
-        dep = Deployment(Path(tmp), args.target, args.drafter, list(args.up_args))
+        dep = Deployment(Path(tmp), args.target, args.drafter, [*ALWAYS_UP_ARGS, *args.up_args])
         try:
             members = members_of(dep)
             clients = Clients(dep, prompts_for(args.target, rng), tally, args)

@@ -18,8 +18,7 @@ pytestmark = pytest.mark.cluster
 def test_chaos_short(tmp_path):
     out = tmp_path / "chaos.json"
     code = chaos.main(["--seconds", "45", "--every", "2", "5", "--pause", "1", "4", "--max-new", "64",
-                       "--out", str(out), "--up-args", "--replica-max-restarts", "-1",
-                       "--orchestrator-max-restarts", "-1", "--owner-timeout-s", "10"])
+                       "--out", str(out)])
     doc = json.loads(out.read_text())
     summary = {k: doc[k] for k in ("faults_by_kind", "requests", "tokens", "resumes", "counters", "checks",
                                    "errors", "mismatches", "end_state")}
