@@ -45,3 +45,9 @@ def test_a_small_run_through_the_cores(tmp_path):
             assert 0 < c["kernel_like"] < c["ops"] and c["host_ms"] > 0, (kind, c)
             assert c["syncs"] >= 1          # the verdicts reach the host at least once
     assert result["target"]["num_hidden_layers"] == 32
+    one, three = result["rows"]
+    # A tree's mask and positions are built for all sessions at once: more
+    # sessions add no upload and no more operators than they add to a chain.
+    assert three["verify_tree"]["uploads"] == one["verify_tree"]["uploads"]
+    grown = {kind: three[kind]["kernel_like"] - one[kind]["kernel_like"] for kind in ("verify_chain", "verify_tree")}
+    assert grown["verify_tree"] <= grown["verify_chain"], grown

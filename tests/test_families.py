@@ -74,17 +74,23 @@ def test_prefill_decode_and_chunks_match_hf(family, size, models):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tree_rows_equal_their_paths(family, models):
-    """A verifier's tree forward (tree_attention's mask and positions) after 30
-    cached rows: row 0 (the root) and each node's row are HF's last logits for
-    prefix + root + the node's path - 10 rows deep, past a window of 8. Then
-    compaction to one path and a continuation: HF on the committed sequence."""
+@pytest.mark.parametrize("form", ["dense", "tree"])
+def test_tree_rows_equal_their_paths(family, form, models):
+    """A verifier's tree forward after 30 cached rows, the tree given as
+    tree_attention's mask and positions (dense) or as the TokenTree itself,
+    whose mask the step builds: row 0 (the root) and each node's row are HF's
+    last logits for prefix + root + the node's path - 10 rows deep, past a
+    window of 8. Then compaction to one path and a continuation: HF on the
+    committed sequence."""
     model = models(family)
     s = LeanModel(model).new_session()
     prefix, root = PROMPT[:30], 4
     s.forward(prefix)
-    mask, pos = tree_attention(TREE, len(prefix))
-    rows = s.forward([root] + list(TREE.tokens), positions=pos[0], mask=mask[0, 0])
+    if form == "dense":
+        mask, pos = tree_attention(TREE, len(prefix))
+        rows = s.forward([root] + list(TREE.tokens), positions=pos[0], mask=mask[0, 0])
+    else:
+        rows = s.forward([root] + list(TREE.tokens), mask=TREE)
     close(rows[0], hf_logits(model, prefix + [root])[-1])
     for node in range(len(TREE.tokens)):
         path = [TREE.tokens[n] for n in path_to(TREE, node)]

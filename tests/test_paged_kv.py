@@ -130,15 +130,16 @@ def family_model(tmp_path_factory):
 @pytest.mark.parametrize("spread", [lean_step.SPREAD, 0])
 def test_padded_batch_equals_each_session_alone(family, spread, family_model, monkeypatch):
     """Sessions of different lengths and row counts - a long prefill, decode
-    rows, a chain after a past, a tree - in one step give each the logits
-    and cache of its own forward, in one padded group and (spread 0: every
-    session its own group) in several."""
+    rows, a chain after a past, a tree as a dense mask, trees as TokenTrees
+    (their masks built in the step; alone, the same trees' dense masks) - in
+    one step give each the logits and cache of its own forward, in one padded
+    group and (spread 0: every session its own group) in several."""
     monkeypatch.setattr(lean_step, "SPREAD", spread)
     monkeypatch.setattr(lean_step, "SLACK", 1 << 15 if spread else 0)
     lean = LeanModel(family_model(family))
     pool = KVPool(200, 4, lean.kv_row_bytes)
-    solo = [lean.new_session(pool=pool) for _ in range(5)]
-    batched = [lean.new_session(pool=pool) for _ in range(5)]
+    solo = [lean.new_session(pool=pool) for _ in range(7)]
+    batched = [lean.new_session(pool=pool) for _ in range(7)]
     # Rows never written are uninitialised memory: make them NaN, which a
     # masked key would still spread (0 x NaN) if attention ever read one.
     with torch.inference_mode():
@@ -148,12 +149,16 @@ def test_padded_batch_equals_each_session_alone(family, spread, family_model, mo
         group[2].forward(PROMPT[:9])
         group[3].forward(PROMPT[:20])
         group[4].forward(PROMPT[:3])
+        group[5].forward(PROMPT[:17])
+        group[6].forward(PROMPT[:23])
     small = TokenTree(tokens=(40, 41, 42, 43, 44), parents=(-1, 0, -1, 2, 3))
+    wide = TokenTree(tokens=(50, 51, 52, 53, 54, 55), parents=(-1, -1, 0, 0, 1, 1))
     mask, pos = tree_attention(small, 20)
     work = [(PROMPT[:30], None, None), ([9], None, None), ([4, 5, 6, 7, 8, 9], None, None),
-            ([5] + list(small.tokens), pos[0], mask[0, 0]), ([11], None, None)]
+            ([5] + list(small.tokens), pos[0], mask[0, 0]), ([11], None, None),
+            ([6] + list(wide.tokens), None, wide), ([7] + list(small.tokens), None, small)]
     items = [(s, ids, p, m) for s, (ids, p, m) in zip(batched, work)]
-    want = [s.forward(ids, positions=p, mask=m) for s, (ids, p, m) in zip(solo, work)]
+    want = [s.forward(ids, **_dense(s, p, m)) for s, (ids, p, m) in zip(solo, work)]
     groups = len(lean_step.group_entries(lean_step.entries_of(items)))
     assert groups == (1 if spread else len(work))
     got = lean.forward_batch(items)
@@ -161,10 +166,33 @@ def test_padded_batch_equals_each_session_alone(family, spread, family_model, mo
         close(g, w)
     for a, b in zip(solo, batched):
         assert a.length == b.length
-    nxt = [([3, 4], None, None)] * 5
+    nxt = [([3, 4], None, None)] * len(work)
     after = lean.forward_batch([(s, ids, p, m) for s, (ids, p, m) in zip(batched, nxt)], last_only=True)
     for a, g in zip(solo, after):
         close(g, a.forward([3, 4])[-1:])
+
+
+def _dense(s, positions, mask) -> dict:
+    """A TokenTree item's forward arguments as tree_attention's dense mask and positions."""
+    if not isinstance(mask, TokenTree):
+        return {"positions": positions, "mask": mask}
+    mask4, pos2 = tree_attention(mask, s.length)
+    return {"positions": pos2[0], "mask": mask4[0, 0]}
+
+
+def test_tree_layout_hides_what_is_not_an_ancestor(llama):
+    """Rows [root, node0 ..] of a 2x2 tree: positions from the depths, and the
+    pairs the causal mask shows but the tree hides - exactly the earlier rows
+    that tree_attention blocks."""
+    tree = TokenTree(tokens=(1, 2, 3, 4, 5, 6), parents=(-1, -1, 0, 0, 1, 1))
+    layout = lean_step.tree_layout(tree.parents)
+    assert layout.depths == (0, 1, 1, 2, 2, 2, 2)
+    mask, _ = tree_attention(tree, 0)
+    blocked = mask[0, 0] < 0
+    want = {(r, c) for r in range(7) for c in range(r) if blocked[r, c]}
+    assert set(layout.hidden) == want and len(layout.hidden) == len(want) == 11
+    with pytest.raises(ValueError, match="takes 7 rows"):
+        lean_step.entries_of([(LeanModel(llama).new_session(), [1, 2], None, tree)])
 
 
 def test_sessions_of_two_pools_do_not_share_a_forward(llama):

@@ -18,7 +18,6 @@ from specd_core.rules.tree import (
     accept_tree_deterministic,
     accept_tree_sampled,
     compaction_indices,
-    tree_attention,
 )
 from specd_core.runtime.features import HiddenStates
 from specd_core.runtime.grammar import Constraint, apply_masks
@@ -82,17 +81,15 @@ def is_chain(tree: TokenTree) -> bool:
 
 def plan_rows(live: list[VerifyJob], admitted: list[tuple[OpenJob, VerifySession]]) -> tuple[list, list[bool]]:
     """The forward's items (cache, ids, positions, mask) and last-only flags:
-    each verify's pending token and nodes (a tree's mask; a chain's is the
-    causal one), then each prefill's prompt (all but the pending last token
-    after a resume: the cache holds all committed tokens but the last)."""
+    each verify's pending token and nodes (its tree as the mask: the engine
+    builds every session's tree mask and positions in one go, on the device
+    for the lean one; a chain's mask is the causal one), then each prefill's
+    prompt (all but the pending last token after a resume: the cache holds
+    all committed tokens but the last)."""
     items, last_only = [], []
     for j in live:
-        s, base = j.session, j.session.cache.length  # base == len(tokens) - 1
-        positions = mask = None
-        if not is_chain(j.tree):
-            mask4, pos2 = tree_attention(j.tree, base)
-            mask, positions = mask4[0, 0], pos2[0]
-        items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), positions, mask))
+        s = j.session
+        items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), None, None if is_chain(j.tree) else j.tree))
         last_only.append(False)
     for o, s in admitted:
         items.append((s.cache, o.prompt_ids[:-1] if o.resume else o.prompt_ids, None, None))

@@ -3,8 +3,10 @@
 Pure core (tensors in, dataclasses out; docs/rules.md, "The rules that keep output
 exact": the tree rules). A tree holds N draft nodes below the ROOT, the pending token
 (the last emitted token, not yet in the verifier's cache). The verifier forwards
-[root, node0 .. node{N-1}] in ONE pass with `tree_attention`'s mask, so row 0 of
-its output predicts the root's children and row i+1 predicts node i's children.
+[root, node0 .. node{N-1}] in ONE pass with `tree_attention`'s mask (the lean
+engine builds the same mask from the tree itself, for every session of a step
+at once: specd_core/runtime/lean_step.py), so row 0 of its output predicts the
+root's children and row i+1 predicts node i's children.
 
 Tree shapes are data (Medusa / EAGLE style): a static shape is a list of paths of
 child ranks, turned into a parent array by `paths_to_parents`.

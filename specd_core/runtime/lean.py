@@ -196,7 +196,9 @@ class LeanModel:
         """Append tokens at cache rows [length, length+n); return logits (n or 1, V).
 
         positions: (n,) RoPE positions (default: the cache rows); mask: (n, length+n)
-        additive float mask over the cache rows (default: causal)."""
+        additive float mask over the cache rows (default: causal), or a
+        TokenTree whose rows [root, node0 ..] these are (its mask and
+        positions are built in the step, specd_core/runtime/lean_step.py)."""
         return self.forward_batch([(s, token_ids, positions, mask)], last_only)[0]
 
     @torch.inference_mode()
@@ -225,7 +227,7 @@ class LeanModel:
         head built on this class, the features it predicts)."""
         step = plan(self, items, last_only)
         top = max(e.end for e in step.entries)
-        spans = [(e.start, e.end, e.positions is None) for e in step.entries]
+        spans = [(e.start, e.end, e.positions is None and e.tree is None) for e in step.entries]
         rope = []
         for r in self.ropes:
             cos, sin = r.cos_sin(step.positions, spans, top)

@@ -6,8 +6,9 @@ Attention runs over a padded batch: each session an entry of `rows` query
 rows (its own, the padding repeating its last one) and K key columns, the
 keys gathered from the session's blocks by one index per layer; columns past
 a session's rows read the zero block and are masked. The additive masks
-(causal, sliding window, a caller's tree mask placed into its entry) are
-built once per step and window size, on the device, and serve every layer.
+(causal, sliding window, token trees, a caller's dense mask placed into its
+entry) are built once per step and window size, on the device, and serve
+every layer.
 
 Sessions of very different sizes would pad each other out (a 2000-row
 prefill beside 5-row verifies, a long context beside short ones), so
@@ -16,9 +17,18 @@ area (entries x rows x keys) stays within SPREAD times its real area plus
 SLACK; each group is one attention call per layer. A step of sessions of
 about one size, which a decode or verify step is, is one group.
 
-Host -> device: one int64 tensor per step (every index below, the tree
-positions appended) and one tensor of tree masks per group that has trees;
-nothing is read back.
+Token trees (an item whose mask is a `TokenTree`: its rows are the root,
+then the nodes) cost no operator per session: their positions (start +
+depth) are host integers of the pack, and their mask is the causal one less
+the (row, key) pairs it shows a node that are not its ancestors - earlier
+siblings and their subtrees - listed in the pack and cleared in one indexed
+write per group and window size. A tree's pairs depend on its shape alone
+and are computed once per shape.
+
+Host -> device: one int64 tensor per step (every index below, the callers'
+position tensors appended) and one tensor of callers' dense masks per group
+that has them (the drafter's branches and level-wise trees); nothing is read
+back.
 
 Sliding windows: a key is attended when the query's position minus its
 position is below the window (Hugging Face's rule). Positions are not stored
@@ -31,9 +41,12 @@ included. A causal entry's keys start at its first row's window.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from specd_core.rules.tree import TokenTree
 
 if TYPE_CHECKING:
     from specd_core.runtime.paged_kv import LeanSession
@@ -49,8 +62,14 @@ class Entry(NamedTuple):
     n: int
     start: int
     r0: int
-    positions: torch.Tensor | None  # (n,) RoPE positions; None: start..end-1
-    mask: torch.Tensor | None  # (n, end) additive, a tree's; None: causal
+    positions: torch.Tensor | None  # (n,) RoPE positions; None: start..end-1, or the tree's
+    mask: torch.Tensor | None  # (n, end) additive, a caller's; None: causal, or the tree's
+    tree: TokenTree | None  # the rows are [root, node0 ..] of this tree
+
+    @property
+    def masked(self) -> bool:
+        """Whether its mask is not the causal one (a caller's, or a tree's)."""
+        return self.mask is not None or self.tree is not None
 
     @property
     def end(self) -> int:
@@ -103,14 +122,45 @@ class _Pack:
 
 def entries_of(items: list) -> list[Entry]:
     """Each item's entry, its session's rows reserved now (CapacityExceeded
-    from the pool for a session that cannot have them)."""
+    from the pool for a session that cannot have them). An item's mask is
+    an additive tensor or a TokenTree (then its positions are the tree's)."""
     entries, r0 = [], 0
     for s, token_ids, positions, mask in items:
         n, start = len(token_ids), s.length
+        tree = mask if isinstance(mask, TokenTree) else None
+        if tree is not None and (positions is not None or n != len(tree.tokens) + 1):
+            raise ValueError(f"a tree of {len(tree.tokens)} nodes takes {len(tree.tokens) + 1} rows and no positions")
         s.reserve(start + n)
-        entries.append(Entry(s, n, start, r0, positions, mask))
+        entries.append(Entry(s, n, start, r0, positions, None if tree is not None else mask, tree))
         r0 += n
     return entries
+
+
+class TreeLayout(NamedTuple):
+    """What a tree's rows need of the step beside the causal mask."""
+
+    depths: tuple[int, ...]  # per row; the root's is 0
+    hidden: tuple[tuple[int, int], ...]  # (row, earlier row) pairs where the earlier is not an ancestor
+
+
+@functools.lru_cache(maxsize=256)
+def tree_layout(parents: tuple[int, ...]) -> TreeLayout:
+    """The layout of the rows [root, node0 ..] of a tree with these parents
+    (cached: drafts of one shape share it)."""
+    depths, seen, hidden = [0], [{0}], []
+    for i, a in enumerate(parents):
+        row = i + 1
+        depths.append(depths[a + 1] + 1)
+        seen.append(seen[a + 1] | {row})
+        hidden += [(row, c) for c in range(1, row) if c not in seen[row]]
+    return TreeLayout(tuple(depths), tuple(hidden))
+
+
+def _host_positions(e: Entry) -> range | list[int]:
+    """An entry's RoPE positions when the host knows them (no caller's tensor)."""
+    if e.tree is None:
+        return range(e.start, e.end)
+    return [e.start + d for d in tree_layout(e.tree.parents).depths]
 
 
 def group_entries(entries: list[Entry]) -> list[list[int]]:
@@ -135,9 +185,9 @@ def _positions(pack: _Pack, entries: list[Entry]) -> tuple[slice, bool]:
     an index into the pack instead (callers' position tensors, which follow
     the ints: so this puts the last ints)."""
     if all(e.positions is None for e in entries):
-        return pack.put(p for e in entries for p in range(e.start, e.end)), False
+        return pack.put(p for e in entries for p in _host_positions(e)), False
     after = len(pack.ints) + sum(e.n for e in entries)  # where `defaults` will start; tensors follow them
-    defaults: list[int] = [p for e in entries if e.positions is None for p in range(e.start, e.end)]
+    defaults: list[int] = [p for e in entries if e.positions is None for p in _host_positions(e)]
     index: list[int] = []
     d, t = after, after + len(defaults)
     for e in entries:
@@ -169,13 +219,15 @@ class _Spec(NamedTuple):
     keys: list[int]  # per kind: key columns
     slots: list[slice | range] | None  # per kind: a lone entry's key rows (a range: contiguous)
     trees: slice | None  # the places in the group of members with a caller's mask
+    hidden: list[slice] | None  # per window kind: the pairs its token trees hide (_hidden)
+    masked_end: int  # the largest end of members with a caller's mask or a tree (0: none)
     causal: bool | None  # None: masks; else the lone entry's is_causal
 
 
 def _lone(e: Entry, windows: list[int | None], softcap: bool) -> bool | None:
     """A group of this one entry without a mask: None (it needs masks), or
     whether SDPA's is_causal does it (a prefill; a decode row sees every key)."""
-    if softcap or e.mask is not None:  # the soft-capped path takes masks only
+    if softcap or e.masked:  # the soft-capped path takes masks only
         return None
     if e.n == 1:  # its keys start at its window: it sees them all
         return False
@@ -184,7 +236,7 @@ def _lone(e: Entry, windows: list[int | None], softcap: bool) -> bool | None:
 
 def _k0(e: Entry, w: int | None) -> int:
     """The first key row an entry's queries may see in a layer of window w."""
-    if e.mask is not None or w is None or w >= e.end:
+    if e.masked or w is None or w >= e.end:
         return 0
     return max(0, e.start - w + 1)
 
@@ -215,8 +267,21 @@ def _spec(pack: _Pack, entries: list[Entry], members: list[int], windows: list[i
         # One session: its key rows are a short list (fewer operators than computing them).
         [_lone_keys(pack, es[0], ks[0]) for ks in k0s] if len(es) == 1 else None,
         pack.put(j for j, e in enumerate(es) if e.mask is not None) if any(e.mask is not None for e in es) else None,
+        _hidden(pack, es, rows, keys),
+        max((e.end for e in es if e.masked), default=0),
         _lone(es[0], windows, softcap) if len(es) == 1 else None,
     )
+
+
+def _hidden(pack: _Pack, es: list[Entry], rows: int, keys: list[int]) -> list[slice] | None:
+    """Per window kind, where the pack lists the pairs the members' trees
+    hide, as flat indices into the group's (size, rows, K) mask (a tree's
+    keys start at column 0: its k0)."""
+    trees = [(j, e.start, tree_layout(e.tree.parents)) for j, e in enumerate(es) if e.tree is not None]
+    pairs = [(j * rows + r, start + c) for j, start, layout in trees for r, c in layout.hidden]
+    if not pairs:
+        return None
+    return [pack.put(q * k + c for q, c in pairs) for k in keys]
 
 
 def _lone_keys(pack: _Pack, e: Entry, k0: int) -> slice | range:
@@ -243,11 +308,11 @@ def plan(model, items: list, last_only: bool | list[bool]) -> Step:
     order = _order(pack, entries, specs)
     keep = _keep(pack, entries, last_only)
     at, indexed = _positions(pack, entries)  # last: the tensors it appends follow every int
-    trees = [_trees(entries, s, model.kv_dtype) for s in specs]
+    dense = [_dense(entries, s, model.kv_dtype) for s in specs]
     pack.upload(model.device)
     positions = pack.data[pack[at]] if indexed else pack[at]
     ar = torch.arange(max(max(s.rows, *s.keys) for s in specs), device=model.device)
-    groups = [_group(model, pack, s, t, ar) for s, t in zip(specs, trees)]
+    groups = [_group(model, pack, s, t, ar) for s, t in zip(specs, dense)]
     return Step(
         entries,
         entries[0].session.store.data,
@@ -259,8 +324,8 @@ def plan(model, items: list, last_only: bool | list[bool]) -> Step:
     )
 
 
-def _trees(entries: list[Entry], s: _Spec, kvt: torch.dtype) -> torch.Tensor | None:
-    """The callers' masks of a group's members, (trees, rows, widest), on the
+def _dense(entries: list[Entry], s: _Spec, kvt: torch.dtype) -> torch.Tensor | None:
+    """The callers' dense masks of a group's members, (masks, rows, widest), on the
     host: -inf past each one's rows and columns, but column 0 open on its
     padding rows (a query row that sees nothing would be NaN)."""
     es = [entries[i] for i in s.members if entries[i].mask is not None]
@@ -272,6 +337,14 @@ def _trees(entries: list[Entry], s: _Spec, kvt: torch.dtype) -> torch.Tensor | N
         assert e.mask is not None
         out[t, : e.n, : e.end] = e.mask
     return out
+
+
+class _Shown(NamedTuple):
+    """What a group's masks change of the causal one (on the device)."""
+
+    placed: tuple[torch.Tensor, torch.Tensor] | None  # (places, callers' masks) put in from key 0
+    hidden: torch.Tensor | None  # the pairs the trees hide, flat indices into (size, rows, K)
+    end: int  # the largest end of an entry with either (0: none)
 
 
 def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.Tensor) -> Group:
@@ -298,25 +371,33 @@ def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.T
             continue
         if key_row is None:
             key_row = pack[s.k0[kind]][:, None] + ar[: s.keys[kind]][None]
-        masks.append(_mask(key_row, q_row, w, placed, model.kv_dtype))
+        shown = _Shown(placed, None if s.hidden is None else pack[s.hidden[kind]], s.masked_end)
+        masks.append(_mask(key_row, q_row, w, shown, model.kv_dtype))
     return Group(size, s.rows, None if s.q_index is None else pack[s.q_index], keys, masks, bool(s.causal))
 
 
-def _mask(key_row: torch.Tensor, q_row: torch.Tensor, w: int | None, placed, kvt: torch.dtype) -> torch.Tensor:
-    """Additive (size, 1, rows, K): causal within the window, the callers'
-    masks placed into their entries (keys from row 0) and cut to the window."""
+def _mask(key_row: torch.Tensor, q_row: torch.Tensor, w: int | None, shown: _Shown, kvt: torch.dtype) -> torch.Tensor:
+    """Additive (size, 1, rows, K): causal within the window, less the pairs
+    the trees hide, the callers' masks placed into their entries (keys from
+    row 0), and cut to the window."""
     key_row = key_row[:, None]  # (size, 1, K) against q_row (size, rows, 1)
     seen = key_row <= q_row
-    if w is not None:
+    # A tree row's cache row is not its position, nor a caller's row's: where
+    # the window is shorter than such an entry, it is cut by count below
+    # (exact for the causal rows too: each sees its own consecutive keys).
+    by_count = w if w is not None and w < shown.end else None
+    if w is not None and by_count is None:
         seen &= key_row > q_row - w
+    if shown.hidden is not None:
+        seen.view(-1).index_fill_(0, shown.hidden, False)
     mask = torch.zeros(seen.shape, dtype=kvt, device=seen.device).masked_fill_(~seen, float("-inf"))
-    if placed is not None:
-        at, trees = placed
+    if shown.placed is not None:
+        at, trees = shown.placed
         mask[at, :, : trees.shape[-1]] = trees
-        if w is not None and w < trees.shape[-1]:
-            # A tree row sees its past and ancestors: keep the last `w` of them.
-            later = (mask > torch.finfo(kvt).min / 2).flip(-1).cumsum(-1).flip(-1)
-            mask.masked_fill_(later > w, float("-inf"))
+    if by_count is not None:
+        # A row sees its past and ancestors, its own sequence: keep the last `w` of them.
+        later = (mask > torch.finfo(kvt).min / 2).flip(-1).cumsum(-1).flip(-1)
+        mask.masked_fill_(later > by_count, float("-inf"))
     return mask[:, None]
 
 

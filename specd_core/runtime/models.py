@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from specd_core.rules.tree import compact_cache
+from specd_core.rules.tree import TokenTree, compact_cache, tree_attention
 from specd_core.runtime.kv_budget import KVPool, kv_row_bytes
 
 if TYPE_CHECKING:
@@ -171,8 +171,10 @@ class Runner:
         return SessionCache(self.model, self.kv_pool)
 
     def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool = False):
-        """items: (session, token_ids, positions | None, mask | None). One forward
-        for all of them on the lean engine; one after another on Hugging Face's.
+        """items: (session, token_ids, positions | None, mask | None); a mask is
+        an additive tensor or a TokenTree whose rows [root, node0 ..] these are
+        (positions None). One forward for all of them on the lean engine; one
+        after another on Hugging Face's.
         hidden: return (logits, last-layer hidden states before the final norm)
         (lean engine only: EAGLE features)."""
         if hidden and self.lean is None:
@@ -182,7 +184,15 @@ class Runner:
                 return ([], []) if hidden else []
             return self.lean.forward_batch(items, last_only, hidden)
         flags = last_only if isinstance(last_only, list) else [last_only] * len(items)
-        return [c.forward(ids, last_only=lo, positions=p, mask=m) for (c, ids, p, m), lo in zip(items, flags)]
+        return [c.forward(ids, last_only=lo, **_dense(c, p, m)) for (c, ids, p, m), lo in zip(items, flags)]
+
+
+def _dense(cache, positions, mask) -> dict:
+    """An item's positions and mask as tensors (a TokenTree's from tree_attention)."""
+    if not isinstance(mask, TokenTree):
+        return {"positions": positions, "mask": mask}
+    mask4, pos2 = tree_attention(mask, cache.length)
+    return {"positions": pos2[0], "mask": mask4[0, 0]}
 
 
 class SessionCache:
