@@ -400,7 +400,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target", type=Path, default=DEMO_TARGET)
     ap.add_argument("--drafter", type=Path, default=DEMO_TARGET.parent / "drafter")
-    ap.add_argument("--up-args", nargs=argparse.REMAINDER, default=[], help="more `specd up` flags (last; after ALWAYS_UP_ARGS)")
+    ap.add_argument(
+        "--up-args", nargs=argparse.REMAINDER, default=[], help="more `specd up` flags (last; after ALWAYS_UP_ARGS)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
     return ap.parse_args(argv)
 
