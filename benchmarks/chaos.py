@@ -103,7 +103,9 @@ class Deployment:
         self.home = home
         self.ray_address, self.ray_pid = ray_cluster.start_local_ray(log_dir=str(home))
         env = ray_cluster.ray_env(ray_cluster.token_file(home), loopback=True)
-        os.environ.update(env)
+        # Restored in close(): a process that goes on (a test run) must not
+        # start its next Ray processes with this cluster's loopback and token.
+        self.saved_env = {key: os.environ.get(key) for key in env}
         ray_cluster.use_ray_env(env)
         self.env = dict(os.environ, RAY_ADDRESS=self.ray_address, SPECD_HOME=str(home / "specd"))
         up = self.specd(
@@ -156,6 +158,11 @@ class Deployment:
         # is terminated by Ray after a minute (here: the test process).
         ray.shutdown()
         ray_cluster.stop_local_ray(self.ray_pid)
+        for key, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class Faults(threading.Thread):
