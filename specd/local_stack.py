@@ -10,10 +10,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from orchestrator.pair import check_pair
 from specd_core.api.v1 import specdec_pb2 as pb
@@ -22,6 +23,17 @@ from specd_core.net.grpc_util import open_channel
 from specd_core.net.security import TlsConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def popen(argv: list[str], env: dict, cwd: Path) -> subprocess.Popen:
+    """Start a service process: its output (stdout and stderr) on one text pipe."""
+    return subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+# How ServiceProcess starts a process. The test suite replaces it with one that
+# forks the process from a parent that has already imported torch (tests/zygote.py);
+# anything else starts a fresh interpreter.
+launch: Callable[[list[str], dict, Path], Any] = popen
 
 
 class ServiceProcess:
@@ -38,14 +50,7 @@ class ServiceProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         if module == "orchestrator" and "--http-port" not in args:
             args = (*args, "--http-port", "0")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args, "--port", str(port)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
+        self.proc = launch([sys.executable, "-m", module, *args, "--port", str(port)], env, ROOT)
         self.lines: list[str] = []
         self.metrics_address: str | None = None
         self.http_url: str | None = None  # scheme://127.0.0.1:port of an orchestrator's HTTP API

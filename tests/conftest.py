@@ -1,3 +1,4 @@
+import atexit
 import os
 import shutil
 import threading
@@ -6,8 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from specd import local_stack
 from specd import ray_cluster as local_ray
 from specd.local_stack import Stack
+from tests import zygote
 from tests.tiny_models import build_pair, build_perturbed_drafter
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -18,6 +21,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 FAMILIES = ["llama", "qwen2"]
+
+# Service processes (specd.local_stack) are forked from a zygote that has
+# imported torch and transformers once (tests/zygote.py), not started as fresh
+# interpreters that each import them: the same servers, minutes less CPU per
+# suite. SPECD_TEST_ZYGOTE=0 starts fresh interpreters, as users' processes are.
+if os.environ.get("SPECD_TEST_ZYGOTE", "1") != "0":
+    _zygote = zygote.Zygote()
+    local_stack.launch = _zygote.launch
+    atexit.register(_zygote.close)
 
 # Every test declares what it needs to run, with exactly one of these markers
 # (declared in pyproject.toml; tests/README.md says what each tier holds).

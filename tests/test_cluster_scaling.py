@@ -33,7 +33,10 @@ from tests.tiny_models import build_model, build_perturbed_drafter, build_tokeni
 pytestmark = pytest.mark.cluster
 
 SPECD = [sys.executable, "-m", "specd"]
-LONG, SHORT = 3500, 2500        # tokens per stream; each holds 200 short of its end until released
+# Tokens per stream. Each holds 200 short of its end until released, so the
+# streams are open through every scale step whatever their length; they are
+# long enough to be still decoding, not yet held, when the first step starts.
+LONG, SHORT = 1200, 800
 
 
 @pytest.fixture(scope="module")
