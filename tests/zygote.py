@@ -44,6 +44,13 @@ PRELOAD = ("torch", "transformers", "numpy", "safetensors.torch", "tokenizers")
 MAX_MESSAGE = 1 << 20
 
 
+def startup_env(env) -> dict:
+    """The variables read while an interpreter starts or torch is imported.
+    PYTHONUNBUFFERED is not among them: a child's output is unbuffered anyway."""
+    prefixes = ("PYTHON", "OMP_", "MKL_", "TORCH_", "KMP_")
+    return {k: v for k, v in env.items() if k.startswith(prefixes) and k != "PYTHONUNBUFFERED"}
+
+
 class ForkedProcess:
     """What the tests use of a `subprocess.Popen`, for a zygote's child."""
 
@@ -84,10 +91,12 @@ class Zygote:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
+        self.startup: dict = {}
         self.dir = Path(tempfile.mkdtemp(prefix="specd-zygote-"))
         self.sock = str(self.dir / "sock")
 
     def _start(self) -> None:
+        self.startup = startup_env(os.environ)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote", self.sock, str(self.dir)],
             cwd=Path(__file__).resolve().parents[1],
@@ -106,6 +115,13 @@ class Zygote:
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
+        if startup_env(env) != self.startup:
+            # What the interpreter reads as it starts (an import path, a
+            # sitecustomize, torch's thread count) differs from the zygote's.
+            # (Imported here: the zygote itself must not import gRPC.)
+            from specd.local_stack import popen
+
+            return popen(argv, env, cwd)
         read, write = os.pipe()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
