@@ -96,8 +96,7 @@ def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype
             getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
     # dtype "auto": the target's checkpoint dtype (the head shares its output layer).
     dev, dt = resolve_device(device), _DTYPES[resolve_dtype(target_dir, dtype)]
-    # transformers types its `to` (functools.wraps on a method) as if unbound.
-    return model.to(dev, dt).eval(), head.fc.weight.detach().to(dev, dt)  # type: ignore[arg-type]
+    return model.to(dev, dt).eval(), head.fc.weight.detach().to(dev, dt)
 
 
 class HeadSession:

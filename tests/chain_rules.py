@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd_core.rules.tree import TokenTree, accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled
+from specd_core.rules.acceptance import accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled
+from specd_core.rules.tree import TokenTree
 
 
 @dataclass

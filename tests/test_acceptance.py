@@ -44,8 +44,8 @@ import numpy as np
 import pytest
 import torch
 
+from specd_core.rules.acceptance import dense_q, residual
 from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample, truncate_top
-from specd_core.rules.tree import dense_q, residual
 from tests.chain_rules import accept_deterministic, accept_greedy, accept_sampled
 
 pytestmark = pytest.mark.unit

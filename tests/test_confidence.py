@@ -55,9 +55,10 @@ from orchestrator.spec_config import (
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.errors import InvalidRequest
 from specd_core.net.wire import shape_from_proto, shape_to_proto
+from specd_core.rules.acceptance import accept_tree_deterministic, accept_tree_sampled, dense_q
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams, logits_to_probs
-from specd_core.rules.tree import TokenTree, accept_tree_deterministic, accept_tree_sampled, dense_q, path_to
+from specd_core.rules.tree import TokenTree, path_to
 from specd_core.runtime.models import load_model
 from specd_core.runtime.propose_call import ProposeCall
 from tests.test_acceptance import BOS, GoodnessOfFit, L, V, exact_sequence_law, goodness_of_fit, model_tables

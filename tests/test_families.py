@@ -15,9 +15,10 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from specd_core.rules.tree import TokenTree, path_to, tree_attention
+from specd_core.rules.tree import TokenTree, path_to
 from specd_core.runtime.lean import LeanModel, supports, unsupported_reason
 from specd_core.runtime.models import Runner, SessionCache, load_model
+from specd_core.runtime.tree_tensors import tree_attention
 from tests.tiny_models import FAMILIES, build_model, build_tokenizer
 
 pytestmark = pytest.mark.unit

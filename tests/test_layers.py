@@ -227,3 +227,51 @@ def test_the_layout_table_lists_every_module():
         if row is None or not re.search(rf"`{re.escape(path.stem)}[`/]", row):
             missing.append(rel)
     assert not missing, f"docs/architecture.md's layout table does not name {missing}"
+
+
+def _module_path(name: str) -> Path | None:
+    """The source file of a specd module name (None for third-party ones)."""
+    base = ROOT.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _top_level_imports(path: Path) -> list[str]:
+    """Modules `path` imports when it is loaded (not inside functions), with
+    the packages above each, which Python loads first."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = list(path.relative_to(ROOT).with_suffix("").parts)
+    if path.name != "__init__.py":
+        package = package[:-1]
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names += [module] + [f"{module}.{a.name}" for a in node.names]
+    return [".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)]
+
+
+def test_the_command_line_loads_without_torch():
+    """`specd status`, `scale`, `down`, `generate` and `--help` do not load torch
+    or transformers (two to three seconds of CPU each on a small machine):
+    nothing the `specd` command imports at load time imports them at its top.
+    Commands that need a model (`up`'s pair check, `bench`) import it inside."""
+    seen, todo, chains = set(), ["specd.__main__"], {"specd.__main__": "specd.__main__"}
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = _module_path(name)
+        if path is None:
+            continue
+        for dep in _top_level_imports(path):
+            chains.setdefault(dep, f"{chains[name]} -> {dep}")
+            todo.append(dep)
+    heavy = sorted(chains[n] for n in seen if n.split(".")[0] in {"torch", "transformers"})
+    assert not heavy, "\n".join(heavy)

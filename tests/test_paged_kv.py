@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from specd_core.errors import CapacityExceeded
-from specd_core.rules.tree import TokenTree, tree_attention
+from specd_core.rules.tree import TokenTree
 from specd_core.runtime import lean_step
 from specd_core.runtime.kv_budget import KVPool
 from specd_core.runtime.lean import LeanModel
 from specd_core.runtime.models import load_model
+from specd_core.runtime.tree_tensors import tree_attention
 from tests.tiny_models import build_model, build_tokenizer
 
 pytestmark = pytest.mark.unit

@@ -28,19 +28,16 @@ import pytest
 import torch
 
 from specd_core.errors import InvalidRequest
+from specd_core.rules.acceptance import accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled, residual
 from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample
 from specd_core.rules.tree import (
     TokenTree,
     TreeAcceptance,
-    accept_tree_deterministic,
-    accept_tree_greedy,
-    accept_tree_sampled,
     children,
     compaction_indices,
     depth,
     path_to,
     paths_to_parents,
-    residual,
     static_tree,
     static_tree_paths,
     validate_tree,

@@ -13,14 +13,13 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 
 from specd_core.rules.tree import (
     TokenTree,
-    compact_cache,
     compaction_indices,
     path_to,
     paths_to_parents,
     static_tree_paths,
-    tree_attention,
     validate_tree,
 )
+from specd_core.runtime.tree_tensors import compact_cache, tree_attention
 
 pytestmark = pytest.mark.unit
 

@@ -11,14 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd_core.rules.acceptance import accept_tree_deterministic, accept_tree_sampled
 from specd_core.rules.sampling import SamplingParams, logits_to_probs
-from specd_core.rules.tree import (
-    TokenTree,
-    accept_tree_argmax,
-    accept_tree_deterministic,
-    accept_tree_sampled,
-    compaction_indices,
-)
+from specd_core.rules.tree import TokenTree, accept_tree_argmax, compaction_indices
 from specd_core.runtime.features import HiddenStates
 from specd_core.runtime.grammar import Constraint, apply_masks
 from specd_core.runtime.models import ModelSession

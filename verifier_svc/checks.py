@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from specd_core.errors import InvalidRequest
-from specd_core.rules.tree import TokenTree, children, dense_q
+from specd_core.rules.acceptance import dense_q
+from specd_core.rules.tree import TokenTree, children
 from specd_core.rules.validation import check_token_ids
 
 

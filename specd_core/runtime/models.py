@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from specd_core.rules.tree import TokenTree, compact_cache, tree_attention
+from specd_core.rules.tree import TokenTree
 from specd_core.runtime.kv_budget import KVPool, kv_row_bytes
+from specd_core.runtime.tree_tensors import compact_cache, tree_attention
 
 if TYPE_CHECKING:
     from specd_core.runtime.lean import LeanModel
@@ -51,8 +52,7 @@ def load_model(model_dir: str, device: str = "auto", dtype: str = "float32"):
     """Load a causal LM for inference (eval mode, no grad bookkeeping).
     dtype "auto": the checkpoint's own (float32 when its config names none)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[resolve_dtype(model_dir, dtype)])
-    # transformers types its `to` (functools.wraps on a method) as if unbound.
-    return model.to(resolve_device(device)).eval()  # type: ignore[arg-type]
+    return model.to(resolve_device(device)).eval()
 
 
 def load_tokenizer(model_dir: str):
@@ -263,5 +263,5 @@ class SessionCache:
 
     def compact(self, start: int, keep: list[int]) -> None:
         """Keep rows start+keep[j] at start+j (keep ascending), drop the rest:
-        copies only the kept rows, in place (specd_core.rules.tree.compact_cache)."""
+        copies only the kept rows, in place (specd_core.runtime.tree_tensors.compact_cache)."""
         compact_cache(self.cache, start, keep)
