@@ -2,7 +2,8 @@
 # Run the checks and the test suite (expects ./scripts/setup.sh to have run).
 #
 #   ./scripts/test.sh                 lint, then every test (what CI runs)
-#   ./scripts/test.sh --fast          lint, then the fast tier only (-m unit)
+#   ./scripts/test.sh --fast          lint, then the fast tier: the unit tests but their
+#                                     large-sample statistical ones (-m "unit and not statistical")
 #   ./scripts/test.sh -m services     lint, then any pytest selection / arguments
 #   ./scripts/test.sh --no-lint ...   skip the lint step (e.g. while iterating on a test)
 #
@@ -26,7 +27,7 @@ lint=1
 args=()
 for a in "$@"; do
   case "$a" in
-    --fast) args+=(-m unit) ;;
+    --fast) args+=(-m "unit and not statistical") ;;
     --no-lint) lint=0 ;;
     *) args+=("$a") ;;
   esac
