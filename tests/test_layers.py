@@ -79,15 +79,16 @@ def _layer(path: Path) -> str:
     return first[:-3] if first.endswith(".py") else first
 
 
-def _imported_modules(path: Path) -> list[str]:
+def _imported_modules(path: Path, top_level: bool = False) -> list[str]:
     """Absolute names of every module an import in `path` names (at any depth,
-    relative imports resolved; `from pkg import x` gives pkg.x)."""
+    or with `top_level` only those run when the module loads; relative imports
+    resolved; `from pkg import x` gives pkg.x)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = list(path.relative_to(ROOT).with_suffix("").parts)
     if path.name != "__init__.py":
         package = package[:-1]
     names = []
-    for node in ast.walk(tree):
+    for node in tree.body if top_level else ast.walk(tree):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -239,21 +240,10 @@ def _module_path(name: str) -> Path | None:
 
 
 def _top_level_imports(path: Path) -> list[str]:
-    """Modules `path` imports when it is loaded (not inside functions), with
-    the packages above each, which Python loads first."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = list(path.relative_to(ROOT).with_suffix("").parts)
-    if path.name != "__init__.py":
-        package = package[:-1]
-    names = []
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            names += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else []
-            module = ".".join(base + ([node.module] if node.module else []))
-            names += [module] + [f"{module}.{a.name}" for a in node.names]
-    return [".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)]
+    """Modules `path` imports when it loads, with the packages above each,
+    which Python loads first."""
+    return [".".join(n.split(".")[:i]) for n in _imported_modules(path, top_level=True)
+            for i in range(1, n.count(".") + 2)]
 
 
 def test_the_command_line_loads_without_torch():
