@@ -137,6 +137,7 @@ class TreeAcceptance:
 
 
 def finish(tree: TokenTree, path: list[int], last: int) -> TreeAcceptance:
+    """The verdict of a walk that kept `path` and then emitted `last`."""
     return TreeAcceptance(path, [tree.tokens[i] for i in path] + [last])
 
 
