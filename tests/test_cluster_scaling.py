@@ -34,11 +34,9 @@ pytestmark = pytest.mark.cluster
 
 SPECD = [sys.executable, "-m", "specd"]
 # Tokens per stream. Each holds 200 short of its end until released, so the
-# streams are open through every scale step whatever their length. On the
-# 2-core development machine the first streams had about 20 tokens when the
-# first step started, so these still decode while it runs; and every stream's
-# last 200 tokens are decoded after the scale-down, on replicas that drain.
-LONG, SHORT = 600, 400
+# streams are open through every scale step whatever their length; they are
+# long enough to be still decoding, not yet held, when the first step starts.
+LONG, SHORT = 1200, 800
 
 
 @pytest.fixture(scope="module")
