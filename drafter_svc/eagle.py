@@ -52,7 +52,7 @@ def head_target_dir(head_dir: str, target_dir: str = "") -> str:
     return str((Path(head_dir) / rel).resolve())
 
 
-def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype: str = "float32"):
+def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype: str = "default"):
     """A one-layer Llama carrying the head's decoder layer and the TARGET's
     embedding, final norm and LM head, so the lean forward (specd_core/runtime/lean.py) runs
     the head's layer and the target's output layer as it runs any model; and
@@ -95,7 +95,8 @@ def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
     # dtype "auto": the target's checkpoint dtype (the head shares its output layer).
-    dev, dt = resolve_device(device), _DTYPES[resolve_dtype(target_dir, dtype)]
+    dev = resolve_device(device)
+    dt = _DTYPES[resolve_dtype(target_dir, dtype, dev)]
     return model.to(dev, dt).eval(), head.fc.weight.detach().to(dev, dt)
 
 

@@ -114,8 +114,12 @@ class DeploymentConfig:
     )
     device: str = field(default="auto", metadata=flag("auto | cpu | cuda"))
     dtype: str = field(
-        default="float32",
-        metadata=flag("model weights dtype in every replica (auto: the checkpoint's own)", choices=DTYPES),
+        default="default",
+        metadata=flag(
+            "model weights dtype in every replica "
+            "(auto: the checkpoint's own; default: float32 on a CPU, auto on a GPU)",
+            choices=DTYPES,
+        ),
     )
     engine: str = field(  # every replica
         default="auto",

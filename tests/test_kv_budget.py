@@ -226,7 +226,7 @@ def test_dtype_auto_takes_the_checkpoints():
     config means float32."""
     model = load_model(str(DEMO_DRAFTER), "cpu", "auto")
     assert model.dtype == torch.float16 and checkpoint_dtype(model.config) == "float16"
-    assert load_model(str(DEMO_DRAFTER), "cpu").dtype == torch.float32  # the default stays float32
+    assert load_model(str(DEMO_DRAFTER), "cpu").dtype == torch.float32  # the default on a CPU: float32
 
     class Bare:
         pass
@@ -234,6 +234,23 @@ def test_dtype_auto_takes_the_checkpoints():
     assert checkpoint_dtype(Bare()) == "float32"
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model(str(DEMO_DRAFTER), "cpu", "float8")
+
+
+def test_the_default_dtype_is_float32_on_a_cpu_and_the_checkpoints_on_a_gpu():
+    """`default` (every service's default) resolves on the replica's device:
+    float32 on a CPU, the checkpoint's own (here float16) on a GPU, where a
+    float32 8B model would not fit; resolution only reads the config, so the
+    GPU case is checked without one. The services and `specd up` take it as
+    their default."""
+    from specd.deploy_config import DeploymentConfig
+    from specd_core.runtime.models import resolve_dtype
+
+    assert resolve_dtype(str(DEMO_DRAFTER), "default", "cpu") == "float32"
+    assert resolve_dtype(str(DEMO_DRAFTER), "default", "cuda") == "float16"
+    assert resolve_dtype(str(DEMO_DRAFTER), "default", "cuda:1") == "float16"
+    assert resolve_dtype(str(DEMO_DRAFTER), "bfloat16", "cuda") == "bfloat16"  # an explicit choice stands
+    assert resolve_dtype(str(DEMO_DRAFTER), "auto", "cpu") == "float16"
+    assert VerifierConfig("m").dtype == DeploymentConfig("t", "d").dtype == "default"
 
 
 def test_flags_check_the_budget_before_anything_starts(capsys, monkeypatch, tmp_path):

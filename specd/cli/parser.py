@@ -15,6 +15,7 @@ from specd.deploy_config import DeploymentConfig
 from specd_core.net.auth import CLIENT_TOKEN_ENV
 from specd_core.net.flags import add_flags
 from specd_core.net.security import add_tls_flags
+from specd_core.net.service_config import DTYPES
 
 # `specd demo` serves on free ports, without the HTTP API: one generation over gRPC.
 DEMO_SETS = ("port", "http_port", "served_model_name")
@@ -141,7 +142,12 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--drafter", default=str(DEMO_DRAFTER), help="local stack: drafter dir or repo id (default: demo)")
     b.add_argument("--allow-pickle-weights", action="store_true", help="local stack: see `specd up --help`")
     b.add_argument("--device", default="auto", help="local stack: auto | cpu | cuda")
-    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    b.add_argument(
+        "--dtype",
+        default="default",
+        choices=DTYPES,
+        help="local stack: weights dtype (default: float32 on a CPU, the checkpoint's own on a GPU)",
+    )
     b.add_argument(
         "--prompts",
         metavar="FILE",

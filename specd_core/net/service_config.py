@@ -14,7 +14,7 @@ from specd_core.runtime.hub import PICKLE_HINT
 
 # Weights dtypes a replica loads (specd_core/runtime/models.py loads them; the
 # same list as its DTYPE_CHOICES, kept here so that no config imports torch).
-DTYPES = ("float32", "float16", "bfloat16", "auto")
+DTYPES = ("float32", "float16", "bfloat16", "auto", "default")
 ENGINES = ("auto", "lean", "hf")
 PORT_HELP = "0 = any free port"
 MAX_SESSIONS_HELP = "open sessions at once; past it OpenSession is RESOURCE_EXHAUSTED"
@@ -60,11 +60,14 @@ class ModelServiceConfig:
         metadata=flag("interface to listen on (default loopback: only a local orchestrator can reach it)"),
     )
     device: str = field(default="auto", metadata=flag("auto | cpu | cuda | cuda:N"))
-    # float32 by default: a CPU has no fast half-precision path (docs/configuration.md).
+    # float32 on a CPU (no fast half-precision path), the checkpoint's own on a
+    # GPU (docs/configuration.md).
     dtype: str = field(
-        default="float32",
+        default="default",
         metadata=flag(
-            "weights dtype; auto = the checkpoint's own (float32 when its config names none)", choices=DTYPES
+            "weights dtype; auto = the checkpoint's own (float32 when its config names none); "
+            "default = float32 on a CPU, auto on a GPU",
+            choices=DTYPES,
         ),
     )
     engine: str = field(

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
     from specd_core.runtime.lean import LeanModel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# --dtype choices: a dtype, or "auto" = the checkpoint's own (checkpoint_dtype).
-DTYPE_CHOICES = ["float32", "float16", "bfloat16", "auto"]
+# --dtype choices: a dtype, "auto" = the checkpoint's own (checkpoint_dtype), or
+# "default": float32 on a CPU, which has no fast half-precision path, and the
+# checkpoint's own on a GPU, where an 8B model in float32 would take 32 GB.
+DTYPE_CHOICES = ["float32", "float16", "bfloat16", "auto", "default"]
 
 
 def resolve_device(device: str) -> str:
@@ -39,8 +41,11 @@ def checkpoint_dtype(config) -> str:
     return name if name in _DTYPES else "float32"
 
 
-def resolve_dtype(model_dir: str, dtype: str) -> str:
-    """A --dtype value as a dtype name: "auto" reads the checkpoint's config."""
+def resolve_dtype(model_dir: str, dtype: str, device: str = "cpu") -> str:
+    """A --dtype value as a dtype name on `device` (resolved): "auto" reads the
+    checkpoint's config; "default" is float32 on a CPU, "auto" elsewhere."""
+    if dtype == "default":
+        dtype = "float32" if device == "cpu" else "auto"
     if dtype == "auto":
         return checkpoint_dtype(AutoConfig.from_pretrained(model_dir))
     if dtype not in _DTYPES:
@@ -48,11 +53,13 @@ def resolve_dtype(model_dir: str, dtype: str) -> str:
     return dtype
 
 
-def load_model(model_dir: str, device: str = "auto", dtype: str = "float32"):
+def load_model(model_dir: str, device: str = "auto", dtype: str = "default"):
     """Load a causal LM for inference (eval mode, no grad bookkeeping).
-    dtype "auto": the checkpoint's own (float32 when its config names none)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[resolve_dtype(model_dir, dtype)])
-    return model.to(resolve_device(device)).eval()
+    dtype: see resolve_dtype (the default: float32 on a CPU, the checkpoint's
+    own on a GPU)."""
+    device = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[resolve_dtype(model_dir, dtype, device)])
+    return model.to(device).eval()
 
 
 def load_tokenizer(model_dir: str):
