@@ -94,7 +94,8 @@ def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype
             getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
-    # dtype "auto": the target's checkpoint dtype (the head shares its output layer).
+    # "auto" (and "default" on a GPU): the target's checkpoint dtype, as the head
+    # shares its output layer.
     dev = resolve_device(device)
     dt = _DTYPES[resolve_dtype(target_dir, dtype, dev)]
     return model.to(dev, dt).eval(), head.fc.weight.detach().to(dev, dt)

@@ -41,7 +41,7 @@ def checkpoint_dtype(config) -> str:
     return name if name in _DTYPES else "float32"
 
 
-def resolve_dtype(model_dir: str, dtype: str, device: str = "cpu") -> str:
+def resolve_dtype(model_dir: str, dtype: str, device: str) -> str:
     """A --dtype value as a dtype name on `device` (resolved): "auto" reads the
     checkpoint's config; "default" is float32 on a CPU, "auto" elsewhere."""
     if dtype == "default":
