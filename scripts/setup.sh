@@ -12,7 +12,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
+# --no-compile: pip compiles each installed file to bytecode one at a time; the
+# venv is compiled once at the end with every core instead (the same files,
+# about a quarter less set-up time on a 2-core machine).
+pip_q() { python -m pip install -q --disable-pip-version-check --no-compile "$@"; }
 
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -26,4 +29,6 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 pip_q -e ".[test,bench]"
+# Like pip, ignore files that do not compile (torch ships some in newer Python syntax).
+python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 python -c "import torch; print('setup: torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"

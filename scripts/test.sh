@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run the checks and the test suite (expects ./scripts/setup.sh to have run).
 #
-#   ./scripts/test.sh                 lint, then every test (what CI runs)
-#   ./scripts/test.sh --fast          lint, then the fast tier: the unit tests but their
+#   ./scripts/test.sh                 lint and every test (what CI runs)
+#   ./scripts/test.sh --fast          lint and the fast tier: the unit tests but their
 #                                     large-sample statistical ones (-m "unit and not statistical")
-#   ./scripts/test.sh -m services     lint, then any pytest selection / arguments
+#   ./scripts/test.sh -m services     lint and any pytest selection / arguments
 #   ./scripts/test.sh --no-lint ...   skip the lint step (e.g. while iterating on a test)
 #
 # The tiers (unit, services, cluster; statistical across them) are described in
@@ -14,8 +14,8 @@
 #
 # Lint: `ruff check` and `ruff format --check` on the runtime packages and the
 # benchmarks, and `mypy` (its files and settings come from pyproject.toml's
-# [tool.mypy]). The tests run whether or not lint passed, so one run reports
-# both; the exit status is non-zero if either failed.
+# [tool.mypy]), run beside the tests; their output is printed after the tests'.
+# One run reports both; the exit status is non-zero if either failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -34,14 +34,31 @@ for a in "$@"; do
 done
 
 failed=()
+# Lint runs beside the tests, not before them: mypy alone holds one core for
+# about 20 s, while the tests start up. Its output is printed once the tests
+# end; each check's failure lands in `failed` like a test failure.
+lint_dir=$(mktemp -d)
+trap 'rm -rf "$lint_dir"' EXIT
+lint_checks() {
+  ruff check "${LINTED[@]}" > "$lint_dir/ruff-check" 2>&1 || echo "ruff check" >> "$lint_dir/failed"
+  ruff format --check "${LINTED[@]}" > "$lint_dir/ruff-format" 2>&1 || echo "ruff format --check" >> "$lint_dir/failed"
+  mypy > "$lint_dir/mypy" 2>&1 || echo "mypy" >> "$lint_dir/failed"
+}
 if [ "$lint" -eq 1 ]; then
-  echo "test.sh: lint: ruff check ${LINTED[*]}"
-  ruff check "${LINTED[@]}" || failed+=("ruff check")
-  echo "test.sh: lint: ruff format --check ${LINTED[*]}"
-  ruff format --check "${LINTED[@]}" || failed+=("ruff format --check")
-  echo "test.sh: lint: mypy"
-  mypy || failed+=("mypy")
+  echo "test.sh: lint (ruff check, ruff format --check, mypy) runs beside the tests; its output follows them"
+  lint_checks &
+  lint_pid=$!
 fi
+report_lint() {
+  [ "$lint" -eq 1 ] || return 0
+  wait "$lint_pid"
+  echo "test.sh: lint: ruff check ${LINTED[*]}"; cat "$lint_dir/ruff-check"
+  echo "test.sh: lint: ruff format --check ${LINTED[*]}"; cat "$lint_dir/ruff-format"
+  echo "test.sh: lint: mypy"; cat "$lint_dir/mypy"
+  if [ -f "$lint_dir/failed" ]; then
+    while IFS= read -r check; do failed+=("$check"); done < "$lint_dir/failed"
+  fi
+}
 
 # One pytest run; records its exit code in `rc` (the first failing run's) and
 # what failed in `failed`.
@@ -78,6 +95,7 @@ run_pytest() {
 # 2 cores (tests/README.md).
 xdist=(-n "${SPECD_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)
 run_pytest "" "${xdist[@]}" "${args[@]}"
+report_lint
 
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "test.sh: FAILED: $(IFS=';'; echo "${failed[*]}" | sed 's/;/; /g')" >&2

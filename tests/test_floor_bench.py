@@ -38,10 +38,15 @@ def test_both_floor_designs_serve_every_method_in_batched_steps(tmp_path):
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["method"], r["streams"]) for r in rows] == [(m, streams) for m in floor.METHODS]
+    # The orchestrator's CPU is read in clock ticks (/proc/PID/stat, 10 ms):
+    # one method's short run may stay within a tick and read 0, so the check
+    # that CPU is measured at all is on each design's total over the methods.
+    for design in floor.DESIGNS:
+        assert sum(r[design]["cpu_ms_per_session_cycle"] for r in rows) > 0, design
+        assert all(r[design]["cpu_ms_per_session_cycle"] >= 0 for r in rows), design
     for row in rows:
         for design in floor.DESIGNS:
             figures = row[design]
-            assert figures["cpu_ms_per_session_cycle"] > 0, (row["method"], design)
             # Steps gather sessions (one part per message would be exactly 1),
             # never more than there are streams. (With a drafter the sessions
             # split into groups taking turns at drafter and verifier, as
