@@ -217,14 +217,14 @@ def verify_steps(verifier: Verifier, ids: list[str], shape: DraftShape, reps: in
     return counted_and_timed(step, reps)
 
 
-def draft_steps(drafter: Drafter, ids: list[str], k: int, reps: int) -> dict[str, Any]:
-    """Counts and min host time of one chain-of-k propose step of every
-    session in `ids`, each after one committed token (its draft rejected)."""
+def draft_steps(drafter: Drafter, ids: list[str], shape: DraftShape, reps: int) -> dict[str, Any]:
+    """Counts and min host time of one propose step (drafts of `shape`) of
+    every session in `ids`, each after one committed token (its draft rejected)."""
     tokens = itertools.count(7)
 
     def step():
         committed = [next(tokens)]
-        jobs = [drafter.prepare(ProposeCall(i, [], committed, DraftShape.chain(k))) for i in ids]
+        jobs = [drafter.prepare(ProposeCall(i, [], committed, shape)) for i in ids]
         return lambda: drafter.propose_batch(jobs)
 
     return counted_and_timed(step, reps)
@@ -248,7 +248,8 @@ def measure(args: argparse.Namespace, target: Path, drafter_dir: Path) -> list[d
             "sessions": n,
             "verify_chain": verify_steps(verifier, ids, DraftShape.chain(4), args.reps),
             "verify_tree": verify_steps(verifier, ids, TREE, args.reps),
-            "draft_chain": draft_steps(drafter, ids, 4, args.reps),
+            "draft_chain": draft_steps(drafter, ids, DraftShape.chain(4), args.reps),
+            "draft_tree": draft_steps(drafter, ids, TREE, args.reps),
         }
         rows.append(row)
         print(
@@ -285,7 +286,7 @@ def run(args: argparse.Namespace) -> dict:
             "kernel_like": round(last[kind]["kernel_like"] / first[kind]["kernel_like"], 2),
             "host_ms": round(last[kind]["host_ms"] / first[kind]["host_ms"], 2),
         }
-        for kind in ("verify_chain", "verify_tree", "draft_chain")
+        for kind in ("verify_chain", "verify_tree", "draft_chain", "draft_tree")
     }
     result = {
         "when": utc_now(),
@@ -304,6 +305,7 @@ def report(result: dict, args: argparse.Namespace) -> None:
         ("verify_chain", "verify, chain K=4"),
         ("verify_tree", "verify, tree 2x2"),
         ("draft_chain", "draft, chain K=4 (one step: 4 levels)"),
+        ("draft_tree", "draft, tree 2x2 (one step: 1 level forwarded)"),
     ):
         print(f"\n{what}\n| sessions | kernel-like ops | all ops | host syncs | uploads | host ms (min) |")
         print("|---|---|---|---|---|---|")

@@ -9,7 +9,7 @@ import torch
 
 from drafter_svc.branches import Branch, BranchGroup, alternatives_that_fit, grow_branches, outcomes
 from drafter_svc.state import Proposal, ProposeJob
-from drafter_svc.tree_builder import Chain, DraftTree, build_tree, grow_chains
+from drafter_svc.tree_builder import Chain, DraftTree, TreeJob, grow_chains, grow_trees_batched
 from specd_core.runtime.phases import Phases
 
 
@@ -54,8 +54,10 @@ def grow_ahead(forwards, pairs: list, context_length: int, top_n: int, tops: int
 
 
 def grow_trees(forwards, rest: list, batched: bool, top_n: int, tops: int) -> dict[int, DraftTree]:
-    """The drafts of (job, root logits) pairs, by id(job): chains grow
-    together level by level on the lean engine; the rest one by one."""
+    """The drafts of (job, root logits) pairs, by id(job). On the lean engine
+    every level is one forward for all the sessions: the chains' (grow_chains)
+    and the trees' (static and dynamic, grow_trees_batched); on Hugging
+    Face's, trees grow one after another."""
     chains = [(j, r) for j, r in rest if batched and j.shape.is_chain]
     grown = grow_chains(
         forwards,
@@ -76,10 +78,12 @@ def grow_trees(forwards, rest: list, batched: bool, top_n: int, tops: int) -> di
         tops,
     )
     trees = dict(zip((id(j) for j, _ in chains), grown))
-    for j, r in rest:
-        if id(j) not in trees:
-            s = j.session
-            trees[id(j)] = build_tree(s.cache, r[0], j.shape, s.params, top_n, s.generator, s.constraint)
+    others = [(j, r) for j, r in rest if id(j) not in trees]
+    jobs = [
+        TreeJob(j.session.cache, r[0], j.shape, j.session.params, j.session.generator, j.session.constraint)
+        for j, r in others
+    ]
+    trees |= dict(zip((id(j) for j, _ in others), grow_trees_batched(forwards if batched else None, jobs, top_n)))
     return trees
 
 

@@ -227,8 +227,8 @@ class Drafter(ModelCore):
 
     def propose_batch(self, jobs: list[ProposeJob]) -> list[Proposal | Exception]:
         """Draft for several sessions at once: the newly committed tokens of all of
-        them in ONE forward, then chains level by level, one forward per level
-        for all the sessions still drafting (lean engine). Trees grow per session."""
+        them in ONE forward, then chains and trees level by level, one forward
+        per level for all the sessions still drafting (lean engine)."""
         with self.sessions.lock:
             start, phases = time.perf_counter(), Phases()
             live, refused = still_valid(self.sessions.live(jobs), self._check_state)

@@ -25,6 +25,7 @@ rules stay exact (docs/rules.md, "Stopping where the drafter is unsure").
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -84,7 +85,7 @@ def _sample_without_replacement(ids: torch.Tensor, probs: torch.Tensor, n: int, 
 
 
 class _Grower:
-    """Holds the tree while it grows; `forward_level` runs one depth."""
+    """Holds the tree while it grows; `level` makes the forward of one depth."""
 
     def __init__(self, session, past_len: int, constraint: Constraint | None = None):
         self.s, self.past, self.constraint = session, past_len, constraint
@@ -108,16 +109,17 @@ class _Grower:
         path = [] if node < 0 else [self.tree.tokens[a] for a in self.ancestors[node]] + [self.tree.tokens[node]]
         return masked_row(self.constraint, logits, path)
 
-    def forward_level(self, nodes: list[int]) -> torch.Tensor:
-        """Forward these nodes in one pass; return their logits (len(nodes), V)."""
+    def level(self, nodes: list[int]) -> tuple:
+        """The forward of these nodes in one pass, as a batch item
+        (session, token ids, positions, mask); they count as forwarded from now."""
         fwd = self.tree.forwarded
         cached = self.past + len(fwd)
+        tokens = [self.tree.tokens[n] for n in nodes]
         if len(nodes) == 1 and len(self.ancestors[nodes[0]]) == len(fwd):
             # One node that sees everything cached (every level of a chain): the
             # plain causal forward, no mask to build.
-            logits = self.s.forward([self.tree.tokens[nodes[0]]])
             fwd += nodes
-            return logits
+            return self.s, tokens, None, None
         row_of = {n: i for i, n in enumerate(fwd)}
         mask = torch.full((len(nodes), cached + len(nodes)), float("-inf"))
         mask[:, : self.past] = 0.0  # committed tokens
@@ -127,9 +129,8 @@ class _Grower:
             mask[r, cached + r] = 0.0  # itself
         # The root (last committed token) sits at past-1; a node at depth d at past-1+d.
         positions = torch.tensor([self.past - 1 + self.depth[n] for n in nodes])
-        logits = self.s.forward([self.tree.tokens[n] for n in nodes], positions=positions, mask=mask)
         fwd += nodes
-        return logits
+        return self.s, tokens, positions, mask
 
 
 def masked_row(constraint: Constraint | None, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
@@ -141,6 +142,14 @@ def masked_row(constraint: Constraint | None, logits: torch.Tensor, path: list[i
         return logits
     allowed = constraint.allowed(path)
     return logits if allowed is None else apply_masks(logits, allowed)
+
+
+# A tree's growth as a generator: it yields the nodes of each level that go
+# through the model and is sent their logits (len(nodes), V), so that the
+# levels of several sessions' trees run in one batched forward
+# (grow_trees_batched); each session's draws still use its own generator in
+# the order they would alone.
+Growth = Generator[list[int], torch.Tensor, None]
 
 
 def build_tree(
@@ -155,12 +164,50 @@ def build_tree(
     """Grow a tree below the root. The session's cache must hold exactly the
     committed tokens (the root is the last of them); tree nodes are appended.
     constraint: structured output, standing at the committed tokens."""
-    g = _Grower(session, session.length, constraint)
-    if shape.dynamic:
-        _grow_dynamic(g, root_logits, shape)
-    else:
-        _grow_static(g, root_logits, shape.children(), params, top_n, gen, shape.min_confidence)
-    return g.tree
+    return grow_trees_batched(None, [TreeJob(session, root_logits, shape, params, gen, constraint)], top_n)[0]
+
+
+class TreeJob(NamedTuple):
+    """One session's tree for grow_trees_batched."""
+
+    cache: Any  # holding exactly the session's committed tokens
+    root: torch.Tensor  # the logits after the last committed token
+    shape: DraftShape
+    params: SamplingParams
+    generator: torch.Generator
+    constraint: Constraint | None = None
+
+
+def grow_trees_batched(runner, jobs: list[TreeJob], top_n: int) -> list[DraftTree]:
+    """Trees of several sessions (static or dynamic, any shapes), each level
+    of all of them in one forward (`runner.forward_batch`; None: each
+    session's own forward, one after another)."""
+    growers = [_Grower(j.cache, j.cache.length, j.constraint) for j in jobs]
+    running: list[tuple[_Grower, Growth, list[int]]] = []
+    for g, j in zip(growers, jobs):
+        growth = (
+            _grow_dynamic(g, j.root, j.shape)
+            if j.shape.dynamic
+            else _grow_static(g, j.root, j.shape.children(), j.params, top_n, j.generator, j.shape.min_confidence)
+        )
+        running += _advance(g, growth, None)
+    while running:
+        items = [g.level(nodes) for g, _, nodes in running]
+        if runner is None:
+            out = [s.forward(ids, positions=pos, mask=mask) for s, ids, pos, mask in items]
+        else:
+            out = runner.forward_batch(items)
+        running = [step for (g, growth, _), logits in zip(running, out) for step in _advance(g, growth, logits)]
+    return [g.tree for g in growers]
+
+
+def _advance(g: _Grower, growth: Growth, logits: torch.Tensor | None) -> list[tuple[_Grower, Growth, list[int]]]:
+    """The growth's next level after these logits ([] once it is grown)."""
+    try:
+        nodes = next(growth) if logits is None else growth.send(logits)
+    except StopIteration:
+        return []
+    return [(g, growth, nodes)]
 
 
 def _choose(logits: torch.Tensor, n: int, params, top_n: int, gen):
@@ -183,7 +230,7 @@ def _choose(logits: torch.Tensor, n: int, params, top_n: int, gen):
     return chosen, (ids.tolist(), probs.tolist()), conf
 
 
-def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen, threshold: float = 0.0) -> None:
+def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen, threshold: float = 0.0) -> Growth:
     """children: how many children each node path has (DraftShape.children);
     the k-th child of a node is the drafter's k-th choice there. A node under
     `threshold` keeps none (DraftShape.min_confidence)."""
@@ -204,7 +251,7 @@ def _grow_static(g: _Grower, root_logits, children: dict, params, top_n, gen, th
         g.tree.pruned += len(parents) - len(level)
         if not level:
             break
-        logits = g.forward_level([n for _, n in level])
+        logits = yield [n for _, n in level]
         frontier = [(p, n, row) for (p, n), row in zip(level, logits)]
     if sampled:
         g.tree.row_dists = [dists.get(r, ([], [])) for r in range(len(g.tree.tokens) + 1)]
@@ -337,7 +384,7 @@ def _ranked_greedy(chains: list[Chain], active: list, tops: int) -> dict[int, tu
     return out
 
 
-def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:
+def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> Growth:
     """EAGLE-2 style: expand the top_k best nodes of each depth, then keep the
     node_budget nodes of highest cumulative log-probability. A child never
     scores above its parent, so the kept set is closed under ancestors. A
@@ -363,7 +410,7 @@ def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> None:
         g.tree.pruned += sum(n not in best for n in ranked[: shape.top_k])
         if not best:
             break
-        logits = g.forward_level(best)
+        logits = yield best
         level = [c for n, row in zip(best, logits) for c in expand(n, row)]
     keep = sorted(range(len(score)), key=lambda n: (-score[n], g.depth[n]))[: shape.node_budget]
     keep.sort(key=lambda n: (g.depth[n], n))  # parents before children

@@ -135,13 +135,56 @@ def test_compacted_cache_equals_fresh_prefill(cores, temperature):
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_drafter_batch_equals_one_session_at_a_time(cores, temperature):
     """Propose for several sessions in one batch (catch-up forwards together,
-    chains level by level, a tree on its own) drafts what each session's own
-    Propose drafts, over several cycles, q and all."""
+    chains level by level, static and dynamic trees level by level) drafts
+    what each session's own Propose drafts, over several cycles, q and all."""
     _, drafter = cores
     params = SamplingParams(temperature=temperature, seed=5)
-    prompts = {"x": [40, 41, 42], "y": [50, 51, 52, 53, 54, 55], "z": [60, 61]}
-    shapes = {"x": DraftShape.chain(3), "y": DraftShape.chain(5), "z": DraftShape(branching=(2, 1))}
+    prompts = {"x": [40, 41, 42], "y": [50, 51, 52, 53, 54, 55], "z": [60, 61], "w": [70, 71, 72, 73]}
+    shapes = {"x": DraftShape.chain(3), "y": DraftShape.chain(5), "z": DraftShape(branching=(2, 1)),
+              "w": DraftShape(node_budget=7, max_depth=3, top_k=2)}
     assert_batch_equals_solo(drafter, params, prompts, shapes)
+
+
+def test_trees_of_several_sessions_share_each_level_forward(cores, monkeypatch):
+    """On the lean engine one forward per tree level serves every session's
+    tree (static and dynamic shapes mixed), not one forward per session and
+    level: the forwards that hold any tree's level are as many as the deepest
+    tree's levels. (Hugging Face's engine runs them one after another.)"""
+    _, drafter = cores
+    if drafter.runner.engine != "lean":
+        pytest.skip("Hugging Face's engine grows trees one after another")
+    params = SamplingParams(temperature=0.9, seed=5)
+    prompts = {"s": [40, 41, 42], "d": [50, 51, 52, 53], "t": [60, 61]}
+    shapes = {"s": DraftShape(branching=(2, 2, 1)), "d": DraftShape(node_budget=8, max_depth=4, top_k=2),
+              "t": DraftShape(branching=(3, 1))}
+    for k, p in prompts.items():
+        drafter.open_session(k, p, params)
+    calls: list[set[int]] = []
+    forward_batch = drafter.runner.forward_batch
+
+    def counting(items, *args, **kwargs):
+        calls.append({id(item[0]) for item in items})
+        return forward_batch(items, *args, **kwargs)
+
+    monkeypatch.setattr(drafter.runner, "forward_batch", counting)
+    try:
+        jobs = [drafter.prepare(ProposeCall(k, [], [p[-1] + 100], shapes[k])) for k, p in prompts.items()]
+        trees = dict(zip(prompts, (p.tree for p in drafter.propose_batch(jobs))))
+    finally:
+        for k in prompts:
+            drafter.close_session(k)
+    caches = {k: id(drafter_cache) for k, drafter_cache in zip(prompts, (j.session.cache for j in jobs))}
+    per_session = {k: sum(caches[k] in c for c in calls) for k in prompts}
+    # Each tree's levels that went through the model (+1: the catch-up forward of its committed token).
+    levels = {k: len({depth_of(t, n) for n in t.forwarded}) + 1 for k, t in trees.items()}
+    assert per_session == levels, (per_session, levels)
+    assert min(levels.values()) >= 2 and sorted(levels.values())[-2] >= 2  # two trees at least went deeper
+    with_trees = sum(any(caches[k] in c for k in prompts) for c in calls)
+    assert with_trees == max(levels.values()), (calls, levels)
+
+
+def depth_of(tree, node: int) -> int:
+    return 1 if tree.parents[node] < 0 else 1 + depth_of(tree, tree.parents[node])
 
 
 def assert_batch_equals_solo(drafter, params, prompts: dict, shapes: dict, cycles: int = 4) -> list[dict]:

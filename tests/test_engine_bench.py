@@ -40,7 +40,7 @@ def test_a_small_run_through_the_cores(tmp_path):
     result = json.loads(out.read_text())
     assert [r["sessions"] for r in result["rows"]] == [1, 3]
     for row in result["rows"]:
-        for kind in ("verify_chain", "verify_tree", "draft_chain"):
+        for kind in ("verify_chain", "verify_tree", "draft_chain", "draft_tree"):
             c = row[kind]
             assert 0 < c["kernel_like"] < c["ops"] and c["host_ms"] > 0, (kind, c)
             assert c["syncs"] >= 1          # the verdicts reach the host at least once
@@ -51,3 +51,8 @@ def test_a_small_run_through_the_cores(tmp_path):
     assert three["verify_tree"]["uploads"] == one["verify_tree"]["uploads"]
     grown = {kind: three[kind]["kernel_like"] - one[kind]["kernel_like"] for kind in ("verify_chain", "verify_tree")}
     assert grown["verify_tree"] <= grown["verify_chain"], grown
+    # The drafter's trees go through the model one level for all sessions:
+    # two more sessions add their choices and masks, not two more forwards
+    # (one after another they added more than a whole one-session step).
+    tree_grown = three["draft_tree"]["kernel_like"] - one["draft_tree"]["kernel_like"]
+    assert tree_grown < one["draft_tree"]["kernel_like"], (one["draft_tree"], three["draft_tree"])
