@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from orchestrator.pair import check_pair
+from specd_core.runtime.head_formats import head_format
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import open_channel
@@ -150,7 +151,9 @@ class Stack:
         check_pair(target, drafter)
         extra = ("--metrics-port", "0") if opts.metrics else ()
         starts = [("verifier_svc", "--model", target, *service_args, *opts.verifier_args, *extra)] * opts.verifiers
-        starts += [("drafter_svc", "--model", drafter, *service_args, *extra)] * (opts.drafters if drafter else 0)
+        # A head shares the target's embedding (and LM head): it is told where the target is.
+        head = ("--target-dir", target) if drafter and head_format(drafter) else ()
+        starts += [("drafter_svc", "--model", drafter, *head, *service_args, *extra)] * (opts.drafters if drafter else 0)
         procs = _start_all(starts, opts.env)
         self.verifiers, self.drafters = procs[: opts.verifiers], procs[opts.verifiers :]
         self.verifier = self.verifiers[0]

@@ -106,6 +106,10 @@ class ModelServiceActor:
         # A repo id resolves here, into this node's cache (checked on the head before deploying).
         resolved = resolve_model(config_fields["model_dir"], allow_pickle=config_fields["allow_pickle_weights"])
         config_fields["model_dir"] = resolved.path
+        if config_fields.get("target_dir"):  # a head's target, resolved here too
+            config_fields["target_dir"] = resolve_model(
+                config_fields["target_dir"], allow_pickle=config_fields["allow_pickle_weights"]
+            ).path
         config: VerifierConfig | DrafterConfig
         if kind == "verifier":
             from verifier_svc.core import Verifier
@@ -277,6 +281,8 @@ def replica_fields(cfg: DeploymentConfig, kind: str) -> dict:
         "model_dir": (cfg.target_model or cfg.target_dir)
         if kind == "verifier"
         else (cfg.drafter_model or cfg.drafter_dir),
+        # A drafter that is a head shares the target's embedding (and LM head).
+        **({"target_dir": cfg.target_model or cfg.target_dir} if kind == "drafter" else {}),
         "host": cfg.replica_host,
         "port": 0,
     }

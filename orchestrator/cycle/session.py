@@ -82,7 +82,7 @@ class SessionReplicas:
     async def open(self, spec: GenerationSpec, trace: NoTrace) -> tuple[int, HiddenStates | None]:
         """Prefill both (on the prompt and any resumed tokens); the first new
         token, and the prompt's features (spec.features)."""
-        want = {"hidden": True} if spec.features else {}
+        want = {"hidden": spec.feature_layers or True} if spec.features else {}
         context, more = spec.context_ids, spec.generated_keywords
         opens = [self.verifier.open(self.session_id, context, spec.sampling, **want, **more)]
         clients: list[VerifierClient | DrafterClient] = [self.verifier]

@@ -1,0 +1,411 @@
+"""Published draft heads: EAGLE-3 (method eagle3) and EAGLE-1/2 (method eagle),
+saved here in their published formats with random weights.
+
+* The serving drafter's draft distributions equal an independent reference
+  forward written below from each method's definition in plain torch (it
+  imports nothing of specd's serving code), d2t mapping included, and the
+  verifier's auxiliary features equal Hugging Face's hidden states;
+* through the real services, greedy output equals target-only greedy
+  decoding, chains and trees, for both methods (the EAGLE-3 stack is
+  configured by a vLLM-style JSON speculative config file);
+* a head whose shapes do not fit the target is refused before anything
+  starts, with one line naming the mismatch;
+* EAGLE-3 sampling follows the target's exact law (statistical).
+
+The target has 8 layers so that the published default auxiliary layers
+(2, L // 2, L - 3) = (2, 4, 5) exist; the EAGLE-3 head's draft vocabulary is
+smaller than the target's and its d2t is a non-trivial offset table.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from drafter_svc.config import DrafterConfig
+from drafter_svc.eagle import make_drafter
+from orchestrator.pair import IncompatiblePair, check_pair
+from specd.local_stack import Stack
+from specd_core.rules.draft_shape import DraftShape
+from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from specd_core.runtime.features import HiddenStates
+from specd_core.runtime.models import load_model, load_tokenizer
+from specd_core.runtime.propose_call import ProposeCall
+from tests.test_greedy_exact import MAX_NEW, assert_same_or_near_tie, prompts, reference
+from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold, tv
+from verifier_svc.config import VerifierConfig
+from verifier_svc.core import Verifier
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, MLP = 8, 64, 4, 2, 128
+HEAD_DIM = HIDDEN // HEADS
+THETA, EPS = 10000.0, 1e-6
+AUX = (1, 4, 6)  # the EAGLE-3 head's configured auxiliary layers
+DRAFT_VOCAB = 200
+
+
+# ----- the heads, saved in their published formats ---------------------------------------
+
+
+def build_target(out: Path, tokenizer_dir: str) -> str:
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(5)
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=len(tok),
+                      max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=EPS,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(15)  # peaked distributions, as tests/tiny_models.py does
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def _layer(prefix: str, g: torch.Generator, attn_in: int) -> dict:
+    """A Llama decoder layer's weights (random, norms around 1)."""
+    def r(*shape, scale=0.15):
+        return torch.randn(*shape, generator=g) * scale
+    w = {f"{prefix}.self_attn.{n}.weight": r(HEADS * HEAD_DIM if n == "q_proj" else KV_HEADS * HEAD_DIM, attn_in)
+         for n in ("q_proj", "k_proj", "v_proj")}
+    w[f"{prefix}.self_attn.o_proj.weight"] = r(HIDDEN, HEADS * HEAD_DIM)
+    w[f"{prefix}.mlp.gate_proj.weight"] = r(MLP, HIDDEN)
+    w[f"{prefix}.mlp.up_proj.weight"] = r(MLP, HIDDEN)
+    w[f"{prefix}.mlp.down_proj.weight"] = r(HIDDEN, MLP)
+    w[f"{prefix}.post_attention_layernorm.weight"] = 1 + r(HIDDEN, scale=0.2)
+    return w
+
+
+def _llama_fields(vocab: int) -> dict:
+    return dict(hidden_size=HIDDEN, intermediate_size=MLP, num_attention_heads=HEADS,
+                num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=EPS, rope_theta=THETA,
+                max_position_embeddings=256, hidden_act="silu", num_hidden_layers=1, vocab_size=vocab)
+
+
+def save_eagle3_head(out: Path, vocab: int, aux=AUX, seed: int = 11, target_hidden: int = HIDDEN,
+                     draft_vocab: int = DRAFT_VOCAB, embed: bool = False) -> str:
+    """An EAGLE-3 head as published: LlamaForCausalLMEagle3 config, fc / midlayer /
+    norm / lm_head over a draft vocabulary, d2t offsets and the t2d mask."""
+    g = torch.Generator().manual_seed(seed)
+    w = _layer("midlayer", g, 2 * HIDDEN)
+    w["midlayer.input_layernorm.weight"] = 1 + torch.randn(HIDDEN, generator=g) * 0.2
+    w["midlayer.hidden_norm.weight"] = 1 + torch.randn(HIDDEN, generator=g) * 0.2
+    w["fc.weight"] = torch.randn(HIDDEN, 3 * target_hidden, generator=g) * 0.1
+    w["norm.weight"] = 1 + torch.randn(HIDDEN, generator=g) * 0.2
+    w["lm_head.weight"] = torch.randn(draft_vocab, HIDDEN, generator=g) * 2.0
+    # The draft vocabulary: a random subset of the target's ids, in id order.
+    ids = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values
+    w["d2t"] = ids - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    w["t2d"] = t2d
+    if embed:
+        w["embed_tokens.weight"] = torch.randn(vocab, HIDDEN, generator=g)
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **_llama_fields(vocab),
+           "draft_vocab_size": draft_vocab, "target_hidden_size": target_hidden, "torch_dtype": "float32"}
+    if aux is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    return str(out)
+
+
+def save_eagle1_head(out: Path, vocab: int, seed: int = 12, hidden: int = HIDDEN, embed: bool = True) -> str:
+    """An EAGLE-1/2 head as published: a Llama config and fc (with bias) over
+    [embed; feature], layers.0.* (its unused input norm included), embed_tokens."""
+    g = torch.Generator().manual_seed(seed)
+    w = _layer("layers.0", g, HIDDEN)
+    w["layers.0.input_layernorm.weight"] = torch.ones(HIDDEN)  # in the file, not applied (EAGLE's layer 0)
+    w["fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+    w["fc.bias"] = torch.randn(hidden, generator=g) * 0.1
+    if embed:
+        w["embed_tokens.weight"] = torch.randn(vocab, HIDDEN, generator=g)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_llama_fields(vocab),
+           "hidden_size": hidden, "torch_dtype": "float32"}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def heads(pairs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("published-heads")
+    target = build_target(root / "target8", pairs["llama"][0])
+    vocab = len(load_tokenizer(target))
+    return {
+        "target": target,
+        "vocab": vocab,
+        "eagle3": save_eagle3_head(root / "eagle3", vocab),
+        "eagle3_default": save_eagle3_head(root / "eagle3-default", vocab, aux=None, seed=13, embed=True),
+        "eagle": save_eagle1_head(root / "eagle1", vocab),
+    }
+
+
+# ----- the reference forward, from the methods' definitions --------------------------------
+
+
+def ref_rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def ref_rope(x):  # x: (heads, T, d); Llama's rotate-half RoPE at positions 0..T-1
+    d = x.shape[-1]
+    inv = 1.0 / THETA ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.outer(torch.arange(x.shape[1]).float(), inv)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+def ref_layer(w: dict, p: str, attn_in, residual):
+    """One decoder layer: causal attention reading attn_in (T, *), added to
+    residual (T, C); then the SwiGLU MLP block."""
+    t = attn_in.shape[0]
+    q = (attn_in @ w[f"{p}.self_attn.q_proj.weight"].T).view(t, HEADS, HEAD_DIM).transpose(0, 1)
+    k = (attn_in @ w[f"{p}.self_attn.k_proj.weight"].T).view(t, KV_HEADS, HEAD_DIM).transpose(0, 1)
+    v = (attn_in @ w[f"{p}.self_attn.v_proj.weight"].T).view(t, KV_HEADS, HEAD_DIM).transpose(0, 1)
+    q, k = ref_rope(q), ref_rope(k)
+    k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
+    scores = q @ k.transpose(1, 2) / math.sqrt(HEAD_DIM)
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, -1) @ w[f"{p}.self_attn.o_proj.weight"].T
+    h = residual + y
+    m = ref_rms(h, w[f"{p}.post_attention_layernorm.weight"])
+    mlp = (F.silu(m @ w[f"{p}.mlp.gate_proj.weight"].T) * (m @ w[f"{p}.mlp.up_proj.weight"].T))
+    return h + mlp @ w[f"{p}.mlp.down_proj.weight"].T
+
+
+def ref_eagle3_probs(w: dict, embed, tokens: list[int], feats: list[torch.Tensor], vocab: int):
+    """EAGLE-3: row i = (token i, feature i) where a feature is 3H wide (the
+    target's auxiliary states, read through fc) or H wide (the head's own
+    output before norm). Returns (probabilities over the TARGET ids after the
+    last row, the last row's output)."""
+    h = torch.stack([w["fc.weight"] @ f if f.shape[0] != HIDDEN else f for f in feats])
+    e = embed[torch.tensor(tokens)]
+    attn_in = torch.cat([ref_rms(e, w["midlayer.input_layernorm.weight"]),
+                         ref_rms(h, w["midlayer.hidden_norm.weight"])], -1)
+    out = ref_layer(w, "midlayer", attn_in, h)
+    draft = (ref_rms(out[-1], w["norm.weight"]) @ w["lm_head.weight"].T).softmax(-1)
+    probs = torch.zeros(vocab)
+    probs[torch.arange(len(draft)) + w["d2t"]] = draft  # target id = draft id + d2t[draft id]
+    return probs, out[-1]
+
+
+def ref_eagle1_probs(w: dict, embed, lm_head, tokens: list[int], feats: list[torch.Tensor]):
+    """EAGLE-1/2: x = fc([embed; feature]) + b, one decoder layer with no input
+    norm, the target's LM head on its output (no norm). Features: the target's
+    after its final norm, or the head's own output."""
+    x = torch.cat([embed[torch.tensor(tokens)], torch.stack(feats)], -1) @ w["fc.weight"].T + w["fc.bias"]
+    out = ref_layer(w, "layers.0", x, x)
+    return (out[-1] @ lm_head.T).softmax(-1), out[-1]
+
+
+def hf_hidden_states(target, ids: list[int]):
+    with torch.no_grad():
+        return target(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [i]: entering layer i
+
+
+# ----- unit: the drafter's distributions against the reference -----------------------------
+
+
+def _drafter_chain(d, feats_wire: HiddenStates, tokens: list[int], steps: int):
+    """The serving drafter's distributions (its HeadRunner, what Propose drafts
+    through) after the committed rows, then along its own greedy chain."""
+    runner = d.runner
+    s = runner.new_session()
+    logits = runner.feed_batch([(s, tokens, feats_wire.decode())])[0][-1]
+    out = [logits.softmax(-1)]
+    for _ in range(steps - 1):
+        logits = runner.forward_batch([(s, [int(out[-1].argmax())], None, None)])[0][-1]
+        out.append(logits.softmax(-1))
+    return out
+
+
+@pytest.mark.unit
+@torch.inference_mode()
+@pytest.mark.parametrize("which", ["eagle3", "eagle3_default"])
+def test_eagle3_drafter_equals_reference_forward(heads, which):
+    from safetensors.torch import load_file
+
+    target_dir, head_dir, vocab = heads["target"], heads[which], heads["vocab"]
+    aux = AUX if which == "eagle3" else (2, LAYERS // 2, LAYERS - 3)
+    w = load_file(str(Path(head_dir) / "model.safetensors"))
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    embed = w.get("embed_tokens.weight", target.model.embed_tokens.weight)
+    prompt, first = [40, 41, 42, 43, 44, 45], 17
+    # The verifier streams the auxiliary layers' states side by side: HF's hidden_states[i].
+    v = Verifier(VerifierConfig(target_dir, device="cpu"))
+    _, wire = v.open_session("s", prompt, SamplingParams(0.0), hidden=aux)
+    hs = hf_hidden_states(target, prompt)
+    want = torch.cat([hs[i][0] for i in aux], -1)
+    assert wire.hidden_size == 3 * HIDDEN and torch.allclose(wire.decode(), want, atol=2e-2, rtol=2e-3)
+
+    d = make_drafter(DrafterConfig(head_dir, target_dir=target_dir, device="cpu"))
+    assert d.method.name == "eagle3" and d.vocab_size == vocab
+    got = _drafter_chain(d, wire, prompt[1:] + [first], 4)
+    # The reference, on the same (fp16-rounded) features, its own outputs fed back.
+    tokens, feats, chain = prompt[1:] + [first], list(wire.decode()), []
+    reachable = torch.zeros(vocab, dtype=torch.bool)
+    reachable[torch.arange(DRAFT_VOCAB) + w["d2t"]] = True
+    for q in got:
+        p, last = ref_eagle3_probs(w, embed, tokens, feats, vocab)
+        assert torch.allclose(q, p, atol=1e-5), (q - p).abs().max()
+        assert float(q[~reachable].sum()) == 0.0  # no mass on ids the head cannot produce
+        chain.append(int(p.argmax()))
+        tokens, feats = tokens + [chain[-1]], feats + [last]
+    # Propose drafts the same greedy chain (chain and static tree's first choices).
+    d.open_session("c", prompt, SamplingParams(0.0))
+    assert d.propose(ProposeCall("c", [], [first], DraftShape.chain(4), hidden=wire)).tree.tokens == chain
+    # Sampled children carry a q on reachable ids only.
+    d.open_session("q", prompt, SamplingParams(1.0, seed=3))
+    prop = d.propose(ProposeCall("q", [], [first], DraftShape(branching=(3, 2)), hidden=wire))
+    assert all(reachable[t] for t in prop.tree.tokens)
+
+
+@pytest.mark.unit
+@torch.inference_mode()
+def test_published_eagle_drafter_equals_reference_forward(heads):
+    from safetensors.torch import load_file
+
+    target_dir, head_dir = heads["target"], heads["eagle"]
+    w = load_file(str(Path(head_dir) / "model.safetensors"))
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    prompt, first = [40, 41, 42, 43, 44, 45], 17
+    v = Verifier(VerifierConfig(target_dir, device="cpu"))
+    _, wire = v.open_session("s", prompt, SamplingParams(0.0), hidden=True)  # before the final norm
+    post = ref_rms(wire.decode(), target.model.norm.weight)
+    # After the target's final norm, it is what the target's model returns.
+    assert torch.allclose(post, hf_hidden_states(target, prompt)[-1][0], atol=3e-2, rtol=3e-3)
+    d = make_drafter(DrafterConfig(head_dir, target_dir=target_dir, device="cpu"))
+    assert d.method.name == "eagle"
+    got = _drafter_chain(d, wire, prompt[1:] + [first], 4)
+    tokens, feats, chain = prompt[1:] + [first], list(post), []
+    for q in got:
+        p, last = ref_eagle1_probs(w, w["embed_tokens.weight"], target.lm_head.weight, tokens, feats)
+        assert torch.allclose(q, p, atol=1e-5), (q - p).abs().max()
+        chain.append(int(p.argmax()))
+        tokens, feats = tokens + [chain[-1]], feats + [last]
+    d.open_session("c", prompt, SamplingParams(0.0))
+    assert d.propose(ProposeCall("c", [], [first], DraftShape.chain(4), hidden=wire)).tree.tokens == chain
+
+
+# ----- unit: heads that do not fit --------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_a_head_that_does_not_fit_is_refused_naming_the_mismatch(heads, tmp_path):
+    target, vocab = heads["target"], heads["vocab"]
+    bad = {
+        "target_hidden_size 32": save_eagle3_head(tmp_path / "h", vocab, target_hidden=32),
+        f"vocab_size {vocab + 8}": save_eagle3_head(tmp_path / "v", vocab + 8),
+        "layer ids [1, 4, 9] out of range": save_eagle3_head(tmp_path / "a", vocab, aux=(1, 4, 9)),
+        "hidden_size 32": save_eagle1_head(tmp_path / "e", vocab, hidden=32, embed=False),
+    }
+    for needle, head in bad.items():
+        with pytest.raises(IncompatiblePair) as e:
+            check_pair(target, head)
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+        with pytest.raises(ValueError, match="does not fit"):
+            make_drafter(DrafterConfig(head, target_dir=target, device="cpu"))
+        # Before anything starts: the local stack checks the pair first.
+        with pytest.raises(IncompatiblePair, match="does not fit"):
+            Stack(target, head)
+    check_pair(target, heads["eagle3"])  # the good ones fit
+    check_pair(target, heads["eagle"])
+
+
+# ----- services: greedy exactness, sampling law --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eagle3_stack(heads, tmp_path_factory):
+    # vLLM's speculative config, unchanged: {"method": "eagle3", "model": ..., "num_speculative_tokens": ...}
+    spec = tmp_path_factory.mktemp("spec") / "speculative.json"
+    spec.write_text(json.dumps({"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": 3}))
+    stack = Stack(heads["target"], heads["eagle3"], orchestrator_args=("--speculative-config", str(spec)))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def eagle1_stack(heads):
+    stack = Stack(heads["target"], heads["eagle"], orchestrator_args=("--method", "eagle"))
+    yield stack
+    stack.stop()
+
+
+SHAPES = [dict(num_speculative_tokens=1), dict(num_speculative_tokens=4),
+          dict(tree={"branching": [3, 2, 1]}), dict(tree={"node_budget": 8, "max_depth": 4, "top_k": 3})]
+
+
+def _greedy_equals_target(stack, target_dir: str, method: str, feature_width: int) -> None:
+    model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
+    accepted = drafted = 0
+    for p in prompts(tok, 4):
+        want, gaps = reference(model, p)
+        for shape in SHAPES:
+            got, last = stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=MAX_NEW, **shape)
+            assert_same_or_near_tie(got, want, gaps, f"{method} {shape}")
+            s = last.stats
+            assert s.method == method and s.drafted_tokens > 0
+            committed = round(s.mean_accepted_length * s.cycles)
+            assert s.feature_bytes == 2 * feature_width * (len(p) + committed)
+            accepted, drafted = accepted + s.accepted_tokens, drafted + s.drafted_tokens
+    print(f"{method} greedy: accepted {accepted} of {drafted} drafted")
+
+
+@pytest.mark.services
+def test_eagle3_greedy_equals_target_only(heads, eagle3_stack):
+    _greedy_equals_target(eagle3_stack, heads["target"], "eagle3", 3 * HIDDEN)
+
+
+@pytest.mark.services
+def test_published_eagle_greedy_equals_target_only(heads, eagle1_stack):
+    _greedy_equals_target(eagle1_stack, heads["target"], "eagle", HIDDEN)
+
+
+@torch.inference_mode()
+def eagle3_joint(heads, prompt, params: SamplingParams, eps=1e-7) -> dict:
+    """The law of 3 tokens if every draft were kept: token 1 from the target,
+    tokens 2-3 from the head (the reference forward above)."""
+    from safetensors.torch import load_file
+
+    target = LlamaForCausalLM.from_pretrained(heads["target"], dtype=torch.float32)
+    w = load_file(str(Path(heads["eagle3"]) / "model.safetensors"))
+    embed, vocab = target.model.embed_tokens.weight, heads["vocab"]
+    hs = hf_hidden_states(target, prompt)
+    feats = list(torch.cat([hs[i][0] for i in AUX], -1))
+    p1 = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], params)
+    joint = {}
+    for x1 in torch.nonzero(p1 > eps).flatten().tolist():
+        q2, f2 = ref_eagle3_probs(w, embed, prompt[1:] + [x1], feats, vocab)
+        q2 = logits_to_probs(q2.log(), params)
+        for x2 in torch.nonzero(q2 > eps).flatten().tolist():
+            q3, _ = ref_eagle3_probs(w, embed, prompt[1:] + [x1, x2], feats + [f2], vocab)
+            q3 = logits_to_probs(q3.log(), params)
+            for x3 in torch.nonzero(q3 > eps).flatten().tolist():
+                joint[(x1, x2, x3)] = float(p1[x1] * q2[x2] * q3[x3])
+    return joint
+
+
+@pytest.mark.parametrize("prompt,temperature,top_p,top_k,draft", [
+    ([40, 41, 42, 43, 44], 1.0, 1.0, 6, dict(num_speculative_tokens=2)),
+    ([100, 7, 9], 0.7, 0.8, 0, dict(tree={"branching": [2, 2]})),
+], ids=["chain-T1", "static22-T0.7p0.8"])
+@pytest.mark.services
+@pytest.mark.statistical
+def test_eagle3_sampling_matches_target(prompt, temperature, top_p, top_k, draft, heads, eagle3_stack):
+    params = SamplingParams(temperature, top_p, top_k)
+    joint = exact_joint(heads["target"], prompt, params)
+    threshold = null_threshold(joint, N)
+    # Power: a rule that kept every draft would follow the head's law, which
+    # this threshold must be able to tell from the target's.
+    head = eagle3_joint(heads, prompt, params)
+    assert tv(joint, {k: v * N for k, v in head.items()}, N) > 2 * threshold
+    check_stream_law(eagle3_stack, prompt, joint, threshold,
+                     dict(temperature=temperature, top_p=top_p, top_k=top_k, **draft))
