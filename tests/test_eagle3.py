@@ -38,6 +38,7 @@ from specd_core.runtime.models import load_model, load_tokenizer
 from specd_core.runtime.propose_call import ProposeCall
 from tests.test_greedy_exact import MAX_NEW, assert_same_or_near_tie, prompts, reference
 from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold, tv
+from tests.tiny_models import corpus_lines
 from verifier_svc.config import VerifierConfig
 from verifier_svc.core import Verifier
 
@@ -86,38 +87,42 @@ def _llama_fields(vocab: int) -> dict:
                 max_position_embeddings=256, hidden_act="silu", num_hidden_layers=1, vocab_size=vocab)
 
 
-def save_eagle3_head(out: Path, vocab: int, aux=AUX, seed: int = 11, target_hidden: int = HIDDEN,
-                     draft_vocab: int = DRAFT_VOCAB, embed: bool = False) -> str:
-    """An EAGLE-3 head as published: LlamaForCausalLMEagle3 config, fc / midlayer /
-    norm / lm_head over a draft vocabulary, d2t offsets and the t2d mask."""
+def eagle3_weights(vocab: int, seed: int = 11, target_hidden: int = HIDDEN, draft_ids=None,
+                   embed: bool = False) -> dict:
+    """An EAGLE-3 head's tensors as published: fc / midlayer / norm / lm_head over
+    a draft vocabulary (draft_ids: the target ids it covers, in id order;
+    default a random subset), d2t offsets and the t2d mask."""
     g = torch.Generator().manual_seed(seed)
     w = _layer("midlayer", g, 2 * HIDDEN)
     w["midlayer.input_layernorm.weight"] = 1 + torch.randn(HIDDEN, generator=g) * 0.2
     w["midlayer.hidden_norm.weight"] = 1 + torch.randn(HIDDEN, generator=g) * 0.2
     w["fc.weight"] = torch.randn(HIDDEN, 3 * target_hidden, generator=g) * 0.1
     w["norm.weight"] = 1 + torch.randn(HIDDEN, generator=g) * 0.2
-    w["lm_head.weight"] = torch.randn(draft_vocab, HIDDEN, generator=g) * 2.0
-    # The draft vocabulary: a random subset of the target's ids, in id order.
-    ids = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values
-    w["d2t"] = ids - torch.arange(draft_vocab)
+    w["lm_head.weight"] = torch.randn(DRAFT_VOCAB, HIDDEN, generator=g) * 2.0
+    ids = draft_ids if draft_ids is not None else torch.sort(torch.randperm(vocab, generator=g)[:DRAFT_VOCAB]).values
+    w["d2t"] = ids - torch.arange(DRAFT_VOCAB)  # target id = draft id + d2t[draft id]
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[ids] = True
     w["t2d"] = t2d
     if embed:
         w["embed_tokens.weight"] = torch.randn(vocab, HIDDEN, generator=g)
+    return w
+
+
+def save_eagle3_head(out: Path, vocab: int, w: dict | None = None, aux=AUX, **weights) -> str:
+    """An EAGLE-3 head directory: LlamaForCausalLMEagle3 config, safetensors weights."""
+    w = w if w is not None else eagle3_weights(vocab, **weights)
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **_llama_fields(vocab),
-           "draft_vocab_size": draft_vocab, "target_hidden_size": target_hidden, "torch_dtype": "float32"}
+           "draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": w["fc.weight"].shape[1] // 3,
+           "torch_dtype": "float32"}
     if aux is not None:
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
-    return str(out)
+    return _save(out, cfg, w)
 
 
-def save_eagle1_head(out: Path, vocab: int, seed: int = 12, hidden: int = HIDDEN, embed: bool = True) -> str:
-    """An EAGLE-1/2 head as published: a Llama config and fc (with bias) over
-    [embed; feature], layers.0.* (its unused input norm included), embed_tokens."""
+def eagle1_weights(vocab: int, seed: int = 12, hidden: int = HIDDEN, embed: bool = True) -> dict:
+    """An EAGLE-1/2 head's tensors as published: fc (with bias) over [embed;
+    feature], layers.0.* (its unused input norm included), embed_tokens."""
     g = torch.Generator().manual_seed(seed)
     w = _layer("layers.0", g, HIDDEN)
     w["layers.0.input_layernorm.weight"] = torch.ones(HIDDEN)  # in the file, not applied (EAGLE's layer 0)
@@ -125,25 +130,103 @@ def save_eagle1_head(out: Path, vocab: int, seed: int = 12, hidden: int = HIDDEN
     w["fc.bias"] = torch.randn(hidden, generator=g) * 0.1
     if embed:
         w["embed_tokens.weight"] = torch.randn(vocab, HIDDEN, generator=g)
+    return w
+
+
+def save_eagle1_head(out: Path, vocab: int, w: dict | None = None, **weights) -> str:
+    w = w if w is not None else eagle1_weights(vocab, **weights)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_llama_fields(vocab),
-           "hidden_size": hidden, "torch_dtype": "float32"}
+           "hidden_size": w["fc.weight"].shape[0], "torch_dtype": "float32"}
+    return _save(out, cfg, w)
+
+
+def _save(out: Path, cfg: dict, w: dict) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    save_file({k: v.detach().contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
     return str(out)
+
+
+# ----- a few seconds of distillation, so that drafts are sometimes kept -------------------
+
+
+def distillation_data(target, tokenizer, windows: int = 24, length: int = 48):
+    """Corpus windows, the target's hidden states over them (HF: [i] enters
+    layer i, [-1] after the final norm) and its greedy next token at each position."""
+    ids = torch.tensor(tokenizer("\n".join(corpus_lines(600)))["input_ids"])
+    starts = torch.linspace(0, len(ids) - length - 1, windows).long()
+    x = torch.stack([ids[s:s + length] for s in starts])
+    with torch.no_grad():
+        out = target(x, output_hidden_states=True)
+    return x, out.hidden_states, out.logits.argmax(-1)
+
+
+def train(w: dict, names: list[str], loss_of, steps: int = 300) -> None:
+    """Adam on the named tensors of w, one window per step."""
+    params = [w[n].requires_grad_() for n in names]
+    opt = torch.optim.Adam(params, lr=3e-3)
+    for step in range(steps):
+        loss = loss_of(step)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for n in names:
+        w[n] = w[n].detach()
+
+
+def trained_eagle3(target, tokenizer, vocab: int) -> dict:
+    """Row i = (x_{i+1}, aux_i) learns the target's greedy token after x_{i+1};
+    the draft vocabulary is the target's most frequent greedy tokens (as the
+    published heads choose theirs)."""
+    x, hs, y = distillation_data(target, tokenizer)
+    counts = torch.bincount(y.flatten(), minlength=vocab).float() + torch.rand(vocab) * 0.1
+    ids = torch.sort(torch.topk(counts, DRAFT_VOCAB).indices).values
+    w = eagle3_weights(vocab, draft_ids=ids)
+    index = torch.full((vocab,), -100)
+    index[ids] = torch.arange(DRAFT_VOCAB)
+    aux = torch.cat([hs[i] for i in AUX], -1)  # (windows, T, 3C)
+    embed = target.model.embed_tokens.weight.detach()
+
+    def loss_of(step):
+        j = step % x.shape[0]
+        h = aux[j, :-1] @ w["fc.weight"].T
+        out = ref_eagle3_rows(w, embed, x[j, 1:].tolist(), h)
+        return F.cross_entropy(ref_rms(out, w["norm.weight"]) @ w["lm_head.weight"].T, index[y[j, 1:]])
+
+    train(w, [n for n in w if n not in ("d2t", "t2d")], loss_of)
+    return w
+
+
+def trained_eagle1(target, tokenizer, vocab: int) -> dict:
+    """As trained_eagle3, on the target's last hidden state after its final norm."""
+    x, hs, y = distillation_data(target, tokenizer)
+    w = eagle1_weights(vocab)
+    w["embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()  # shipped, as some are
+    lm_head = target.lm_head.weight.detach()
+
+    def loss_of(step):
+        j = step % x.shape[0]
+        xin = torch.cat([w["embed_tokens.weight"][x[j, 1:]], hs[-1][j, :-1]], -1) @ w["fc.weight"].T + w["fc.bias"]
+        return F.cross_entropy(ref_layer(w, "layers.0", xin, xin) @ lm_head.T, y[j, 1:])
+
+    train(w, [n for n in w if n not in ("layers.0.input_layernorm.weight", "embed_tokens.weight")], loss_of)
+    return w
 
 
 @pytest.fixture(scope="module")
 def heads(pairs, tmp_path_factory):
     root = tmp_path_factory.mktemp("published-heads")
-    target = build_target(root / "target8", pairs["llama"][0])
-    vocab = len(load_tokenizer(target))
+    target_dir = build_target(root / "target8", pairs["llama"][0])
+    tok = load_tokenizer(target_dir)
+    vocab = len(tok)
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    torch.manual_seed(0)
     return {
-        "target": target,
+        "target": target_dir,
         "vocab": vocab,
-        "eagle3": save_eagle3_head(root / "eagle3", vocab),
+        "eagle3": save_eagle3_head(root / "eagle3", vocab, trained_eagle3(target, tok, vocab)),
         "eagle3_default": save_eagle3_head(root / "eagle3-default", vocab, aux=None, seed=13, embed=True),
-        "eagle": save_eagle1_head(root / "eagle1", vocab),
+        "eagle": save_eagle1_head(root / "eagle1", vocab, trained_eagle1(target, tok, vocab)),
     }
 
 
@@ -180,16 +263,22 @@ def ref_layer(w: dict, p: str, attn_in, residual):
     return h + mlp @ w[f"{p}.mlp.down_proj.weight"].T
 
 
+def ref_eagle3_rows(w: dict, embed, tokens: list[int], h):
+    """EAGLE-3's layer over rows (token i, h_i): attention reads
+    [input_layernorm(embed); hidden_norm(h)], the residual stream is h."""
+    e = embed[torch.tensor(tokens)]
+    attn_in = torch.cat([ref_rms(e, w["midlayer.input_layernorm.weight"]),
+                         ref_rms(h, w["midlayer.hidden_norm.weight"])], -1)
+    return ref_layer(w, "midlayer", attn_in, h)
+
+
 def ref_eagle3_probs(w: dict, embed, tokens: list[int], feats: list[torch.Tensor], vocab: int):
     """EAGLE-3: row i = (token i, feature i) where a feature is 3H wide (the
     target's auxiliary states, read through fc) or H wide (the head's own
     output before norm). Returns (probabilities over the TARGET ids after the
     last row, the last row's output)."""
     h = torch.stack([w["fc.weight"] @ f if f.shape[0] != HIDDEN else f for f in feats])
-    e = embed[torch.tensor(tokens)]
-    attn_in = torch.cat([ref_rms(e, w["midlayer.input_layernorm.weight"]),
-                         ref_rms(h, w["midlayer.hidden_norm.weight"])], -1)
-    out = ref_layer(w, "midlayer", attn_in, h)
+    out = ref_eagle3_rows(w, embed, tokens, h)
     draft = (ref_rms(out[-1], w["norm.weight"]) @ w["lm_head.weight"].T).softmax(-1)
     probs = torch.zeros(vocab)
     probs[torch.arange(len(draft)) + w["d2t"]] = draft  # target id = draft id + d2t[draft id]
@@ -357,6 +446,7 @@ def _greedy_equals_target(stack, target_dir: str, method: str, feature_width: in
             assert s.feature_bytes == 2 * feature_width * (len(p) + committed)
             accepted, drafted = accepted + s.accepted_tokens, drafted + s.drafted_tokens
     print(f"{method} greedy: accepted {accepted} of {drafted} drafted")
+    assert 0 < accepted < drafted  # both paths ran: kept drafts and rejections
 
 
 @pytest.mark.services
