@@ -152,13 +152,13 @@ def _save(out: Path, cfg: dict, w: dict) -> str:
 
 def distillation_data(target, tokenizer, windows: int = 24, length: int = 48):
     """Corpus windows, the target's hidden states over them (HF: [i] enters
-    layer i, [-1] after the final norm) and its greedy next token at each position."""
+    layer i, [-1] after the final norm) and its next-token distribution at each position."""
     ids = torch.tensor(tokenizer("\n".join(corpus_lines(600)))["input_ids"])
     starts = torch.linspace(0, len(ids) - length - 1, windows).long()
     x = torch.stack([ids[s:s + length] for s in starts])
     with torch.no_grad():
         out = target(x, output_hidden_states=True)
-    return x, out.hidden_states, out.logits.argmax(-1)
+    return x, out.hidden_states, out.logits.softmax(-1)
 
 
 def train(w: dict, names: list[str], loss_of, steps: int = 300) -> None:
@@ -175,15 +175,14 @@ def train(w: dict, names: list[str], loss_of, steps: int = 300) -> None:
 
 
 def trained_eagle3(target, tokenizer, vocab: int) -> dict:
-    """Row i = (x_{i+1}, aux_i) learns the target's greedy token after x_{i+1};
-    the draft vocabulary is the target's most frequent greedy tokens (as the
-    published heads choose theirs)."""
-    x, hs, y = distillation_data(target, tokenizer)
-    counts = torch.bincount(y.flatten(), minlength=vocab).float() + torch.rand(vocab) * 0.1
-    ids = torch.sort(torch.topk(counts, DRAFT_VOCAB).indices).values
+    """Row i = (x_{i+1}, aux_i) learns the target's distribution after x_{i+1};
+    the draft vocabulary is the target's most probable tokens over the data
+    (as the published heads choose theirs by frequency)."""
+    x, hs, p = distillation_data(target, tokenizer)
+    mass = p.sum((0, 1)) + torch.rand(vocab) * 1e-6
+    ids = torch.sort(torch.topk(mass, DRAFT_VOCAB).indices).values
     w = eagle3_weights(vocab, draft_ids=ids)
-    index = torch.full((vocab,), -100)
-    index[ids] = torch.arange(DRAFT_VOCAB)
+    soft = p[..., ids] / p[..., ids].sum(-1, keepdim=True)  # the target's law on the draft vocabulary
     aux = torch.cat([hs[i] for i in AUX], -1)  # (windows, T, 3C)
     embed = target.model.embed_tokens.weight.detach()
 
@@ -191,7 +190,7 @@ def trained_eagle3(target, tokenizer, vocab: int) -> dict:
         j = step % x.shape[0]
         h = aux[j, :-1] @ w["fc.weight"].T
         out = ref_eagle3_rows(w, embed, x[j, 1:].tolist(), h)
-        return F.cross_entropy(ref_rms(out, w["norm.weight"]) @ w["lm_head.weight"].T, index[y[j, 1:]])
+        return F.cross_entropy(ref_rms(out, w["norm.weight"]) @ w["lm_head.weight"].T, soft[j, 1:])
 
     train(w, [n for n in w if n not in ("d2t", "t2d")], loss_of)
     return w
@@ -199,7 +198,7 @@ def trained_eagle3(target, tokenizer, vocab: int) -> dict:
 
 def trained_eagle1(target, tokenizer, vocab: int) -> dict:
     """As trained_eagle3, on the target's last hidden state after its final norm."""
-    x, hs, y = distillation_data(target, tokenizer)
+    x, hs, p = distillation_data(target, tokenizer)
     w = eagle1_weights(vocab)
     w["embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()  # shipped, as some are
     lm_head = target.lm_head.weight.detach()
@@ -207,7 +206,7 @@ def trained_eagle1(target, tokenizer, vocab: int) -> dict:
     def loss_of(step):
         j = step % x.shape[0]
         xin = torch.cat([w["embed_tokens.weight"][x[j, 1:]], hs[-1][j, :-1]], -1) @ w["fc.weight"].T + w["fc.bias"]
-        return F.cross_entropy(ref_layer(w, "layers.0", xin, xin) @ lm_head.T, y[j, 1:])
+        return F.cross_entropy(ref_layer(w, "layers.0", xin, xin) @ lm_head.T, p[j, 1:])
 
     train(w, [n for n in w if n not in ("layers.0.input_layernorm.weight", "embed_tokens.weight")], loss_of)
     return w
@@ -483,19 +482,46 @@ def eagle3_joint(heads, prompt, params: SamplingParams, eps=1e-7) -> dict:
     return joint
 
 
-@pytest.mark.parametrize("prompt,temperature,top_p,top_k,draft", [
-    ([40, 41, 42, 43, 44], 1.0, 1.0, 6, dict(num_speculative_tokens=2)),
-    ([100, 7, 9], 0.7, 0.8, 0, dict(tree={"branching": [2, 2]})),
+def overlap(joint: dict, other: dict) -> float:
+    """P(the first draft token is kept) if drafts followed `other`: the overlap
+    of the two laws of the first two tokens."""
+    def two(j):
+        out: dict = {}
+        for k, v in j.items():
+            out[k[:2]] = out.get(k[:2], 0.0) + v
+        return out
+    a, b = two(joint), two(other)
+    return sum(min(v, b.get(k, 0.0)) for k, v in a.items())
+
+
+def favourable_prompt(heads, params: SamplingParams) -> tuple[list[int], dict, dict]:
+    """Of a few corpus prompts, the one where the head's drafts are kept most
+    often (the test needs both kept drafts and rejections to run; the law
+    must hold whatever the prompt): (prompt, the target's joint, the head's)."""
+    tok = load_tokenizer(heads["target"])
+    best = None
+    for line in [l for l in corpus_lines(600) if len(l.strip()) > 20][:: 60][:8]:
+        prompt = tok(line)["input_ids"][:6]
+        joint, head = exact_joint(heads["target"], prompt, params), eagle3_joint(heads, prompt, params)
+        kept = overlap(joint, head)
+        if best is None or kept > best[0]:
+            best = (kept, prompt, joint, head)
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k,draft", [
+    (1.0, 1.0, 6, dict(num_speculative_tokens=2)),
+    (0.7, 0.8, 0, dict(tree={"branching": [2, 2]})),
 ], ids=["chain-T1", "static22-T0.7p0.8"])
 @pytest.mark.services
 @pytest.mark.statistical
-def test_eagle3_sampling_matches_target(prompt, temperature, top_p, top_k, draft, heads, eagle3_stack):
+def test_eagle3_sampling_matches_target(temperature, top_p, top_k, draft, heads, eagle3_stack):
     params = SamplingParams(temperature, top_p, top_k)
-    joint = exact_joint(heads["target"], prompt, params)
+    prompt, joint, head = favourable_prompt(heads, params)
     threshold = null_threshold(joint, N)
     # Power: a rule that kept every draft would follow the head's law, which
     # this threshold must be able to tell from the target's.
-    head = eagle3_joint(heads, prompt, params)
     assert tv(joint, {k: v * N for k, v in head.items()}, N) > 2 * threshold
     check_stream_law(eagle3_stack, prompt, joint, threshold,
                      dict(temperature=temperature, top_p=top_p, top_k=top_k, **draft))
