@@ -56,7 +56,7 @@ def _one_layer_model(head_cfg: dict, target):
 class _Placer:
     """Puts tensors into the meta model's modules, on the serving device and dtype."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
+    def __init__(self, device: str | torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:

@@ -97,4 +97,3 @@ class Eagle3Input:
             full[:, self.target_ids] = lg
             out.append(full)
         return out
-

@@ -15,9 +15,9 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.cycle.spec import ContextLengths
 from orchestrator.pair import check_pair
 from orchestrator.spec_config import DRAFTER_METHODS
-from specd_core.runtime.head_formats import aux_layer_ids, head_format, head_method, read_config
 from specd_core.runtime.grammar import GrammarEngine, engine_of, try_engine
 from specd_core.runtime.grammar import eos_ids as grammar_eos_ids
+from specd_core.runtime.head_formats import aux_layer_ids, head_format, head_method, read_config
 from specd_core.runtime.models import context_length, load_tokenizer
 from specd_core.runtime.token_text import TokenizerUnsupported
 
@@ -75,7 +75,7 @@ def load_model_facts(config: OrchestratorConfig) -> ModelFacts:
         check_pair(config.target_dir, config.drafter_dir, tokenizer)
     if method == "draft_model" and config.drafter_dir:
         drafter_ctx = context_length(AutoConfig.from_pretrained(config.drafter_dir))
-    layers = ()
+    layers: tuple[int, ...] = ()
     if head_format(config.drafter_dir) == "eagle3":
         layers = aux_layer_ids(read_config(config.drafter_dir), target.num_hidden_layers)
     return ModelFacts(

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from orchestrator.pair import check_pair
-from specd_core.runtime.head_formats import head_format
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import open_channel
 from specd_core.net.security import TlsConfig
+from specd_core.runtime.head_formats import head_format
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,9 @@ class Stack:
         starts = [("verifier_svc", "--model", target, *service_args, *opts.verifier_args, *extra)] * opts.verifiers
         # A head shares the target's embedding (and LM head): it is told where the target is.
         head = ("--target-dir", target) if drafter and head_format(drafter) else ()
-        starts += [("drafter_svc", "--model", drafter, *head, *service_args, *extra)] * (opts.drafters if drafter else 0)
+        starts += [("drafter_svc", "--model", drafter, *head, *service_args, *extra)] * (
+            opts.drafters if drafter else 0
+        )
         procs = _start_all(starts, opts.env)
         self.verifiers, self.drafters = procs[: opts.verifiers], procs[opts.verifiers :]
         self.verifier = self.verifiers[0]

@@ -131,7 +131,7 @@ class Verifier(ModelCore):
         if self.runner.lean is None:
             raise InvalidRequest("return_hidden_states needs the verifier's lean engine")
         n = len(self.runner.lean.layers)
-        layers = (n,) if hidden is True else tuple(hidden)
+        layers = tuple(hidden) if isinstance(hidden, tuple) else (n,)
         if any(not 0 <= i <= n for i in layers):
             raise InvalidRequest(f"hidden_layers {list(layers)} must be decoder layer ids in [0, {n}]")
         return layers

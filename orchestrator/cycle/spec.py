@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
 
-
 # The methods whose drafter reads the target's features.
 FEATURE_METHODS = ("eagle", "eagle3")
 

@@ -157,7 +157,13 @@ class FailoverVerifier:
         self._last_loss = ""
 
     async def open(
-        self, session_id: str, prompt_ids: list[int], sampling, *, hidden: bool | tuple[int, ...] = False, generated_from: int = 0
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling,
+        *,
+        hidden: bool | tuple[int, ...] = False,
+        generated_from: int = 0,
     ):
         """generated_from: a resumed request's generated tokens start there in prompt_ids."""
         self.sampling, self.hidden, self.prompt_len = sampling, hidden, generated_from or len(prompt_ids)

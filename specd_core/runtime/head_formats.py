@@ -66,7 +66,7 @@ def weight_names(path) -> set[str]:
         from safetensors import safe_open
 
         with safe_open(str(f), "pt") as sf:
-            return {_strip(k) for k in sf.keys()}
+            return {_strip(k) for k in sf.keys()}  # noqa: SIM118 (a safe_open is not iterable)
     return set(load_weights(path))
 
 
@@ -84,7 +84,7 @@ def load_weights(path) -> dict[str, torch.Tensor]:
 
 
 def head_format(path) -> str | None:
-    """"specd" | "eagle" | "eagle3" for a head directory, None for anything else."""
+    """ "specd" | "eagle" | "eagle3" for a head directory, None for anything else."""
     if not path or not Path(path).is_dir():
         return None
     cfg = read_config(path)
@@ -143,9 +143,9 @@ def _eagle3_problem(cfg: dict, w: dict, t: TargetShape) -> str | None:
         return f"hidden_size {h} differs from the target's {t.hidden_size} and the head ships no embed_tokens"
     if embed is not None and embed != (t.vocab_size, h):
         return f"embed_tokens.weight is {embed}, expected ({t.vocab_size}, {h})"
-    bad = [i for i in aux_layer_ids(cfg, t.num_layers) if not 0 <= i < t.num_layers]
-    if bad:
-        return f"aux hidden state layer ids {list(aux_layer_ids(cfg, t.num_layers))} out of range for a target of {t.num_layers} layers"
+    aux = list(aux_layer_ids(cfg, t.num_layers))
+    if any(not 0 <= i < t.num_layers for i in aux):
+        return f"aux hidden state layer ids {aux} out of range for a target of {t.num_layers} layers"
     return _d2t_problem(w, dv, t.vocab_size)
 
 

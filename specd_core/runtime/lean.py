@@ -88,6 +88,12 @@ def _fused(module, fused: str, parts: tuple[str, ...]) -> tuple[torch.Tensor, to
     return torch.cat([x.weight for x in linears]), bias
 
 
+def _side_by_side(tapped: dict[int, torch.Tensor], taps: tuple[int, ...], sizes: list[int]) -> list[torch.Tensor]:
+    """The states of `taps` side by side, split per session: (n, len(taps) * C) each."""
+    wide = tapped[taps[0]] if len(taps) == 1 else torch.cat([tapped[t] for t in taps], -1)
+    return list(wide.split(sizes))
+
+
 class LeanModel:
     """Weights pulled out of a loaded HF model; forward on a LeanSession."""
 
@@ -159,7 +165,7 @@ class LeanModel:
 
     def _norm_weight(self, norm) -> torch.Tensor | None:
         # Gemma's RMSNorm multiplies by (1 + weight) in float32: precomputed once.
-        # None: no norm there (a published EAGLE head's, drafter_svc/eagle_published.py).
+        # None: no norm there (a published EAGLE-1/2 head's, drafter_svc/eagle_published.py).
         if norm is None:
             return None
         return 1.0 + norm.weight.float() if self._gemma_norm else norm.weight
@@ -207,9 +213,7 @@ class LeanModel:
         return self.forward_batch([(s, token_ids, positions, mask)], last_only)[0]
 
     @torch.inference_mode()
-    def forward_batch(
-        self, items: list, last_only: bool | list[bool] = False, hidden: bool | tuple[int, ...] = False
-    ):
+    def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool | tuple[int, ...] = False):
         """One forward for several sessions: items are (session, token_ids,
         positions | None, mask | None) as in `forward`; returns each one's logits,
         or (logits, hidden states) with `hidden`. last_only: for all items, or
@@ -255,10 +259,7 @@ class LeanModel:
         for e in step.entries:
             e.session.length = e.end
         sizes = [e.n for e in step.entries]
-        states = None
-        if taps:  # (n, len(taps) * C) per session
-            wide = tapped[taps[0]] if len(taps) == 1 else torch.cat([tapped[t] for t in taps], -1)
-            states = list(wide.split(sizes))
+        states = _side_by_side(tapped, taps, sizes) if taps else None
         logits = self._logits(x, sizes, last_only, step.keep)
         return (logits, states) if taps else logits
 
@@ -288,8 +289,7 @@ class LeanModel:
         return out if L["post_attn"] is None else self._rms(out, L["post_attn"])
 
     def _attn_input(self, L: dict, x: torch.Tensor) -> torch.Tensor:
-        """What the layer's q/k/v projections read (an EAGLE-3 head's layer
-        reads more: drafter_svc/eagle_published.py)."""
+        """What q/k/v read (an EAGLE-3 head's reads more: drafter_svc/head_input.py)."""
         return self._rms(x, L["ln1"])
 
     def _attend(self, data: torch.Tensor, q: torch.Tensor, g: Group, kind: int) -> torch.Tensor:

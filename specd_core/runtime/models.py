@@ -177,9 +177,7 @@ class Runner:
             return self.lean.new_session(pool=self.kv_pool)
         return SessionCache(self.model, self.kv_pool)
 
-    def forward_batch(
-        self, items: list, last_only: bool | list[bool] = False, hidden: bool | tuple[int, ...] = False
-    ):
+    def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool | tuple[int, ...] = False):
         """items: (session, token_ids, positions | None, mask | None); a mask is
         an additive tensor or a TokenTree whose rows [root, node0 ..] these are
         (positions None). One forward for all of them on the lean engine; one
