@@ -7,7 +7,7 @@ not deployed."""
 from __future__ import annotations
 
 from specd_core.rules.vocab import SPECIAL, Vocabulary, pair_problem
-from specd_core.runtime.head_formats import fit_problem, head_format
+from specd_core.runtime.head_formats import PUBLISHED, fit_problem, head_format
 from specd_core.runtime.models import load_tokenizer
 
 
@@ -45,12 +45,14 @@ def check_pair(target_dir: str, drafter_dir: str | None, target_tokenizer=None) 
     target's, when already loaded."""
     if not drafter_dir:
         return
-    if head_format(drafter_dir):
+    fmt = head_format(drafter_dir)
+    if fmt in PUBLISHED:
         from transformers import AutoConfig
 
         problem = fit_problem(drafter_dir, AutoConfig.from_pretrained(target_dir))
         if problem:
             raise IncompatiblePair(problem)
+    if fmt:
         return
     target = target_tokenizer if target_tokenizer is not None else _load(target_dir, "target")
     problem = pair_problem(vocabulary(target), vocabulary(_load(drafter_dir, "drafter")))

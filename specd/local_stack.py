@@ -21,7 +21,7 @@ from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import open_channel
 from specd_core.net.security import TlsConfig
-from specd_core.runtime.head_formats import head_format
+from specd_core.runtime.head_formats import PUBLISHED, head_format
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,8 +151,8 @@ class Stack:
         check_pair(target, drafter)
         extra = ("--metrics-port", "0") if opts.metrics else ()
         starts = [("verifier_svc", "--model", target, *service_args, *opts.verifier_args, *extra)] * opts.verifiers
-        # A head shares the target's embedding (and LM head): it is told where the target is.
-        head = ("--target-dir", target) if drafter and head_format(drafter) else ()
+        # A published head names no target: it is told where its target is.
+        head = ("--target-dir", target) if head_format(drafter) in PUBLISHED else ()
         starts += [("drafter_svc", "--model", drafter, *head, *service_args, *extra)] * (
             opts.drafters if drafter else 0
         )

@@ -17,6 +17,7 @@ The target has 8 layers so that the published default auxiliary layers
 smaller than the target's and its d2t is a non-trivial offset table.
 """
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -382,6 +383,29 @@ def test_published_eagle_drafter_equals_reference_forward(heads):
     assert d.propose(ProposeCall("c", [], [first], DraftShape.chain(4), hidden=wire)).tree.tokens == chain
 
 
+@pytest.mark.unit
+def test_a_constraint_allowing_nothing_the_head_can_draft():
+    """Structured output may allow only ids outside an EAGLE-3 head's draft
+    vocabulary: the drafter then drafts from its own law (rejected by the
+    verifier, whose p is 0 there) rather than from a law of NaNs."""
+    from drafter_svc.tree_builder import _choose, masked_row
+
+    class OnlyId:
+        def allowed(self, path):
+            mask = torch.zeros(8, dtype=torch.bool)
+            mask[5] = True
+            return mask
+
+    logits = torch.tensor([1.0, 2.0, 0.5, float("-inf"), 0.0, float("-inf"), 0.1, -1.0])  # id 5: not drafted
+    row = masked_row(OnlyId(), logits, [])
+    assert torch.equal(row, logits)
+    ids, (q_ids, q), _ = _choose(row, 2, SamplingParams(1.0, seed=1), 8, torch.Generator().manual_seed(0))
+    assert all(math.isfinite(p) for p in q) and 5 not in ids
+    allowed_one = logits.clone()
+    allowed_one[5] = 0.0
+    assert int(masked_row(OnlyId(), allowed_one, []).argmax()) == 5  # otherwise the mask as before
+
+
 # ----- unit: heads that do not fit --------------------------------------------------------
 
 
@@ -405,6 +429,40 @@ def test_a_head_that_does_not_fit_is_refused_naming_the_mismatch(heads, tmp_path
             Stack(target, head)
     check_pair(target, heads["eagle3"])  # the good ones fit
     check_pair(target, heads["eagle"])
+
+
+@pytest.mark.unit
+def test_specd_up_with_method_eagle3(heads, tmp_path, monkeypatch, capsys):
+    """`specd up --method eagle3 --drafter HEAD`: a head that does not fit is
+    refused before Ray starts, in one line naming the mismatch; one that fits
+    goes on to Ray with its drafter replicas told where the target is."""
+    from specd import ray_cluster, ray_deploy
+    from specd.cli import deploy
+    from specd.cli.parser import build_parser
+
+    monkeypatch.setenv("SPECD_HOME", str(tmp_path / "home"))
+    deployed = []
+
+    def no_ray(args):
+        deployed.append(args)
+        raise RuntimeError("no Ray in a unit test")
+
+    monkeypatch.setattr(deploy, "_ray_cluster", no_ray)
+    monkeypatch.setattr(ray_cluster, "start_private_ray", no_ray)
+    bad = save_eagle3_head(tmp_path / "bad", heads["vocab"], aux=(1, 4, 9))
+    args = build_parser().parse_args(["up", "--target", heads["target"], "--drafter", bad, "--method", "eagle3"])
+    assert deploy.cmd_up(args) == 2 and not deployed
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specd up: eagle3 head") and "layer ids [1, 4, 9] out of range" in err
+    assert "\n" not in err
+
+    good = ["up", "--target", heads["target"], "--drafter", heads["eagle3"], "--method", "eagle3"]
+    captured = {}
+    monkeypatch.setattr(deploy, "_with_models", lambda cfg, models: captured.setdefault("cfg", cfg))
+    assert deploy.cmd_up(build_parser().parse_args(good)) == 1 and deployed  # it went on to Ray
+    cfg = dataclasses.replace(captured["cfg"], target_dir=heads["target"], drafter_dir=heads["eagle3"])
+    assert cfg.speculative.method == "eagle3"
+    assert ray_deploy.replica_fields(cfg, "drafter")["target_dir"] == heads["target"]
 
 
 # ----- services: greedy exactness, sampling law --------------------------------------------
@@ -456,6 +514,32 @@ def test_eagle3_greedy_equals_target_only(heads, eagle3_stack):
 @pytest.mark.services
 def test_published_eagle_greedy_equals_target_only(heads, eagle1_stack):
     _greedy_equals_target(eagle1_stack, heads["target"], "eagle", HIDDEN)
+
+
+@pytest.mark.services
+def test_eagle3_constrained_decoding(heads, eagle3_stack):
+    """Structured output with a draft vocabulary smaller than the target's:
+    greedy output is target-only constrained greedy, and sampled requests run
+    to their end (a constraint may allow nothing the head can draft)."""
+    import llguidance.hf
+
+    from tests.test_structured_greedy import CONSTRAINTS, constrained_greedy, grammar_of
+
+    model, tok = load_model(heads["target"], "cpu"), load_tokenizer(heads["target"])
+    lltok = llguidance.hf.from_tokenizer(tok)
+    for kind, field in CONSTRAINTS.items():
+        p = prompts(tok, 2)[1]
+        want, gaps = constrained_greedy(model, lltok, grammar_of(kind, next(iter(field.values()))), p,
+                                        tok.eos_token_id, MAX_NEW)
+        for shape in (dict(num_speculative_tokens=3), dict(tree={"branching": [2, 2]})):
+            got, last = eagle3_stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=MAX_NEW,
+                                              structured_output=field, **shape)
+            assert_same_or_near_tie(got, want, gaps, f"eagle3 {kind} {shape}")
+            assert last.stats.method == "eagle3"
+            for seed in range(3):
+                _, last = eagle3_stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=MAX_NEW, seed=seed,
+                                                temperature=1.0, structured_output=field, **shape)
+                assert last.finish_reason in ("stop", "length"), last
 
 
 @torch.inference_mode()

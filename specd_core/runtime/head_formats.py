@@ -38,6 +38,7 @@ SPECD_KIND = "specd-eagle-head"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 # The method each format is served by.
 METHOD_OF = {"specd": "eagle", "eagle": "eagle", "eagle3": "eagle3"}
+PUBLISHED = ("eagle", "eagle3")  # the formats that name no target and are checked against one
 
 
 def read_config(path) -> dict:
@@ -181,7 +182,7 @@ def fit_problem(head_dir, target_config) -> str | None:
     """One line naming how a published head does not fit the target (None: it
     fits). specd's own heads are checked where they load (drafter_svc/eagle.py)."""
     fmt = head_format(head_dir)
-    if fmt not in ("eagle", "eagle3"):
+    if fmt not in PUBLISHED:
         return None
     cfg, w, t = read_config(head_dir), load_weights(head_dir), TargetShape.of(target_config)
     problem = _eagle3_problem(cfg, w, t) if fmt == "eagle3" else _eagle_problem(cfg, w, t)
