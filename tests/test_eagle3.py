@@ -406,6 +406,38 @@ def test_a_constraint_allowing_nothing_the_head_can_draft():
     assert int(masked_row(OnlyId(), allowed_one, []).argmax()) == 5  # otherwise the mask as before
 
 
+@pytest.mark.unit
+@torch.inference_mode()
+def test_one_verifier_batch_serves_each_session_its_own_layers(heads):
+    """Sessions asking for different features share one forward (a prefill
+    batch here): each gets its own layers' states, in its own order."""
+    target_dir = heads["target"]
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    v = Verifier(VerifierConfig(target_dir, device="cpu"))
+    prompt = [40, 41, 42, 43]
+    asks = {"last": True, "aux": AUX, "reversed": (6, 1), "none": False}
+    jobs = [v.prepare_open(sid, prompt, SamplingParams(0.0), hidden=h) for sid, h in asks.items()]
+    got = dict(zip(asks, v.verify_batch(jobs)))
+    hs = hf_hidden_states(target, prompt)
+    want = {"aux": torch.cat([hs[i][0] for i in AUX], -1), "reversed": torch.cat([hs[6][0], hs[1][0]], -1)}
+    for sid, w in want.items():
+        assert torch.allclose(got[sid][1].decode(), w, atol=2e-2, rtol=2e-3), sid
+    post = ref_rms(got["last"][1].decode(), target.model.norm.weight)  # the last layer's, before the norm
+    assert torch.allclose(post, hs[-1][0], atol=3e-2, rtol=3e-3)
+    assert isinstance(got["none"], int)
+    # A verify returns the root's and the kept path's: a tree whose first branch
+    # is the target's greedy path (kept) and a wrong sibling.
+    seq = prompt + [got["aux"][0]]
+    greedy = target.generate(torch.tensor([seq]), do_sample=False, max_new_tokens=2, pad_token_id=0)[0, len(seq):]
+    r = v.verify("aux", [int(greedy[0]), (int(greedy[0]) + 1) % heads["vocab"], int(greedy[1])], [-1, -1, 0])
+    assert r.path == [0, 2] and r.hidden.rows == 3
+    hs = hf_hidden_states(target, seq + r.tokens[:-1])
+    full = torch.cat([hs[i][0] for i in AUX], -1)
+    assert torch.allclose(torch.cat([got["aux"][1].decode(), r.hidden.decode()]), full, atol=2e-2, rtol=2e-3)
+    with pytest.raises(Exception, match="hidden_layers"):
+        v.prepare_open("bad", prompt, SamplingParams(0.0), hidden=(1, LAYERS + 1))
+
+
 # ----- unit: heads that do not fit --------------------------------------------------------
 
 
@@ -455,6 +487,9 @@ def test_specd_up_with_method_eagle3(heads, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("specd up: eagle3 head") and "layer ids [1, 4, 9] out of range" in err
     assert "\n" not in err
+
+    assert deploy.cmd_up(build_parser().parse_args(["up", "--target", heads["target"], "--method", "eagle3"])) == 2
+    assert "method eagle3 needs an EAGLE-3 head" in capsys.readouterr().err and not deployed
 
     good = ["up", "--target", heads["target"], "--drafter", heads["eagle3"], "--method", "eagle3"]
     captured = {}
