@@ -613,20 +613,22 @@ def overlap(joint: dict, other: dict) -> float:
     return sum(min(v, b.get(k, 0.0)) for k, v in a.items())
 
 
-def favourable_prompt(heads, params: SamplingParams) -> tuple[list[int], dict, dict]:
+_FAVOURABLE: dict = {}
+
+
+def favourable_prompt(heads) -> list[int]:
     """Of a few corpus prompts, the one where the head's drafts are kept most
-    often (the test needs both kept drafts and rejections to run; the law
-    must hold whatever the prompt): (prompt, the target's joint, the head's)."""
-    tok = load_tokenizer(heads["target"])
-    best = None
-    for line in [l for l in corpus_lines(600) if len(l.strip()) > 20][:: 60][:8]:
-        prompt = tok(line)["input_ids"][:6]
-        joint, head = exact_joint(heads["target"], prompt, params), eagle3_joint(heads, prompt, params)
-        kept = overlap(joint, head)
-        if best is None or kept > best[0]:
-            best = (kept, prompt, joint, head)
-    assert best is not None
-    return best[1], best[2], best[3]
+    often at T = 1 / top-k 6 (the test needs both kept drafts and rejections
+    to run; the law must hold whatever the prompt). Chosen once per module."""
+    if "prompt" not in _FAVOURABLE:
+        tok, params = load_tokenizer(heads["target"]), SamplingParams(1.0, 1.0, 6)
+        scored = []
+        for line in [l for l in corpus_lines(600) if len(l.strip()) > 20][:: 60][:8]:
+            prompt = tok(line)["input_ids"][:6]
+            joint, head = exact_joint(heads["target"], prompt, params), eagle3_joint(heads, prompt, params)
+            scored.append((overlap(joint, head), prompt))
+        _FAVOURABLE["prompt"] = max(scored)[1]
+    return _FAVOURABLE["prompt"]
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k,draft", [
@@ -637,7 +639,8 @@ def favourable_prompt(heads, params: SamplingParams) -> tuple[list[int], dict, d
 @pytest.mark.statistical
 def test_eagle3_sampling_matches_target(temperature, top_p, top_k, draft, heads, eagle3_stack):
     params = SamplingParams(temperature, top_p, top_k)
-    prompt, joint, head = favourable_prompt(heads, params)
+    prompt = favourable_prompt(heads)
+    joint, head = exact_joint(heads["target"], prompt, params), eagle3_joint(heads, prompt, params)
     threshold = null_threshold(joint, N)
     # Power: a rule that kept every draft would follow the head's law, which
     # this threshold must be able to tell from the target's.
