@@ -41,6 +41,11 @@ def _one_layer_model(head_cfg: dict, target):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     fields = {k: head_cfg[k] for k in _LLAMA_FIELDS if head_cfg.get(k) is not None}
+    # Published heads often state a shorter context than their target's (2048
+    # for Llama 3.1's EAGLE-3 head); the head drafts wherever the target runs.
+    fields["max_position_embeddings"] = max(
+        fields.get("max_position_embeddings", 0), target.config.max_position_embeddings
+    )
     cfg = LlamaConfig(
         **fields,
         num_hidden_layers=1,
