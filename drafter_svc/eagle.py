@@ -27,18 +27,21 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from drafter_svc.core import Drafter
+from drafter_svc.eagle_published import build_published
+from drafter_svc.head_input import Eagle3Input, FusedInput
 from drafter_svc.state import DraftSession, ProposeJob, commit
 from specd_core.errors import InvalidRequest
 from specd_core.runtime.eagle_head import CONFIG_NAME, load_head
+from specd_core.runtime.head_formats import METHOD_OF, head_format
 from specd_core.runtime.kv_budget import KVPool
 from specd_core.runtime.lean import LeanModel
 from specd_core.runtime.models import ModelRunner, resolve_device, resolve_dtype
 from specd_core.runtime.propose_call import ProposeCall
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+HeadRule = FusedInput | Eagle3Input  # drafter_svc/head_input.py
 
 
 def head_target_dir(head_dir: str, target_dir: str = "") -> str:
@@ -48,7 +51,7 @@ def head_target_dir(head_dir: str, target_dir: str = "") -> str:
         return target_dir
     rel = json.loads((Path(head_dir) / CONFIG_NAME).read_text()).get("target")
     if not rel:
-        raise ValueError(f"{head_dir}: the head names no target; give the target directory")
+        raise ValueError(f"{head_dir}: the head names no target; give the target directory (--target-dir)")
     return str((Path(head_dir) / rel).resolve())
 
 
@@ -56,7 +59,7 @@ def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype
     """A one-layer Llama carrying the head's decoder layer and the TARGET's
     embedding, final norm and LM head, so the lean forward (specd_core/runtime/lean.py) runs
     the head's layer and the target's output layer as it runs any model; and
-    the head's fc weight. Returns (hf_model, fc_weight)."""
+    its input rule, fc([embed; feature]). Returns (hf_model, FusedInput)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     head = load_head(head_dir)
@@ -98,7 +101,15 @@ def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype
     # shares its output layer.
     dev = resolve_device(device)
     dt = _DTYPES[resolve_dtype(target_dir, dtype, dev)]
-    return model.to(dev, dt).eval(), head.fc.weight.detach().to(dev, dt)
+    return model.to(dev, dt).eval(), FusedInput(head.fc.weight.detach().to(dev, dt))
+
+
+def build_any_head(head_dir: str, target_dir: str, device: str = "auto", dtype: str = "default"):
+    """(one-layer model, input rule) of a head directory in any format
+    (specd_core/runtime/head_formats.py)."""
+    if head_format(head_dir) == "specd":
+        return build_head_model(head_dir, target_dir, device, dtype)
+    return build_published(head_dir, target_dir, device, dtype)
 
 
 class HeadSession:
@@ -160,9 +171,11 @@ class HeadRunner:
 
     engine = "lean"
 
-    def __init__(self, lean: LeanModel, fc: torch.Tensor):
-        self.lean, self.fc = lean, fc  # the one-layer model (build_head_model)
-        self.hidden_size = fc.shape[0]
+    def __init__(self, lean: LeanModel, rule: HeadRule):
+        self.lean, self.rule = lean, rule  # the one-layer model (build_any_head) and its input rule
+        self.hidden_size = rule.hidden_size  # the head's own features
+        self.feature_width = rule.feature_width  # the verifier's features, per token
+        self.vocab_size = int(lean.embed.shape[0])  # the ids it drafts: the target's
         self.kv_pool: KVPool | None = None  # the drafter's KV budget (the drafter core installs it)
         self.kv_dtype = lean.kv_dtype
         # A session's rows hold K and V and, beside them, each row's output feature.
@@ -174,14 +187,14 @@ class HeadRunner:
     @torch.inference_mode()
     def _run(self, items: list, feats: torch.Tensor, last_only: bool) -> list[torch.Tensor]:
         ids = torch.tensor([t for _, toks, _, _ in items for t in toks], device=self.lean.device)
-        x = F.linear(torch.cat([self.lean.embed[ids], feats.to(self.lean.dtype)], -1), self.fc)  # (R, C)
+        x = self.rule.rows(self.lean, ids, feats)  # (R, C)
         starts = [s.length for s, *_ in items]
         logits, states = self.lean.forward_embeds(
             [(s.kv, toks, p, m) for s, toks, p, m in items], x, last_only, hidden=True
         )
         for (s, *_), start, st in zip(items, starts, states):
             s.store(start, st)
-        return logits
+        return self.rule.to_target(logits)
 
     def forward_batch(self, items: list, last_only: bool = False) -> list[torch.Tensor]:
         """Drafted rows: items (HeadSession, token_ids, positions | None, mask | None)."""
@@ -195,9 +208,8 @@ class HeadRunner:
         row i = (token_ids[i], features[i]); each one's logits after its last row."""
         if not items:
             return []
-        return self._run(
-            [(s, toks, None, None) for s, toks, _ in items], torch.cat([f for *_, f in items]), last_only=True
-        )
+        feats = self.rule.committed(torch.cat([f for *_, f in items]).to(self.lean.device))
+        return self._run([(s, toks, None, None) for s, toks, _ in items], feats, last_only=True)
 
 
 class Eagle:
@@ -206,7 +218,7 @@ class Eagle:
     model the drafter core runs (`model`), and on the core's runner the
     HeadRunner it drafts through."""
 
-    name = "eagle"
+    name = "eagle"  # or "eagle3" (the head's format says which)
     # Every call of a head needs the target's features, which a replica alone
     # does not have: no warm-up (its first calls pay their one-off costs; the
     # orchestrator's cost model clips them, orchestrator/cycle/adaptive.py).
@@ -215,8 +227,13 @@ class Eagle:
     def __init__(self, config, built=None):
         if config.engine == "hf":
             raise ValueError("method eagle runs on the lean engine")
-        self.tokenizer_dir = head_target_dir(config.model_dir, config.target_dir)
-        self.model, self.fc = built or build_head_model(
+        fmt = head_format(config.model_dir) or "specd"
+        self.name = METHOD_OF[fmt]
+        # The target it shares embedding (and LM head) with: given, else a specd head's own config names it.
+        self.tokenizer_dir = config.target_dir or (head_target_dir(config.model_dir) if fmt == "specd" else "")
+        if not self.tokenizer_dir:
+            raise ValueError(f"{config.model_dir}: a published {fmt} head needs its target directory (--target-dir)")
+        self.model, self.rule = built or build_any_head(
             config.model_dir, self.tokenizer_dir, config.device, config.dtype
         )
         self.runner: HeadRunner | None = None  # made with the core (runner_of)
@@ -227,7 +244,7 @@ class Eagle:
         a feature)."""
         if runner.lean is None:
             raise ValueError("method eagle runs on the lean engine")
-        self.runner = HeadRunner(runner.lean, self.fc)
+        self.runner = HeadRunner(self.rule.lean_of(runner), self.rule)
         return self.runner
 
     def check_vocab(self, asked: int, target_vocab: int, own: int) -> None:
@@ -262,9 +279,9 @@ class Eagle:
                 f"committed before the newest, got {got} rows"
             )
         assert hidden is not None  # got == need >= 1
-        if hidden.hidden_size != self.runner.hidden_size:
+        if hidden.hidden_size != self.runner.feature_width:
             raise InvalidRequest(
-                f"hidden_states are {hidden.hidden_size} wide; the head reads {self.runner.hidden_size}"
+                f"hidden_states are {hidden.hidden_size} wide; the head reads {self.runner.feature_width}"
             )
         try:
             job.hidden = hidden.decode()
@@ -293,11 +310,9 @@ class Eagle:
 
 def make_drafter(config, model=None) -> Drafter:
     """The core a drafter directory asks for: on an EAGLE head directory the
-    Drafter drafting with it (model: (head model, fc weight) already built), on
+    Drafter drafting with it (model: (head model, input rule) already built), on
     a causal LM the draft_model Drafter."""
-    from specd_core.runtime.eagle_head import is_head_dir
-
-    if is_head_dir(config.model_dir):
+    if head_format(config.model_dir):
         eagle = Eagle(config, model)
         return Drafter(config, eagle.model, eagle)
     return Drafter(config, model)

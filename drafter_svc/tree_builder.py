@@ -141,7 +141,13 @@ def masked_row(constraint: Constraint | None, logits: torch.Tensor, path: list[i
     if constraint is None:
         return logits
     allowed = constraint.allowed(path)
-    return logits if allowed is None else apply_masks(logits, allowed)
+    if allowed is None:
+        return logits
+    masked = apply_masks(logits, allowed)
+    # Nothing the drafter can produce is allowed (an EAGLE-3 head's draft
+    # vocabulary, a smaller table): it drafts from its own law instead of a
+    # law of NaNs; the verifier's p is 0 there, so the token is rejected, exactly.
+    return masked if bool(torch.isfinite(masked).any()) else logits
 
 
 # A tree's growth as a generator: it yields the nodes of each level that go

@@ -15,9 +15,9 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.cycle.spec import ContextLengths
 from orchestrator.pair import check_pair
 from orchestrator.spec_config import DRAFTER_METHODS
-from specd_core.runtime.eagle_head import is_head_dir
 from specd_core.runtime.grammar import GrammarEngine, engine_of, try_engine
 from specd_core.runtime.grammar import eos_ids as grammar_eos_ids
+from specd_core.runtime.head_formats import aux_layer_ids, head_format, head_method, read_config
 from specd_core.runtime.models import context_length, load_tokenizer
 from specd_core.runtime.token_text import TokenizerUnsupported
 
@@ -39,11 +39,14 @@ class ModelFacts:
     target_ctx: int
     drafter_ctx: int
     eos_ids: set[int]
-    drafter_method: str  # what the drafter pool serves: eagle | draft_model
+    drafter_method: str  # what the drafter pool serves: eagle | eagle3 | draft_model
     # Structured output over the target's tokenizer, built at start: a tokenizer
     # it cannot run over is logged once there, and each constrained request is
     # refused with why (FAILED_PRECONDITION).
     built_grammar: GrammarEngine | TokenizerUnsupported = field(repr=False)
+    # Method eagle3: the target layers whose states its head reads; () = the
+    # last layer's output (eagle).
+    feature_layers: tuple[int, ...] = ()
 
     @property
     def grammar(self) -> GrammarEngine:
@@ -57,18 +60,24 @@ class ModelFacts:
 
 def load_model_facts(config: OrchestratorConfig) -> ModelFacts:
     """The target's facts from its directory, and the drafter's: an EAGLE head
-    directory (method eagle, on the target's features, vocabulary and
-    context) or a draft model, refused unless it shares the target's tokenizer."""
+    directory (method eagle or eagle3, on the target's features, vocabulary and
+    context; refused unless its shapes fit the target) or a draft model,
+    refused unless it shares the target's tokenizer."""
     tokenizer = load_tokenizer(config.target_dir)
     target = AutoConfig.from_pretrained(config.target_dir)
     target_ctx = drafter_ctx = context_length(target)
-    method = "eagle" if config.drafter_dir and is_head_dir(config.drafter_dir) else "draft_model"
-    if method == "draft_model" and config.drafter_dir:
-        # Decided on the tokenizers, not on the embedding rows: padded tables
-        # differ in size over the same tokens (specd_core/rules/vocab.py), and the
-        # drafter proposes only ids the target has (drafter_svc/vocab.py).
+    method = head_method(config.drafter_dir) or "draft_model"
+    if config.drafter_dir:
+        # A draft model: decided on the tokenizers, not on the embedding rows:
+        # padded tables differ in size over the same tokens (specd_core/rules/vocab.py),
+        # and the drafter proposes only ids the target has (drafter_svc/vocab.py).
+        # A published head: its shapes against the target's (orchestrator/pair.py).
         check_pair(config.target_dir, config.drafter_dir, tokenizer)
+    if method == "draft_model" and config.drafter_dir:
         drafter_ctx = context_length(AutoConfig.from_pretrained(config.drafter_dir))
+    layers: tuple[int, ...] = ()
+    if head_format(config.drafter_dir) == "eagle3":
+        layers = aux_layer_ids(read_config(config.drafter_dir), target.num_hidden_layers)
     return ModelFacts(
         name=Path(config.target_dir).name,
         tokenizer=tokenizer,
@@ -78,6 +87,7 @@ def load_model_facts(config: OrchestratorConfig) -> ModelFacts:
         eos_ids=eos_ids(target),
         drafter_method=method,
         built_grammar=try_engine(tokenizer, grammar_eos_ids(target, tokenizer)),
+        feature_layers=layers,
     )
 
 

@@ -7,12 +7,12 @@ not deployed."""
 from __future__ import annotations
 
 from specd_core.rules.vocab import SPECIAL, Vocabulary, pair_problem
-from specd_core.runtime.eagle_head import is_head_dir
+from specd_core.runtime.head_formats import PUBLISHED, fit_problem, head_format
 from specd_core.runtime.models import load_tokenizer
 
 
 class IncompatiblePair(ValueError):
-    """The drafter does not share the target's tokenizer."""
+    """The drafter does not share the target's tokenizer, or a head does not fit the target."""
 
 
 def vocabulary(tokenizer) -> Vocabulary:
@@ -39,9 +39,20 @@ def _load(model_dir: str, label: str):
 def check_pair(target_dir: str, drafter_dir: str | None, target_tokenizer=None) -> None:
     """Raise IncompatiblePair saying what differs when the drafter at
     drafter_dir cannot draft for the target. Nothing to check without a
-    drafter, or for an EAGLE head (it drafts over the target's own vocabulary
-    and has no tokenizer). target_tokenizer: the target's, when already loaded."""
-    if not drafter_dir or is_head_dir(drafter_dir):
+    drafter. An EAGLE head has no tokenizer (it drafts over the target's own
+    vocabulary): a published one is checked to fit the target's shapes instead
+    (specd_core/runtime/head_formats.py: fit_problem). target_tokenizer: the
+    target's, when already loaded."""
+    if not drafter_dir:
+        return
+    fmt = head_format(drafter_dir)
+    if fmt in PUBLISHED:
+        from transformers import AutoConfig
+
+        problem = fit_problem(drafter_dir, AutoConfig.from_pretrained(target_dir))
+        if problem:
+            raise IncompatiblePair(problem)
+    if fmt:
         return
     target = target_tokenizer if target_tokenizer is not None else _load(target_dir, "target")
     problem = pair_problem(vocabulary(target), vocabulary(_load(drafter_dir, "drafter")))

@@ -1,11 +1,12 @@
 """The speculative config, in the vocabulary of vLLM's `speculative_config`.
 
-    method: draft_model        # draft_model | eagle | ngram | off
-    model: models/demo/drafter # the drafter (draft_model) or the EAGLE head (eagle: models/demo/eagle)
+    method: draft_model        # draft_model | eagle | eagle3 | ngram | off
+    model: models/demo/drafter # the drafter (draft_model) or the head (eagle: models/demo/eagle, or a
+                               #   published EAGLE-1/2 head; eagle3: a published EAGLE-3 head)
     num_speculative_tokens: 4  # K: chain length, or the depth limit of a tree
     prompt_lookup_max: 4       # ngram: longest suffix tried
     prompt_lookup_min: 1       # ngram: shortest suffix tried
-    tree:                      # optional, draft_model / eagle: a static or dynamic tree
+    tree:                      # optional, draft_model / eagle / eagle3: a static or dynamic tree
       branching: [3, 2, 1]     #   children per depth, or
       paths: [[0], [1], [0, 0]] #  node by node: choice ranks from the root, or
       node_budget: 16          #   a dynamic tree of this many nodes ...
@@ -17,7 +18,7 @@
     confidence_threshold: auto # draft nothing below a token the drafter is less sure of than this:
                                # auto (learned, adaptive requests) | a number in [0, 1) | 0 (off)
 
-Read from YAML or TOML (`specd up --speculative-config FILE`) or flags; every
+Read from YAML, TOML or JSON (`specd up --speculative-config FILE`) or flags; every
 error names the key and the value. Requests may override method, K and tree
 within the service's limits (GenerateRequest.speculative_method, ...).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,10 +35,10 @@ import tomllib
 
 from specd_core.rules.draft_shape import DraftShape
 
-METHODS = ("draft_model", "eagle", "ngram", "off")
-# Methods drafted by the drafter service: a draft model, or an EAGLE head on the
-# target's features (the verifier then returns them; drafter_svc/eagle.py).
-DRAFTER_METHODS = ("draft_model", "eagle")
+METHODS = ("draft_model", "eagle", "eagle3", "ngram", "off")
+# Methods drafted by the drafter service: a draft model, or an EAGLE or EAGLE-3
+# head on the target's features (the verifier then returns them; drafter_svc/eagle.py).
+DRAFTER_METHODS = ("draft_model", "eagle", "eagle3")
 TREE_KEYS = ("branching", "paths", "node_budget", "max_depth", "top_k")
 # Alternatives per depth a request may ask for (the drafter's own limit is
 # DrafterConfig.max_ahead_alternatives, by default the same).
@@ -117,7 +119,7 @@ class SpeculativeConfig:
         if self.tree:
             if self.method not in DRAFTER_METHODS:
                 raise ConfigError(
-                    f"speculative_config.tree: trees need method draft_model or eagle, not {self.method!r}"
+                    f"speculative_config.tree: trees need method draft_model, eagle or eagle3, not {self.method!r}"
                 )
             try:
                 tree_shape(self.tree).validate(self.max_tree_nodes, self.max_num_speculative_tokens)
@@ -157,17 +159,23 @@ def confidence_arg(text: str) -> str | float:  # argparse type
 
 
 def load(path: str | Path) -> SpeculativeConfig:
-    """Read a YAML (.yaml/.yml) or TOML (.toml) speculative config file."""
+    """Read a YAML (.yaml/.yml), TOML (.toml) or JSON (.json, as vLLM's
+    --speculative-config takes it) speculative config file."""
     path = Path(path)
     text = path.read_text()
     if path.suffix == ".toml":
         data = tomllib.loads(text)
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: not JSON ({exc})") from None
     elif path.suffix in (".yaml", ".yml"):
         import yaml
 
         data = yaml.safe_load(text) or {}
     else:
-        raise ConfigError(f"{path}: the speculative config must be .yaml, .yml or .toml")
+        raise ConfigError(f"{path}: the speculative config must be .yaml, .yml, .toml or .json")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of keys, got {type(data).__name__}")
     return SpeculativeConfig.from_dict(data)
@@ -176,8 +184,8 @@ def load(path: str | Path) -> SpeculativeConfig:
 def add_speculative_flags(parser) -> None:
     """Flags shared by `specd up` and `python -m orchestrator`; they override the file."""
     g = parser.add_argument_group("speculative config (vLLM vocabulary; flags override the file)")
-    g.add_argument("--speculative-config", help="YAML or TOML file (see orchestrator/spec_config.py)")
-    g.add_argument("--method", choices=METHODS, help="draft_model | eagle | ngram | off")
+    g.add_argument("--speculative-config", help="YAML, TOML or JSON file (see orchestrator/spec_config.py)")
+    g.add_argument("--method", choices=METHODS, help="draft_model | eagle | eagle3 | ngram | off")
     g.add_argument("--num-speculative-tokens", type=int, help="K: chain length / tree depth limit")
     g.add_argument("--prompt-lookup-max", type=int)
     g.add_argument("--prompt-lookup-min", type=int)

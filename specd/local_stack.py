@@ -21,6 +21,7 @@ from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import open_channel
 from specd_core.net.security import TlsConfig
+from specd_core.runtime.head_formats import PUBLISHED, head_format
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,7 +151,11 @@ class Stack:
         check_pair(target, drafter)
         extra = ("--metrics-port", "0") if opts.metrics else ()
         starts = [("verifier_svc", "--model", target, *service_args, *opts.verifier_args, *extra)] * opts.verifiers
-        starts += [("drafter_svc", "--model", drafter, *service_args, *extra)] * (opts.drafters if drafter else 0)
+        # A published head names no target: it is told where its target is.
+        head = ("--target-dir", target) if head_format(drafter) in PUBLISHED else ()
+        starts += [("drafter_svc", "--model", drafter, *head, *service_args, *extra)] * (
+            opts.drafters if drafter else 0
+        )
         procs = _start_all(starts, opts.env)
         self.verifiers, self.drafters = procs[: opts.verifiers], procs[opts.verifiers :]
         self.verifier = self.verifiers[0]

@@ -30,6 +30,7 @@ from orchestrator.fleet.scaling import ReplicaGone
 from specd.deploy_config import NOT_FOR_REPLICAS, DeploymentConfig, shared_fields
 from specd_core.net.auth import TOKENS_ENV
 from specd_core.net.grpc_util import prefer_latency
+from specd_core.runtime.head_formats import PUBLISHED, head_format
 from specd_core.runtime.hub import resolve_model
 from specd_core.telemetry import metrics, tracing
 from verifier_svc.config import VerifierConfig
@@ -106,6 +107,10 @@ class ModelServiceActor:
         # A repo id resolves here, into this node's cache (checked on the head before deploying).
         resolved = resolve_model(config_fields["model_dir"], allow_pickle=config_fields["allow_pickle_weights"])
         config_fields["model_dir"] = resolved.path
+        if config_fields.get("target_dir"):  # a head's target, resolved here too
+            config_fields["target_dir"] = resolve_model(
+                config_fields["target_dir"], allow_pickle=config_fields["allow_pickle_weights"]
+            ).path
         config: VerifierConfig | DrafterConfig
         if kind == "verifier":
             from verifier_svc.core import Verifier
@@ -266,6 +271,10 @@ def _actor_env(extra_env: tuple[str, ...] = ()) -> dict:
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 
+def _published(cfg: DeploymentConfig) -> bool:
+    return head_format(cfg.drafter_dir) in PUBLISHED
+
+
 def replica_fields(cfg: DeploymentConfig, kind: str) -> dict:
     """The replica's service config fields: those it shares with the
     deployment by name, its model, any free port, and its host (None: the
@@ -277,6 +286,9 @@ def replica_fields(cfg: DeploymentConfig, kind: str) -> dict:
         "model_dir": (cfg.target_model or cfg.target_dir)
         if kind == "verifier"
         else (cfg.drafter_model or cfg.drafter_dir),
+        # A published head names no target (specd's own names its own): it is
+        # given the deployment's, whose embedding (and LM head) it shares.
+        **({"target_dir": cfg.target_model or cfg.target_dir} if kind == "drafter" and _published(cfg) else {}),
         "host": cfg.replica_host,
         "port": 0,
     }

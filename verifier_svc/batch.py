@@ -41,7 +41,9 @@ class VerifySession:
     params: SamplingParams
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
-    hidden: bool = False  # return the target's features (EAGLE drafting)
+    # The target's features it returns (EAGLE drafting), as layer ids
+    # (OpenVerifySessionRequest.hidden_layers); () = none.
+    hidden: tuple[int, ...] = ()
     # Structured output: the target's logits are masked to what it allows at
     # every row before the rule, and it advances only on committed tokens.
     constraint: Constraint | None = None
@@ -65,7 +67,7 @@ class OpenJob:
     prompt_ids: list[int]
     params: SamplingParams
     resume: bool = False
-    hidden: bool = False
+    hidden: tuple[int, ...] = ()  # as OpenJob.hidden
     constraint: Constraint | None = None  # structured output, standing at the committed tokens
     owner: str = ""  # who opened it (SessionTable.add)
 
@@ -164,3 +166,15 @@ def stamp(accepted: list[VerifyResult], ms: float, phases: list, items: list, ba
     for r in accepted:
         r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases, len(items), rows
         r.batch_id = batch_id
+
+
+def own_layers(states, taps: tuple[int, ...], want: tuple[int, ...]):
+    """One session's features from a forward that returned the states of
+    `taps` side by side, (n, len(taps) * C): its own layers in its order
+    (None: it returns none)."""
+    if not want:
+        return None
+    if want == taps:
+        return states
+    width = states.shape[-1] // len(taps)
+    return torch.cat([states[:, taps.index(t) * width : (taps.index(t) + 1) * width] for t in want], -1)

@@ -35,6 +35,7 @@ from verifier_svc.batch import (
     accept_all,
     attach_features,
     compact,
+    own_layers,
     plan_rows,
     stamp,
 )
@@ -81,7 +82,7 @@ class Verifier(ModelCore):
         prompt_ids: list[int],
         params: SamplingParams,
         resume: bool = False,
-        hidden: bool = False,
+        hidden: bool | tuple[int, ...] = False,
         generated_from: int = 0,
         owner: str = "",
     ) -> OpenJob:
@@ -97,6 +98,8 @@ class Verifier(ModelCore):
         hidden: the session returns the target's features (EAGLE drafting): then
         the result is (first token, HiddenStates of every prompt token); after a
         resume (None, None) - the drafter has the earlier features already.
+        True: the last layer's output before the final norm; layer ids: the
+        states entering those layers, side by side (EAGLE-3's auxiliary layers).
 
         params.constraint: structured output (specd_core/runtime/grammar.py); it
         consumes prompt_ids[generated_from:], the generated tokens (after a
@@ -111,8 +114,7 @@ class Verifier(ModelCore):
                 "a resumed session needs the prompt and at least one generated token "
                 f"in prompt_token_ids, got {len(prompt_ids)} token(s)"
             )
-        if hidden and self.runner.lean is None:
-            raise InvalidRequest("return_hidden_states needs the verifier's lean engine")
+        layers = self._feature_layers(hidden)
         constraint = params.constraint
         if constraint is not None and resume and not 0 < generated_from < len(prompt_ids):
             raise InvalidRequest(
@@ -120,7 +122,19 @@ class Verifier(ModelCore):
                 "of a resumed constrained session (where its generated tokens start)"
             )
         matcher = self.constraint(constraint, prompt_ids, generated_from)
-        return OpenJob(session_id, list(prompt_ids), params, resume, hidden, matcher, owner)
+        return OpenJob(session_id, list(prompt_ids), params, resume, layers, matcher, owner)
+
+    def _feature_layers(self, hidden: bool | tuple[int, ...]) -> tuple[int, ...]:
+        """The layer ids whose states a session returns (() = none)."""
+        if not hidden:
+            return ()
+        if self.runner.lean is None:
+            raise InvalidRequest("return_hidden_states needs the verifier's lean engine")
+        n = len(self.runner.lean.layers)
+        layers = tuple(hidden) if isinstance(hidden, tuple) else (n,)
+        if any(not 0 <= i <= n for i in layers):
+            raise InvalidRequest(f"hidden_layers {list(layers)} must be decoder layer ids in [0, {n}]")
+        return layers
 
     def verify(
         self,
@@ -226,14 +240,18 @@ class Verifier(ModelCore):
     def _forward(self, items: list, last_only: list[bool], live: list[VerifyJob], admitted: list) -> tuple[list, list]:
         """The batch's ONE forward: each item's logits, and its hidden states
         when any session returns features (else Nones)."""
-        want = any(j.session.hidden for j in live) or any(o.hidden for o, _ in admitted)
+        wanted = [j.session.hidden for j in live] + [o.hidden for o, _ in admitted]
+        taps = tuple(dict.fromkeys(t for w in wanted for t in w))  # every layer asked for, once
         try:
-            out = self.runner.forward_batch(items, last_only=last_only, hidden=want)
+            out = self.runner.forward_batch(items, last_only=last_only, hidden=taps or False)
         except BaseException:
             for _, new in admitted:  # never added: their blocks would be lost
                 new.cache.release()
             raise
-        return out if want else (out, [None] * len(items))
+        if not taps:
+            return out, [None] * len(items)
+        logits, states = out
+        return logits, [own_layers(h, taps, w) for h, w in zip(states, wanted)]
 
     def _open_sessions(self, admitted: list, logits: list, states: list) -> dict:
         """The prefills' first tokens (by id(job)); their sessions join the table."""

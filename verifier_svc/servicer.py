@@ -62,7 +62,7 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
                 list(request.prompt_token_ids),
                 sampling_from_proto(request.sampling),
                 resume=request.resume,
-                hidden=request.return_hidden_states,
+                hidden=tuple(request.hidden_layers) or request.return_hidden_states,
                 generated_from=request.generated_from,
                 owner=request.owner,
             )

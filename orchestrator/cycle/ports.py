@@ -13,11 +13,18 @@ from specd_core.runtime.propose_call import ProposeCall
 
 
 class VerifierClient(Protocol):
-    # The first token; hidden=True (spec.features): (first token, HiddenStates of the prompt).
+    # The first token; hidden=True (spec.features): (first token, HiddenStates of the prompt);
+    # hidden as layer ids: those layers' states side by side (EAGLE-3, spec.feature_layers).
     # generated_from: with structured output, where generated tokens start in
     # prompt_ids (a resumed request's; the constraint consumes them).
     async def open(
-        self, session_id: str, prompt_ids: list[int], sampling, *, hidden: bool = False, generated_from: int = 0
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling,
+        *,
+        hidden: bool | tuple[int, ...] = False,
+        generated_from: int = 0,
     ) -> Any: ...
     async def verify(self, session_id: str, draft: Draft) -> Verdict: ...
     async def close(self, session_id: str) -> None: ...

@@ -82,8 +82,9 @@ class SessionReplicas:
     async def open(self, spec: GenerationSpec, trace: NoTrace) -> tuple[int, HiddenStates | None]:
         """Prefill both (on the prompt and any resumed tokens); the first new
         token, and the prompt's features (spec.features)."""
-        want = {"hidden": True} if spec.features else {}
         context, more = spec.context_ids, spec.generated_keywords
+        # The target's features: True for EAGLE's; layer ids for EAGLE-3's auxiliary layers.
+        want: dict = {"hidden": spec.feature_layers or True} if spec.features else {}
         opens = [self.verifier.open(self.session_id, context, spec.sampling, **want, **more)]
         clients: list[VerifierClient | DrafterClient] = [self.verifier]
         if self.drafter is not None:

@@ -9,13 +9,16 @@ from dataclasses import dataclass
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
 
+# The methods whose drafter reads the target's features.
+FEATURE_METHODS = ("eagle", "eagle3")
+
 
 @dataclass(frozen=True)
 class GenerationSpec:
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams
-    method: str  # draft_model | eagle | ngram | off
+    method: str  # draft_model | eagle | eagle3 | ngram | off
     shape: DraftShape | None  # the draft each cycle; None = plain decoding
     stop: tuple[str, ...] = ()
     adaptive: bool = False  # choose the depth per cycle (orchestrator/cycle/adaptive.py), up to shape's
@@ -31,6 +34,10 @@ class GenerationSpec:
     # already has. The sessions open on prompt + these, the output counts them
     # (max_new_tokens, stop strings), the stream carries only what follows.
     resumed: tuple[int, ...] = ()
+    # spec.features: the target layers whose states the drafter reads (EAGLE-3's
+    # auxiliary layers, specd_core/runtime/head_formats.py); () = the last
+    # layer's output before the final norm (EAGLE).
+    feature_layers: tuple[int, ...] = ()
 
     @property
     def context_ids(self) -> list[int]:
@@ -47,7 +54,7 @@ class GenerationSpec:
     def features(self) -> bool:
         """The drafter reads the target's hidden states (EAGLE): the verifier
         returns them and the loop forwards them with the next Propose."""
-        return self.method == "eagle"
+        return self.method in FEATURE_METHODS
 
 
 @dataclass(frozen=True)

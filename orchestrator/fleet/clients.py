@@ -395,8 +395,9 @@ class GrpcVerifier(_Client):
 
     async def open(self, session_id, prompt_ids, sampling, resume: bool = False, *, hidden=False, generated_from=0):
         """resume: re-prefill all committed tokens, sample nothing (returns None).
-        hidden: the session returns the target's features (EAGLE); then the
-        result is (first token, the prompt's features). generated_from: with
+        hidden: the session returns the target's features (EAGLE; layer ids:
+        those layers' states side by side, EAGLE-3); then the result is (first
+        token, the prompt's features). generated_from: with
         structured output, where the generated tokens of a resume start."""
         r = await self._unary(
             self.stub.OpenSession,
@@ -405,7 +406,8 @@ class GrpcVerifier(_Client):
                 prompt_token_ids=prompt_ids,
                 sampling=sampling_to_proto(sampling),
                 resume=resume,
-                return_hidden_states=hidden,
+                return_hidden_states=bool(hidden),
+                hidden_layers=hidden if isinstance(hidden, tuple) else (),
                 generated_from=generated_from,
                 owner=self.session_owner,
             ),

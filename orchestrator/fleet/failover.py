@@ -151,12 +151,19 @@ class FailoverVerifier:
     def __init__(self, pool: Pool, committed: Callable[[], list[int]], max_failovers: int = 3):
         self.lease, self.committed, self.max_failovers = _Lease(pool), committed, max_failovers
         self.sampling = None
-        self.hidden = False  # the session returns the target's features (EAGLE): so must a resumed one
+        # The target's features the session returns (EAGLE: True, EAGLE-3: layer ids): so must a resumed one.
+        self.hidden: bool | tuple[int, ...] = False
         self.prompt_len = 0  # a resumed constrained session's generated tokens start here
         self._last_loss = ""
 
     async def open(
-        self, session_id: str, prompt_ids: list[int], sampling, *, hidden: bool = False, generated_from: int = 0
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling,
+        *,
+        hidden: bool | tuple[int, ...] = False,
+        generated_from: int = 0,
     ):
         """generated_from: a resumed request's generated tokens start there in prompt_ids."""
         self.sampling, self.hidden, self.prompt_len = sampling, hidden, generated_from or len(prompt_ids)
@@ -180,7 +187,7 @@ class FailoverVerifier:
         while True:
             try:
                 return await self.lease.client.open(
-                    session_id, prompt_ids, sampling, **({"hidden": True} if hidden else {}), **more
+                    session_id, prompt_ids, sampling, **({"hidden": hidden} if hidden else {}), **more
                 )
             except ServiceError as exc:
                 self._lose_or_raise(session_id, exc)
@@ -212,7 +219,7 @@ class FailoverVerifier:
                     tokens,
                     reseeded(self.sampling, len(tokens)),
                     resume=True,
-                    **({"hidden": True} if self.hidden else {}),
+                    **({"hidden": self.hidden} if self.hidden else {}),
                     **generated_after(self.sampling, self.prompt_len),
                 )
             except ServiceError as exc:

@@ -121,6 +121,8 @@ def _choose_drafter(args, sc: SpeculativeConfig) -> str | None:
     `model`, else the demo drafter; '' deploys none (then only ngram and off
     can run); args.models: both resolved (a repo id to its directory in the
     Hugging Face cache). Returns what is wrong with the models, if anything."""
+    if sc.method == "eagle3" and args.drafter is None and not sc.model:  # no demo EAGLE-3 head
+        return "specd up: method eagle3 needs an EAGLE-3 head: --drafter HEAD_DIR (or the speculative config's model)"
     drafter = (
         args.drafter
         if args.drafter is not None

@@ -88,6 +88,12 @@ def _fused(module, fused: str, parts: tuple[str, ...]) -> tuple[torch.Tensor, to
     return torch.cat([x.weight for x in linears]), bias
 
 
+def _side_by_side(tapped: dict[int, torch.Tensor], taps: tuple[int, ...], sizes: list[int]) -> list[torch.Tensor]:
+    """The states of `taps` side by side, split per session: (n, len(taps) * C) each."""
+    wide = tapped[taps[0]] if len(taps) == 1 else torch.cat([tapped[t] for t in taps], -1)
+    return list(wide.split(sizes))
+
+
 class LeanModel:
     """Weights pulled out of a loaded HF model; forward on a LeanSession."""
 
@@ -157,8 +163,11 @@ class LeanModel:
             "rope": self._rope_keys.index(arch.rope_keys[i]),
         }
 
-    def _norm_weight(self, norm) -> torch.Tensor:
+    def _norm_weight(self, norm) -> torch.Tensor | None:
         # Gemma's RMSNorm multiplies by (1 + weight) in float32: precomputed once.
+        # None: no norm there (a published EAGLE-1/2 head's, drafter_svc/eagle_published.py).
+        if norm is None:
+            return None
         return 1.0 + norm.weight.float() if self._gemma_norm else norm.weight
 
     def new_session(self, max_len: int | None = None, pool: KVPool | None = None) -> LeanSession:
@@ -170,6 +179,8 @@ class LeanModel:
         return kv_row_bytes(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype)
 
     def _rms(self, x, w):
+        if w is None:  # a norm the model does not have
+            return x
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self._gemma_norm:
@@ -202,7 +213,7 @@ class LeanModel:
         return self.forward_batch([(s, token_ids, positions, mask)], last_only)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool = False):
+    def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool | tuple[int, ...] = False):
         """One forward for several sessions: items are (session, token_ids,
         positions | None, mask | None) as in `forward`; returns each one's logits,
         or (logits, hidden states) with `hidden`. last_only: for all items, or
@@ -219,12 +230,17 @@ class LeanModel:
         return self.forward_embeds(items, x, last_only, hidden)
 
     @torch.inference_mode()
-    def forward_embeds(self, items: list, x: torch.Tensor, last_only: bool | list[bool] = False, hidden: bool = False):
+    def forward_embeds(
+        self, items: list, x: torch.Tensor, last_only: bool | list[bool] = False, hidden: bool | tuple[int, ...] = False
+    ):
         """forward_batch from input rows x (R, C) instead of token embeddings
         (the token ids of items only count rows). hidden: also return each
         item's last-layer hidden states before the final norm, (n, C), every
         row even with last_only - the features an EAGLE head reads (and, for a
-        head built on this class, the features it predicts)."""
+        head built on this class, the features it predicts). hidden as layer
+        ids: the states entering those layers, id len(layers) the last
+        layer's output before the final norm, side by side in that order,
+        (n, len(ids) * C) (EAGLE-3's auxiliary layers)."""
         step = plan(self, items, last_only)
         top = max(e.end for e in step.entries)
         spans = [(e.start, e.end, e.positions is None and e.tree is None) for e in step.entries]
@@ -232,22 +248,27 @@ class LeanModel:
         for r in self.ropes:
             cos, sin = r.cos_sin(step.positions, spans, top)
             rope.append((cos[:, None], sin[:, None]))
+        taps = (len(self.layers),) if hidden is True else tuple(hidden or ())
+        tapped: dict[int, torch.Tensor] = {}
         for i, L in enumerate(self.layers):
+            if i in taps:
+                tapped[i] = x
             x = x + self._attention(i, L, x, step, rope[L["rope"]])
             x = x + self._mlp(L, x)
+        tapped[len(self.layers)] = x
         for e in step.entries:
             e.session.length = e.end
         sizes = [e.n for e in step.entries]
-        states = list(x.split(sizes)) if hidden else None  # (n, C) per session
+        states = _side_by_side(tapped, taps, sizes) if taps else None
         logits = self._logits(x, sizes, last_only, step.keep)
-        return (logits, states) if hidden else logits
+        return (logits, states) if taps else logits
 
     def _attention(self, i: int, L: dict, x: torch.Tensor, step: Step, rope) -> torch.Tensor:
         """Layer i's attention block over all rows: its output projection, (R, C).
         Writes every session's new keys and values into its blocks first."""
         hd, nh, nkv, kvt = self.head_dim, self.n_heads, self.n_kv, self.kv_dtype
         rows = x.shape[0]
-        h = self._rms(x, L["ln1"])
+        h = self._attn_input(L, x)
         qkv = F.linear(h, L["qkv_w"], L["qkv_b"])  # (R, (nh+2nkv)*hd)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k = q.view(rows, nh, hd), k.view(rows, nkv, hd)
@@ -266,6 +287,10 @@ class LeanModel:
             y = y[step.order]
         out = F.linear(y.to(x.dtype), L["o"], L["o_b"])
         return out if L["post_attn"] is None else self._rms(out, L["post_attn"])
+
+    def _attn_input(self, L: dict, x: torch.Tensor) -> torch.Tensor:
+        """What q/k/v read (an EAGLE-3 head's reads more: drafter_svc/head_input.py)."""
+        return self._rms(x, L["ln1"])
 
     def _attend(self, data: torch.Tensor, q: torch.Tensor, g: Group, kind: int) -> torch.Tensor:
         """One group's attention in one call: its keys gathered from the

@@ -57,7 +57,9 @@ class ModelCore:
         self.model = model if model is not None else load_model(config.model_dir, config.device, config.dtype)
         runner: ModelRunner = Runner(self.model, config.engine)
         self.runner = runner_of(runner) if runner_of is not None else runner
-        self.vocab_size = vocab_size(self.model)
+        # The ids it serves: the output layer's rows, or what its runner maps
+        # them to (an EAGLE-3 head's draft vocabulary lands on the target's ids).
+        self.vocab_size = getattr(self.runner, "vocab_size", None) or vocab_size(self.model)
         self.context_length = context_length(self.model.config)
         self.kv_pool = self._install_kv_pool()
         self.sessions = SessionTable(

@@ -177,13 +177,14 @@ class Runner:
             return self.lean.new_session(pool=self.kv_pool)
         return SessionCache(self.model, self.kv_pool)
 
-    def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool = False):
+    def forward_batch(self, items: list, last_only: bool | list[bool] = False, hidden: bool | tuple[int, ...] = False):
         """items: (session, token_ids, positions | None, mask | None); a mask is
         an additive tensor or a TokenTree whose rows [root, node0 ..] these are
         (positions None). One forward for all of them on the lean engine; one
         after another on Hugging Face's.
         hidden: return (logits, last-layer hidden states before the final norm)
-        (lean engine only: EAGLE features)."""
+        (lean engine only: EAGLE features); layer ids: the states entering
+        those layers side by side (LeanModel.forward_embeds)."""
         if hidden and self.lean is None:
             raise ValueError("hidden states (EAGLE features) need the lean engine")
         if self.lean is not None:
