@@ -37,10 +37,9 @@ from specd_core.runtime.eagle_head import CONFIG_NAME, load_head
 from specd_core.runtime.head_formats import METHOD_OF, head_format
 from specd_core.runtime.kv_budget import KVPool
 from specd_core.runtime.lean import LeanModel
-from specd_core.runtime.models import ModelRunner, resolve_device, resolve_dtype
+from specd_core.runtime.models import ModelRunner, resolve_device, torch_dtype
 from specd_core.runtime.propose_call import ProposeCall
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HeadRule = FusedInput | Eagle3Input  # drafter_svc/head_input.py
 
 
@@ -100,7 +99,7 @@ def build_head_model(head_dir: str, target_dir: str, device: str = "auto", dtype
     # "auto" (and "default" on a GPU): the target's checkpoint dtype, as the head
     # shares its output layer.
     dev = resolve_device(device)
-    dt = _DTYPES[resolve_dtype(target_dir, dtype, dev)]
+    dt = torch_dtype(target_dir, dtype, dev)
     return model.to(dev, dt).eval(), FusedInput(head.fc.weight.detach().to(dev, dt))
 
 

@@ -16,9 +16,8 @@ import torch.nn as nn
 
 from drafter_svc.head_input import Eagle3Input, FusedInput
 from specd_core.runtime.head_formats import fit_problem, head_format, load_weights, read_config
-from specd_core.runtime.models import resolve_device, resolve_dtype
+from specd_core.runtime.models import resolve_device, torch_dtype
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The head config's fields the one-layer Llama takes as they are.
 _LLAMA_FIELDS = (
     "hidden_size",
@@ -96,7 +95,7 @@ def build_eagle(head_dir: str, target_dir: str, device: str = "auto", dtype: str
     target = _load_target(head_dir, target_dir)
     w = load_weights(head_dir)
     dev = resolve_device(device)
-    at = _Placer(dev, _DTYPES[resolve_dtype(target_dir, dtype, dev)])
+    at = _Placer(dev, torch_dtype(target_dir, dtype, dev))
     model = _one_layer_model(read_config(head_dir), target)
     layer = model.model.layers[0]
     at.layer(layer, w, "layers.0")
@@ -121,7 +120,7 @@ def build_eagle3(head_dir: str, target_dir: str, device: str = "auto", dtype: st
     target = _load_target(head_dir, target_dir)
     w = load_weights(head_dir)
     dev = resolve_device(device)
-    at = _Placer(dev, _DTYPES[resolve_dtype(target_dir, dtype, dev)])
+    at = _Placer(dev, torch_dtype(target_dir, dtype, dev))
     model = _one_layer_model(read_config(head_dir), target)
     layer = model.model.layers[0]
     at.layer(layer, w, "midlayer")

@@ -53,12 +53,17 @@ def resolve_dtype(model_dir: str, dtype: str, device: str) -> str:
     return dtype
 
 
+def torch_dtype(model_dir: str, dtype: str, device: str) -> torch.dtype:
+    """resolve_dtype's answer as a torch dtype."""
+    return _DTYPES[resolve_dtype(model_dir, dtype, device)]
+
+
 def load_model(model_dir: str, device: str = "auto", dtype: str = "default"):
     """Load a causal LM for inference (eval mode, no grad bookkeeping).
     dtype: see resolve_dtype (the default: float32 on a CPU, the checkpoint's
     own on a GPU)."""
     device = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[resolve_dtype(model_dir, dtype, device)])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(model_dir, dtype, device))
     return model.to(device).eval()
 
 
