@@ -19,6 +19,7 @@ from specd_core.rules.validation import check_token_ids
 from specd_core.runtime.grammar import Constraint, GrammarEngine, engine_of, eos_ids, try_engine
 from specd_core.runtime.hub import model_label
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, budget_bytes
+from specd_core.runtime.prefix_cache import PrefixCache
 from specd_core.runtime.models import (
     ModelRunner,
     Runner,
@@ -76,6 +77,11 @@ class ModelCore:
         block = getattr(cfg, "kv_block_size", DEFAULT_BLOCK_ROWS)
         nbytes = budget_bytes(getattr(cfg, "kv_cache_memory", "auto"), self.model.device)
         pool = KVPool.of_bytes(nbytes, block, self.runner.kv_row_bytes, self.role)
+        if getattr(cfg, "prefix_caching", True) and self.runner.lean is not None:
+            # Seeded with what decides a block's rows besides its tokens: which
+            # weights (directory and revision) and the cache's dtype.
+            model = f"{cfg.model_dir}@{getattr(cfg, 'revision', None) or ''}"
+            pool.prefix = PrefixCache(model, str(self.runner.kv_dtype))
         self.runner.kv_pool = pool
         log.info(
             "%s KV budget: %d blocks of %d tokens (%d tokens, %.1f MiB at %d bytes per token)",
