@@ -273,7 +273,9 @@ class KVPool:
 
     def describe(self) -> dict:
         """The pool's figures (replica info, status, metrics)."""
-        return {
+        with self._lock:
+            prefix = self.prefix.describe() if self.prefix is not None else {"prefix_caching": False}
+        return prefix | {
             "kv_block_tokens": self.block_rows,
             "kv_capacity_blocks": self.total_blocks,
             "kv_used_blocks": self._used,

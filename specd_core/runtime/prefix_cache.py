@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 
 DIGEST_BYTES = 16  # blake2b-128: a collision would silently serve another prompt's rows
 
@@ -71,6 +72,9 @@ class PrefixCache:
         # What the replica reports (Prometheus, like vLLM's prefix_cache_queries / _hits, in tokens).
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.evicted_blocks = 0
+        # Told each lookup's (queried, hit) tokens: the replica's Prometheus counters.
+        self.on_query: Callable[[int, int], None] | None = None
 
     def names(self, tokens: list[int], block_rows: int, salt: str = "") -> list[bytes]:
         return block_hashes(chain_seed(self.model, self.dtype, salt), tokens, block_rows)
@@ -119,18 +123,24 @@ class PrefixCache:
         """Forget the least recently used idle block; its id."""
         block, _ = self.idle.popitem(last=False)
         del self.block_of[self.name_of.pop(block)], self.refs[block]
+        self.evicted_blocks += 1
         return block
 
     def observe(self, queried: int, hit: int) -> None:
         self.queried_tokens += queried
         self.hit_tokens += hit
+        if self.on_query is not None:
+            self.on_query(queried, hit)
 
     def describe(self) -> dict:
+        """The figures a replica reports (ReplicaInfo's prefix_* fields)."""
         return {
+            "prefix_caching": True,
             "prefix_cached_blocks": len(self.name_of),
             "prefix_idle_blocks": len(self.idle),
             "prefix_queried_tokens": self.queried_tokens,
             "prefix_hit_tokens": self.hit_tokens,
+            "prefix_evicted_blocks": self.evicted_blocks,
         }
 
 

@@ -207,7 +207,7 @@ class ReplicaInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("engine", "architecture", "model_type", "dtype", "kv_dtype", "sessions", "kv_block_tokens", "kv_capacity_blocks", "kv_used_blocks", "kv_capacity_tokens", "kv_used_tokens", "kv_capacity_bytes", "kv_used_bytes", "model")
+    __slots__ = ("engine", "architecture", "model_type", "dtype", "kv_dtype", "sessions", "kv_block_tokens", "kv_capacity_blocks", "kv_used_blocks", "kv_capacity_tokens", "kv_used_tokens", "kv_capacity_bytes", "kv_used_bytes", "model", "prefix_caching", "prefix_cached_blocks", "prefix_idle_blocks", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_evicted_blocks")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,12 @@ class ReplicaInfo(_message.Message):
     KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_IDLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     engine: str
     architecture: str
     model_type: str
@@ -236,7 +242,13 @@ class ReplicaInfo(_message.Message):
     kv_capacity_bytes: int
     kv_used_bytes: int
     model: str
-    def __init__(self, engine: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    prefix_caching: bool
+    prefix_cached_blocks: int
+    prefix_idle_blocks: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    prefix_evicted_blocks: int
+    def __init__(self, engine: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_idle_blocks: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class OpenVerifySessionRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "sampling", "resume", "return_hidden_states", "generated_from", "owner")
