@@ -7,7 +7,13 @@ from __future__ import annotations
 from prometheus_client import Gauge, Histogram
 
 from specd_core.runtime.grammar import live_matchers
-from specd_core.telemetry.metrics import COUNT_BUCKETS, SpecDecodeCounters, count_expired_sessions, count_prefix_cache, metric
+from specd_core.telemetry.metrics import (
+    COUNT_BUCKETS,
+    SpecDecodeCounters,
+    count_expired_sessions,
+    count_prefix_cache,
+    metric,
+)
 
 
 class DrafterMetrics:

@@ -19,7 +19,6 @@ from specd_core.rules.validation import check_token_ids
 from specd_core.runtime.grammar import Constraint, GrammarEngine, engine_of, eos_ids, try_engine
 from specd_core.runtime.hub import model_label
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, budget_bytes
-from specd_core.runtime.prefix_cache import PrefixCache
 from specd_core.runtime.models import (
     ModelRunner,
     Runner,
@@ -29,6 +28,7 @@ from specd_core.runtime.models import (
     load_tokenizer,
     vocab_size,
 )
+from specd_core.runtime.prefix_cache import PrefixCache
 from specd_core.runtime.sessions import SessionTable
 from specd_core.runtime.token_text import TokenizerUnsupported
 
