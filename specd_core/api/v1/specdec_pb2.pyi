@@ -469,7 +469,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("kind", "name", "address", "node", "sessions", "draining", "lost", "engine", "architecture", "dtype", "kv_capacity_tokens", "kv_used_tokens", "kv_capacity_bytes", "kv_used_bytes", "model_type", "metrics_address", "model")
+    __slots__ = ("kind", "name", "address", "node", "sessions", "draining", "lost", "engine", "architecture", "dtype", "kv_capacity_tokens", "kv_used_tokens", "kv_capacity_bytes", "kv_used_bytes", "model_type", "metrics_address", "model", "prefix_queried_tokens", "prefix_hit_tokens")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -487,6 +487,8 @@ class ReplicaStatus(_message.Message):
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     address: str
@@ -504,7 +506,9 @@ class ReplicaStatus(_message.Message):
     model_type: str
     metrics_address: str
     model: str
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., lost: _Optional[bool] = ..., engine: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model_type: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., lost: _Optional[bool] = ..., engine: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model_type: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model: _Optional[str] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class OrchestratorStatus(_message.Message):
     __slots__ = ("name", "address", "node", "pid", "active_requests", "max_active_requests", "draining", "metrics_address", "http_address", "owner")
