@@ -60,6 +60,10 @@ class Drafter(ModelCore):
     def __init__(self, config: DrafterConfig, model=None, method: DraftMethod | None = None):
         self.method: DraftMethod = method or DraftModel()
         super().__init__(config, "drafter", model, self.method.runner_of, self.method.tokenizer_dir)
+        if self.method.name != "draft_model":
+            # An EAGLE head's rows depend on the target's features as well as
+            # the tokens, which the block names do not cover: no prefix caching.
+            self.kv_pool.prefix = None
 
     def open_session(
         self,

@@ -11,6 +11,7 @@ import torch
 
 from drafter_svc.state import DraftSession, ProposeJob, keep_accepted
 from specd_core.runtime.models import ModelRunner
+from specd_core.runtime.prefix_cache import publish_prefix, reuse_prefix
 from specd_core.runtime.propose_call import ProposeCall
 
 
@@ -71,11 +72,15 @@ class DraftModel:
     def prefill(self, s: DraftSession, session_id: str, prompt_ids: list[int]) -> None:
         try:
             # The prompt's KV blocks (CapacityExceeded when the budget is full).
-            s.cache.reserve(len(prompt_ids), f"session {session_id!r} (a prompt of {len(prompt_ids)} tokens)")
             # Prefill now (overlaps the verifier's prefill); the last prompt token
-            # is forwarded with the first proposal, which needs its logits.
-            if len(prompt_ids) > 1:
-                s.cache.forward(prompt_ids[:-1], last_only=True)
+            # is forwarded with the first proposal, which needs its logits, so
+            # every row before it may come from the prefix cache.
+            rows = prompt_ids[:-1]
+            cached = reuse_prefix(s.cache, rows, s.params.cache_salt, len(rows))
+            s.cache.reserve(len(prompt_ids), f"session {session_id!r} (a prompt of {len(prompt_ids)} tokens)")
+            if len(rows) > cached:
+                s.cache.forward(rows[cached:], last_only=True)
+            publish_prefix(s.cache)
         except BaseException:
             s.cache.release()  # not added: give its blocks back
             raise

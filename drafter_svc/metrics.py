@@ -7,13 +7,20 @@ from __future__ import annotations
 from prometheus_client import Gauge, Histogram
 
 from specd_core.runtime.grammar import live_matchers
-from specd_core.telemetry.metrics import COUNT_BUCKETS, SpecDecodeCounters, count_expired_sessions, metric
+from specd_core.telemetry.metrics import (
+    COUNT_BUCKETS,
+    SpecDecodeCounters,
+    count_expired_sessions,
+    count_prefix_cache,
+    metric,
+)
 
 
 class DrafterMetrics:
     def __init__(self, core):
         self.spec = SpecDecodeCounters(acceptance=False)
         count_expired_sessions(core.sessions)
+        count_prefix_cache(core.kv_pool.prefix)
         metric(Gauge, "specdec:active_sessions", "Open sessions.").set_function(lambda: core.num_sessions)
         metric(
             Gauge, "specdec:grammar_matchers", "Structured-output matchers alive (one per constrained session)."

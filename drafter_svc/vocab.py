@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from specd_core.runtime.prefix_cache import publish_prefix, reuse_prefix
+
 
 def substitute_id(config, rows: int) -> int:
     """What the drafter's forward sees for an id past its rows: its pad, else
@@ -71,6 +73,13 @@ class PaddedSession:
 
     def release(self) -> None:
         self.inner.release()
+
+    def reuse_prefix(self, prompt_rows: list[int], salt: str, limit: int) -> int:
+        # Named by the ids fed to the model, which decide the rows.
+        return reuse_prefix(self.inner, self.ids(prompt_rows), salt, limit)
+
+    def publish_prefix(self) -> None:
+        publish_prefix(self.inner)
 
 
 class PaddedRunner:

@@ -133,6 +133,16 @@ class DeploymentConfig:
         ),
     )
     kv_block_size: int = field(default=64, metadata=flag("tokens per block of the KV budget"))
+    # Every replica's automatic prefix caching (specd_core/runtime/prefix_cache.py).
+    prefix_caching: bool = field(
+        default=True,
+        metadata=flag(
+            "every replica prefills each prompt whole (no reuse of cached KV blocks of identical prompt prefixes)",
+            name="--no-prefix-caching",
+            action="store_false",
+            dest="prefix_caching",
+        ),
+    )
     # Every replica closes the sessions of an orchestrator it has not heard
     # from for this long (one that died; specd_core/runtime/sessions.py).
     owner_timeout_s: float = field(

@@ -68,7 +68,7 @@ def test_status_reports_each_replicas_engine_model_and_kv(pairs, capsys):
         assert all(r.kv_used_tokens == 0 for r in admin.Status(pb.StatusRequest(), timeout=10).replicas)
         assert main(["status", "--address", stack.orchestrator.address]) == 0
         out = capsys.readouterr().out
-        assert "ENGINE" in out and "KV TOKENS" in out and f"0/{v.kv_capacity_tokens} (0%)" in out
+        assert "ENGINE" in out and "KV TOKENS" in out and "PREFIX HITS" in out and f"0/{v.kv_capacity_tokens} (0%)" in out
         assert "note: verifier-0 runs the Hugging Face fallback engine for llama" in out and "docs/models.md" in out
         assert "METRICS" in out and "orchestrator metrics" not in out   # none known (started by hand)
         assert main(["metrics-targets", "--address", stack.orchestrator.address]) == 0

@@ -319,3 +319,19 @@ def test_sse_wire_format(stack, model):
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
     assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) != ""
+
+
+def test_cached_tokens_and_cache_salt(client, model):
+    """Prefix caching over HTTP: usage.prompt_tokens_details.cached_tokens on a
+    second request with the same prompt and cache_salt (an extra), none with
+    another salt. 150 token ids: two full 64-row blocks are reusable."""
+    prompt = [random.Random(34).randrange(3, 380) for _ in range(150)]
+
+    def cached(salt: str) -> int:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("http-a") == 0
+    assert cached("http-b") == 0
+    assert cached("http-a") == 128

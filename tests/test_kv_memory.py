@@ -51,8 +51,10 @@ def test_budget_refuses_what_does_not_fit_and_others_go_on(pairs):
     target, _ = pairs["llama"]
     from specd_core.runtime.models import Runner, load_model
     row = Runner(load_model(target, "cpu")).kv_row_bytes
+    # Prefix caching off: these sessions' equal prompts would share blocks
+    # (tests/test_prefix_cache_services.py covers that), and this counts them.
     proc = ServiceProcess("verifier_svc", "--model", target, "--kv-block-size", "16",
-                          "--kv-cache-memory", f"{8 * 16 * row}B")  # 8 blocks of 16 tokens
+                          "--kv-cache-memory", f"{8 * 16 * row}B", "--no-prefix-caching")  # 8 blocks of 16 tokens
     try:
         with grpc.insecure_channel(proc.address) as ch:
             stub = pb_grpc.VerifierServiceStub(ch)
@@ -108,7 +110,7 @@ def test_resident_memory_stays_within_the_budget(wide_model):
     # scores: 8 heads x 230^2 floats) stay small beside the budget.
     budget_mib, prompt = 64, [1 + i % 200 for i in range(230)]
     proc = ServiceProcess("verifier_svc", "--model", model_dir, "--kv-cache-memory", f"{budget_mib}MiB",
-                          "--max-draft-tokens", "8")
+                          "--max-draft-tokens", "8", "--no-prefix-caching")  # equal prompts: see above
     try:
         with grpc.insecure_channel(proc.address) as ch:
             stub = pb_grpc.VerifierServiceStub(ch)

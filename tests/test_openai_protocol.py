@@ -322,7 +322,8 @@ def test_response_and_chunk_bodies():
     body = completion_response("cmpl-1", 7, "m", False, "abc", s, "length")
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "abc"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["choices"][0]["speculative_decoding_stats"]["num_spec_steps"] == 1
     body = completion_response("chatcmpl-1", 7, "m", True, "abc", s, "stop")
     assert body["object"] == "chat.completion"

@@ -22,7 +22,7 @@ def test_stats_and_proto_have_the_same_fields():
 
 def test_every_stat_reaches_the_proto():
     stats = Stats(num_speculative_tokens=3, prompt_tokens=7, completion_tokens=9, method="draft_model", adaptive=True,
-                  resumed_tokens=4)
+                  resumed_tokens=4, cached_prompt_tokens=64)
     chain = Draft([4, 5, 6], [-1, 0, 1], compute_ms=1.5, call_ms=2.5, wait_ms=0.5, ahead=True, branch=1, pruned=1,
                   forced_nodes=[1, 2], tail=2)  # the last two nodes forced: one of them kept
     stats.observe_cycle(chain, Verdict([0, 1], [4, 5, 8], 2.0), wall_ms=6.0)

@@ -70,6 +70,7 @@ class OpenJob:
     hidden: tuple[int, ...] = ()  # as OpenJob.hidden
     constraint: Constraint | None = None  # structured output, standing at the committed tokens
     owner: str = ""  # who opened it (SessionTable.add)
+    cached: int = 0  # prompt rows taken from the prefix cache (set when admitted)
 
 
 def is_chain(tree: TokenTree) -> bool:
@@ -82,14 +83,16 @@ def plan_rows(live: list[VerifyJob], admitted: list[tuple[OpenJob, VerifySession
     builds every session's tree mask and positions in one go, on the device
     for the lean one; a chain's mask is the causal one), then each prefill's
     prompt (all but the pending last token after a resume: the cache holds
-    all committed tokens but the last)."""
+    all committed tokens but the last) after the rows its cache took from
+    the prefix cache."""
     items, last_only = [], []
     for j in live:
         s = j.session
         items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), None, None if is_chain(j.tree) else j.tree))
         last_only.append(False)
     for o, s in admitted:
-        items.append((s.cache, o.prompt_ids[:-1] if o.resume else o.prompt_ids, None, None))
+        rows = o.prompt_ids[:-1] if o.resume else o.prompt_ids
+        items.append((s.cache, rows[s.cache.length :], None, None))
         last_only.append(True)
     return items, last_only
 

@@ -26,6 +26,7 @@ from specd_core.runtime.jobs import alone, in_order, still_valid
 from specd_core.runtime.model_core import ModelCore
 from specd_core.runtime.models import Runner
 from specd_core.runtime.phases import Phases
+from specd_core.runtime.prefix_cache import publish_prefix, reuse_prefix
 from specd_core.runtime.warmup import timed, warm_up
 from verifier_svc.batch import (
     OpenJob,
@@ -234,7 +235,16 @@ class Verifier(ModelCore):
         gen = torch.Generator().manual_seed(j.params.seed)
         s = VerifySession(self.runner.new_session(), j.params, gen, list(j.prompt_ids), j.hidden, j.constraint)
         rows = len(j.prompt_ids) - 1 if j.resume else len(j.prompt_ids)
-        s.cache.reserve(rows, f"session {j.session_id!r} (a prompt of {len(j.prompt_ids)} tokens)")
+        # Prefix caching: start after the longest cached prefix, but compute at
+        # least the last row (its logits give the first token). A session that
+        # returns features computes every row (the drafter needs them all).
+        reusable = 0 if j.hidden else rows - 1
+        j.cached = reuse_prefix(s.cache, j.prompt_ids[:rows], j.params.cache_salt, reusable)
+        try:
+            s.cache.reserve(rows, f"session {j.session_id!r} (a prompt of {len(j.prompt_ids)} tokens)")
+        except BaseException:
+            s.cache.release()  # the shared blocks it took
+            raise
         return s
 
     def _forward(self, items: list, last_only: list[bool], live: list[VerifyJob], admitted: list) -> tuple[list, list]:
@@ -257,6 +267,7 @@ class Verifier(ModelCore):
         """The prefills' first tokens (by id(job)); their sessions join the table."""
         done = {}
         for (j, s), lg, h in zip(admitted, logits, states):
+            publish_prefix(s.cache)  # its prompt's rows are written now
             done[id(j)] = self._first_token(j, s, lg[0], h)
             self.sessions.add(j.session_id, s, j.owner)
         return done

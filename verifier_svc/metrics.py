@@ -7,13 +7,20 @@ from __future__ import annotations
 from prometheus_client import Gauge, Histogram
 
 from specd_core.runtime.grammar import live_matchers
-from specd_core.telemetry.metrics import COUNT_BUCKETS, SpecDecodeCounters, count_expired_sessions, metric
+from specd_core.telemetry.metrics import (
+    COUNT_BUCKETS,
+    SpecDecodeCounters,
+    count_expired_sessions,
+    count_prefix_cache,
+    metric,
+)
 
 
 class VerifierMetrics:
     def __init__(self, core):
         self.spec = SpecDecodeCounters()
         count_expired_sessions(core.sessions)
+        count_prefix_cache(core.kv_pool.prefix)
         self.batch_size = metric(
             Histogram,
             "specdec:verify_batch_size",

@@ -69,7 +69,9 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
             first = self.batcher.submit(job).result()
         close_if_caller_left(self.core, request.session_id, context)
         first, hidden = first if request.return_hidden_states else (first, None)
-        return pb.OpenVerifySessionResponse(first_token_id=first or 0, hidden_states=hidden_to_proto(hidden))
+        return pb.OpenVerifySessionResponse(
+            first_token_id=first or 0, hidden_states=hidden_to_proto(hidden), cached_prompt_tokens=job.cached
+        )
 
     def _verify(self, request) -> Future:
         """Check a Verify and queue it for the next forward; a future of the

@@ -95,7 +95,7 @@ async def open_session(
     replicas: SessionReplicas, spec: GenerationSpec, tracker: OutputTracker, stats: Stats, trace: NoTrace
 ) -> tuple[CycleState, Emit]:
     """Prefill: the first token is the first output."""
-    first, hidden = await replicas.open(spec, trace)
+    first, hidden, stats.cached_prompt_tokens = await replicas.open(spec, trace)
     state = CycleState(len(spec.context_ids) + 1, [first], [] if spec.features else None)
     stats.feature_bytes += state.keep_features(hidden)
     return state, stream(tracker, stats, [first])

@@ -41,6 +41,17 @@ class Draft:
 
 
 @dataclass
+class Opened:
+    """A verifier's answer to an open: the first token (None after a resume),
+    the prompt's features (sessions that asked), and the prompt tokens whose
+    KV rows came from its prefix cache."""
+
+    first: int | None
+    hidden: HiddenStates | None = None
+    cached: int = 0
+
+
+@dataclass
 class Verdict:
     path: list[int]  # accepted node indices, root-down
     tokens: list[int]  # path tokens + correction or bonus
@@ -144,6 +155,7 @@ class Stats:
     forced_tokens: int = 0  # draft tokens the output constraint forced (in drafted_tokens too)
     forced_accepted: int = 0  # ... kept by the verifier (in accepted_tokens too)
     resumed_tokens: int = 0  # a resumed stream: the tokens it resumed from (in completion_tokens too)
+    cached_prompt_tokens: int = 0  # prompt tokens the verifier took from its prefix cache
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.cycle.ports import DrafterClient, NoTrace, VerifierClient
-from orchestrator.cycle.records import CycleRecord, Draft, Verdict
+from orchestrator.cycle.records import CycleRecord, Draft, Opened, Verdict
 from orchestrator.cycle.spec import GenerationSpec
 from specd_core.runtime.features import HiddenStates
 
@@ -79,9 +79,10 @@ class SessionReplicas:
         self.verifier, self.drafter = verifier, drafter
         self.opened: list[VerifierClient | DrafterClient] = []  # the clients to close
 
-    async def open(self, spec: GenerationSpec, trace: NoTrace) -> tuple[int, HiddenStates | None]:
+    async def open(self, spec: GenerationSpec, trace: NoTrace) -> tuple[int, HiddenStates | None, int]:
         """Prefill both (on the prompt and any resumed tokens); the first new
-        token, and the prompt's features (spec.features)."""
+        token, the prompt's features (spec.features) and the prompt tokens the
+        verifier's prefix cache held."""
         context, more = spec.context_ids, spec.generated_keywords
         # The target's features: True for EAGLE's; layer ids for EAGLE-3's auxiliary layers.
         want: dict = {"hidden": spec.feature_layers or True} if spec.features else {}
@@ -108,9 +109,14 @@ class SessionReplicas:
             await asyncio.shield(asyncio.gather(*closes, return_exceptions=True))
 
 
-def first_token(opened: Any, features: bool) -> tuple[int, HiddenStates | None]:
-    """The verifier's open result: the first token, with the prompt's features when asked for."""
+def first_token(opened: Any, features: bool) -> tuple[int, HiddenStates | None, int]:
+    """The verifier's open result: the first token, with the prompt's features
+    when asked for, and the prompt tokens it took from its prefix cache (an
+    `Opened`; clients that answer a plain token or pair cached nothing)."""
+    if isinstance(opened, Opened):
+        assert opened.first is not None  # a new session's open samples its first token
+        return opened.first, opened.hidden, opened.cached
     if features:
         first, hidden = opened
-        return first, hidden
-    return opened, None
+        return first, hidden, 0
+    return opened, None, 0

@@ -126,6 +126,8 @@ class _Common(Strict):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     forced_drafting: bool | None = None
+    # Prefix caching: share cached prompt blocks only with requests of the same salt (vLLM's extra).
+    cache_salt: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -253,6 +255,8 @@ def _sampling(req: _Common, out: pb.GenerateRequest) -> None:
 def _speculation(req: _Common, out: pb.GenerateRequest) -> None:
     if req.speculative_method is not None:
         out.speculative_method = req.speculative_method
+    if req.cache_salt is not None:
+        out.cache_salt = req.cache_salt
     for name in (
         "num_speculative_tokens",
         "adaptive_speculation",
@@ -498,6 +502,8 @@ def usage(stats: Stats) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        # OpenAI's field: prompt tokens served from the prefix cache.
+        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
     }
 
 

@@ -50,7 +50,7 @@ def build_spec(
     top_p = req.top_p if req.HasField("top_p") else 1.0
     seed = req.seed if req.HasField("seed") else secrets.randbits(63)
     constraint = constraint_from_proto(req.structured_output, req.HasField("structured_output"))
-    sampling = SamplingParams(req.temperature, top_p, req.top_k, seed, constraint).validate()
+    sampling = SamplingParams(req.temperature, top_p, req.top_k, seed, constraint, req.cache_salt).validate()
     if constraint is not None and compile_constraint is not None:
         compile_constraint(constraint)
 

@@ -38,7 +38,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.config import HangConfig
-from orchestrator.cycle.records import Draft, Verdict
+from orchestrator.cycle.records import Draft, Opened, Verdict
 from orchestrator.fleet.hang import HangWatch
 from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
@@ -396,8 +396,8 @@ class GrpcVerifier(_Client):
     async def open(self, session_id, prompt_ids, sampling, resume: bool = False, *, hidden=False, generated_from=0):
         """resume: re-prefill all committed tokens, sample nothing (returns None).
         hidden: the session returns the target's features (EAGLE; layer ids:
-        those layers' states side by side, EAGLE-3); then the result is (first
-        token, the prompt's features). generated_from: with
+        those layers' states side by side, EAGLE-3), with the first token in
+        the result (an `Opened`). generated_from: with
         structured output, where the generated tokens of a resume start."""
         r = await self._unary(
             self.stub.OpenSession,
@@ -416,9 +416,8 @@ class GrpcVerifier(_Client):
             prompt_tokens=len(prompt_ids),
         )
         first = None if resume else r.first_token_id
-        if hidden:
-            return first, hidden_from_proto(r.hidden_states, r.HasField("hidden_states"))
-        return first
+        features = hidden_from_proto(r.hidden_states, r.HasField("hidden_states")) if hidden else None
+        return Opened(first, features, r.cached_prompt_tokens)
 
     def _probe_open(self, session_id: str):
         return pb.OpenVerifySessionRequest(session_id=session_id, prompt_token_ids=[0], sampling=pb.SamplingParams())

@@ -36,6 +36,8 @@ REPLICA_INFO_FIELDS = (
     "kv_used_tokens",
     "kv_capacity_bytes",
     "kv_used_bytes",
+    "prefix_queried_tokens",
+    "prefix_hit_tokens",
 )
 # Status waits this long for a replica's Info: a stuck replica must not stall it.
 INFO_TIMEOUT_S = 2.0

@@ -10,9 +10,29 @@ def _kv_use(r) -> str:
     return f"{r.kv_used_tokens}/{r.kv_capacity_tokens} ({100 * r.kv_used_tokens / r.kv_capacity_tokens:.0f}%)"
 
 
+def _prefix_hits(r) -> str:
+    """A replica's prefix cache hit rate: prompt tokens found / looked up; '-' when none."""
+    if not r.prefix_queried_tokens:
+        return "-"
+    return f"{100 * r.prefix_hit_tokens / r.prefix_queried_tokens:.0f}% of {r.prefix_queried_tokens}"
+
+
 def print_status(status) -> None:
     rows = [
-        ("POOL", "REPLICA", "ADDRESS", "NODE", "SESSIONS", "STATE", "ENGINE", "MODEL", "DTYPE", "KV TOKENS", "METRICS")
+        (
+            "POOL",
+            "REPLICA",
+            "ADDRESS",
+            "NODE",
+            "SESSIONS",
+            "STATE",
+            "ENGINE",
+            "MODEL",
+            "DTYPE",
+            "KV TOKENS",
+            "PREFIX HITS",
+            "METRICS",
+        )
     ]
     for r in sorted(status.replicas, key=lambda r: (r.kind != "verifier", r.name)):
         rows.append(
@@ -27,6 +47,7 @@ def print_status(status) -> None:
                 r.architecture or "-",
                 r.dtype or "-",
                 _kv_use(r),
+                _prefix_hits(r),
                 r.metrics_address or "-",
             )
         )

@@ -148,6 +148,19 @@ class ModelServiceConfig:
             dest="warmup",
         ),
     )
+    # Automatic prefix caching (lean engine; specd_core/runtime/prefix_cache.py):
+    # full KV blocks of prompts stay cached, shared by later sessions whose
+    # prompts start alike, and are evicted least recently used when the budget
+    # needs room. Off: every prompt is prefilled whole.
+    prefix_caching: bool = field(
+        default=True,
+        metadata=flag(
+            "prefill every prompt whole: no reuse of cached KV blocks of earlier prompts' identical prefixes",
+            name="--no-prefix-caching",
+            action="store_false",
+            dest="prefix_caching",
+        ),
+    )
     # TLS / mTLS on this server (specd_core.net.security); None = plaintext
     tls: TlsConfig | None = field(default=None, metadata=flag_group(add_server_tls_flags, tls_from_args))
     max_tree_nodes: int = field(default=64, metadata=not_flag("fixed: the protocol's tree size limit per call"))

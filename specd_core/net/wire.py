@@ -16,6 +16,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         top_k=p.top_k,
         seed=p.seed,
         structured_output=constraint_to_proto(p.constraint),
+        cache_salt=p.cache_salt,
     )
 
 
@@ -27,6 +28,7 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         top_k=sp.top_k,
         seed=sp.seed,
         constraint=constraint_from_proto(sp.structured_output, sp.HasField("structured_output")),
+        cache_salt=sp.cache_salt,
     )
 
 

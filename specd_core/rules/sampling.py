@@ -33,6 +33,11 @@ class SamplingParams:
     # Structured output (vLLM keeps it with the sampling parameters too): the
     # law is the masked logits' (specd_core/runtime/grammar.py); None = unconstrained.
     constraint: OutputConstraint | None = None
+    # Prefix caching (specd_core/runtime/prefix_cache.py): requests share cached
+    # KV blocks only with requests of the same salt (tenants apart). It travels
+    # with the sampling parameters because every open, resume and rebuild of a
+    # session carries them.
+    cache_salt: str = ""
 
     @property
     def greedy(self) -> bool:

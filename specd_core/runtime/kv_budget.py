@@ -28,6 +28,7 @@ import threading
 import torch
 
 from specd_core.errors import CapacityExceeded
+from specd_core.runtime.prefix_cache import PrefixCache
 
 # Rows per block. A verify adds at most max_tree_nodes + 1 rows (default 64 + 1)
 # and a decode cycle K + 1 <= 17, so one cycle grows a session by one or two
@@ -144,6 +145,10 @@ class KVPool:
         self._free_ids = list(range(total_blocks - 1, -1, -1))
         # The engine's tensor of the blocks (paged_kv.PagedKV), made on first use.
         self.storage: object | None = None
+        # Automatic prefix caching (specd_core/runtime/prefix_cache.py), set by
+        # the replica's core for the lean engine; None: off. Its idle blocks
+        # are neither used nor in _free_ids, and count as free.
+        self.prefix: PrefixCache | None = None
 
     @classmethod
     def of_bytes(cls, nbytes: int, block_rows: int, row_bytes: int, owner: str = "replica") -> KVPool:
@@ -209,10 +214,15 @@ class KVPool:
         return got
 
     def take_blocks(self, want: int, need: int | None = None, what: str = "a session") -> list[int]:
-        """`take`, returning the ids of the blocks taken (0 <= id < total_blocks)."""
+        """`take`, returning the ids of the blocks taken (0 <= id < total_blocks):
+        never-used blocks first, then the least recently used idle cached ones."""
         with self._lock:
             got = self._take(want, need, what)
-            return [self._free_ids.pop() for _ in range(got)]
+            return [self._free_ids.pop() if self._free_ids else self._evict() for _ in range(got)]
+
+    def _evict(self) -> int:
+        assert self.prefix is not None  # _take counted idle blocks as free
+        return self.prefix.evict()
 
     def give(self, blocks: int) -> None:
         """Give back blocks taken before."""
@@ -225,14 +235,47 @@ class KVPool:
         self._used -= blocks
 
     def give_blocks(self, ids: list[int]) -> None:
-        """Give back blocks taken with `take_blocks`."""
+        """Give back blocks taken with `take_blocks` or `share`: a cached block
+        is free only once its last holder gives it back, and then stays cached
+        (idle) until a take needs it."""
         with self._lock:
-            self._give(len(ids))
-            self._free_ids.extend(reversed(ids))
+            cache = self.prefix
+            own = [b for b in ids if cache is None or b not in cache]
+            idle = sum(cache.unref(b) for b in ids if b not in own) if cache is not None else 0
+            self._give(len(own) + idle)
+            self._free_ids.extend(reversed(own))
+
+    def share(self, names: list[bytes]) -> list[int]:
+        """The cached blocks of the longest run of `names` (prefix_cache.py),
+        each taken by one more holder; [] without prefix caching."""
+        with self._lock:
+            if self.prefix is None:
+                return []
+            ids = self.prefix.lookup(names)
+            self._used += sum(self.prefix.ref(b) for b in ids)
+            return ids
+
+    def name_blocks(self, pairs: list[tuple[int, bytes]]) -> list[int]:
+        """Cache blocks a session computed and holds, under their names; the
+        ids now cached (a name taken already leaves its block the session's own)."""
+        with self._lock:
+            if self.prefix is None:
+                return []
+            return [b for b, name in pairs if self.prefix.name(b, name)]
+
+    def check(self) -> None:
+        """Every block is used, free or idle cached, once (tests: no block leaked)."""
+        with self._lock:
+            idle = list(self.prefix.idle) if self.prefix is not None else []
+            held = self.total_blocks - len(self._free_ids) - len(idle)
+            if held != self._used or len(set(self._free_ids) | set(idle)) != len(self._free_ids) + len(idle):
+                raise AssertionError(f"{self.owner} pool: {self._used} used, {held} neither free nor idle")
 
     def describe(self) -> dict:
         """The pool's figures (replica info, status, metrics)."""
-        return {
+        with self._lock:
+            prefix = self.prefix.describe() if self.prefix is not None else {"prefix_caching": False}
+        return prefix | {
             "kv_block_tokens": self.block_rows,
             "kv_capacity_blocks": self.total_blocks,
             "kv_used_blocks": self._used,

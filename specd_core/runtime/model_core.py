@@ -28,6 +28,7 @@ from specd_core.runtime.models import (
     load_tokenizer,
     vocab_size,
 )
+from specd_core.runtime.prefix_cache import PrefixCache
 from specd_core.runtime.sessions import SessionTable
 from specd_core.runtime.token_text import TokenizerUnsupported
 
@@ -78,6 +79,11 @@ class ModelCore:
         block = getattr(cfg, "kv_block_size", DEFAULT_BLOCK_ROWS)
         nbytes = budget_bytes(getattr(cfg, "kv_cache_memory", "auto"), self.model.device)
         pool = KVPool.of_bytes(nbytes, block, self.runner.kv_row_bytes, self.role)
+        if getattr(cfg, "prefix_caching", True) and self.runner.lean is not None:
+            # Seeded with what decides a block's rows besides its tokens: which
+            # weights (directory and revision) and the cache's dtype.
+            model = f"{cfg.model_dir}@{getattr(cfg, 'revision', None) or ''}"
+            pool.prefix = PrefixCache(model, str(self.runner.kv_dtype))
         self.runner.kv_pool = pool
         log.info(
             "%s KV budget: %d blocks of %d tokens (%d tokens, %.1f MiB at %d bytes per token)",

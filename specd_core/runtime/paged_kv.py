@@ -17,7 +17,10 @@ The pool (specd_core/runtime/kv_budget.py) owns the storage (`pool.storage`)
 and the block ids; the budget's pool is sized at the replica's start. A
 session reserves by taking block ids (nothing is copied, ever), rolls back by
 setting its length, compacts by moving kept rows within its own blocks, and
-releases by giving its ids back.
+releases by giving its ids back. With prefix caching (prefix_cache.py) a new
+session starts on the cached blocks of its prompt's longest cached prefix,
+shared with other sessions, and caches its own full prompt blocks after its
+prefill; rows below `frozen` are never written, rolled back or compacted.
 """
 
 from __future__ import annotations
@@ -95,6 +98,11 @@ class LeanSession:
         self.block_rows = self.pool.block_rows
         self.table: list[int] = []  # storage block of each block of rows, in order
         self.length = 0
+        # Prefix caching (specd_core/runtime/prefix_cache.py): the names of the
+        # full blocks of the prompt rows, and the rows below which every block
+        # is shared or may be (named): never written, rolled back or compacted.
+        self.names: list[bytes] = []
+        self.frozen = 0
 
     @property
     def capacity(self) -> int:
@@ -143,14 +151,40 @@ class LeanSession:
     def release(self) -> None:
         """Give the blocks back (the session is over)."""
         ids, self.table, self.length = [b - NULL_BLOCK for b in self.table], [], 0
+        self.names, self.frozen = [], 0
         self.pool.give_blocks(ids)
+
+    def reuse_prefix(self, prompt_rows: list[int], salt: str, limit: int) -> int:
+        """A new session's start from the pool's prefix cache: name the full
+        blocks of the prompt rows it will hold, take the longest cached run of
+        them within `limit` rows (the rows the caller need not compute) and
+        stand after it. The rows reused (0 without prefix caching)."""
+        cache = self.pool.prefix
+        if cache is None or self.table:
+            return 0
+        self.names = cache.names(prompt_rows, self.block_rows, salt)
+        ids = self.pool.share(self.names[: max(0, limit) // self.block_rows])
+        self.table = [b + NULL_BLOCK for b in ids]
+        self.length = self.frozen = len(ids) * self.block_rows
+        cache.observe(len(prompt_rows), self.length)
+        return self.length
+
+    def publish_prefix(self) -> None:
+        """After the prefill's forward: cache the session's own full prompt
+        blocks (reuse_prefix named them), which it never writes again."""
+        b = self.block_rows
+        mine = [(self.table[i] - NULL_BLOCK, n) for i, n in enumerate(self.names) if (i + 1) * b <= self.length]
+        mine = mine[self.frozen // b :]
+        if mine:
+            self.pool.name_blocks(mine)
+            self.frozen = max(self.frozen, (self.frozen // b + len(mine)) * b)
 
     def forward(self, token_ids: list[int], last_only: bool = False, positions=None, mask=None) -> torch.Tensor:
         return self.lean.forward(self, token_ids, positions, mask, last_only)
 
     def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
+        if not self.frozen <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length}, {self.frozen} of them shared")
         self.length = length
 
     @torch.inference_mode()
@@ -158,6 +192,8 @@ class LeanSession:
         """Keep rows start+keep[j] at start+j (keep ascending), drop the rest:
         the kept rows move within the session's blocks, every layer at once."""
         moved = [(start + k, start + j) for j, k in enumerate(keep) if k != j]  # a kept prefix is in place
+        if moved and moved[0][1] < self.frozen:
+            raise ValueError(f"compaction would write row {moved[0][1]}, below the {self.frozen} shared rows")
         if moved:
             pairs = torch.tensor([[self.slot(a), self.slot(b)] for a, b in moved], device=self.store.device)
             data = self.store.data

@@ -101,6 +101,22 @@ def count_expired_sessions(table) -> None:
     table.on_expired = lambda reason, n: counter.labels(reason).inc(n)
 
 
+def count_prefix_cache(cache) -> None:
+    """Count a replica's prefix-cache lookups (specd_core/runtime/prefix_cache.py:
+    its `on_query`) in prompt tokens, as vLLM's prefix_cache_queries / _hits:
+    hits / queries is the share of prompt tokens not computed. None: off."""
+    if cache is None:
+        return
+    queries = metric(Counter, "specdec:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+    hits = metric(Counter, "specdec:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).")
+
+    def observe(queried: int, hit: int) -> None:
+        queries.inc(queried)
+        hits.inc(hit)
+
+    cache.on_query = observe
+
+
 def serve(port: int, host: str = "127.0.0.1") -> int:
     """Serve /metrics over HTTP on a daemon thread; port 0 = any free port.
     Returns the bound port. With $SPECD_METRICS_TOKEN set, only requests
