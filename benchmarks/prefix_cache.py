@@ -1,4 +1,4 @@
-"""Automatic prefix caching (issue 34's first Must show): time to first token
+"""Automatic prefix caching: time to first token
 of a request whose long prefix an earlier request served, against a cold
 request of the same length, on the same running system.
 
@@ -18,7 +18,7 @@ each over the rounds, their ratio, the per-round ratios (paired, as every
 benchmark's; benchmarks/common.py), and the warm requests'
 `GenerationStats.cached_prompt_tokens`.
 
-Goal (issue 34): warm TTFT <= 0.3 x cold, and >= 1,024 cached tokens on the
+Goal: warm TTFT <= 0.3 x cold, and >= 1,024 cached tokens on the
 warm request. Writes benchmarks/results/prefix_cache.json.
 """
 

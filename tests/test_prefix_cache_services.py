@@ -1,4 +1,4 @@
-"""Automatic prefix caching through the real services (issue 34): greedy
+"""Automatic prefix caching through the real services: greedy
 outputs of requests that hit the cache equal target-only (chains and trees);
 `cached_prompt_tokens` on a second request sharing a prefix, none with a
 different `cache_salt`; and a stress run - concurrent streams on shared random

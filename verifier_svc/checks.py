@@ -1,4 +1,5 @@
-"""The checks of a Verify's draft distributions (the sampled-children rule's q)."""
+"""The checks of a verify call's inputs: its draft distributions (the sampled-children
+rule's q) and the feature layers a new session asks for."""
 
 from __future__ import annotations
 
@@ -42,3 +43,18 @@ def dense_draft_q(tree: TokenTree, rows: list[tuple[list[int], list[float]]], vo
             raise InvalidRequest(f"draft distribution {r} gives probability 0 to drafted token(s) {missing}")
         used.append((ids, probs))
     return dense_q([ids for ids, _ in used], [p for _, p in used], vocab_size)
+
+
+def feature_layers(hidden: bool | tuple[int, ...], layers: int | None) -> tuple[int, ...]:
+    """The layer ids whose states a session returns (() = none). hidden: True
+    for the last layer's output before the final norm (EAGLE), or layer ids
+    (EAGLE-3's auxiliary layers); layers: the lean engine's decoder layers
+    (None: the HF engine, which returns no features)."""
+    if not hidden:
+        return ()
+    if layers is None:
+        raise InvalidRequest("return_hidden_states needs the verifier's lean engine")
+    ids = tuple(hidden) if isinstance(hidden, tuple) else (layers,)
+    if any(not 0 <= i <= layers for i in ids):
+        raise InvalidRequest(f"hidden_layers {list(ids)} must be decoder layer ids in [0, {layers}]")
+    return ids

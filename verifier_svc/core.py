@@ -40,7 +40,7 @@ from verifier_svc.batch import (
     plan_rows,
     stamp,
 )
-from verifier_svc.checks import dense_draft_q
+from verifier_svc.checks import dense_draft_q, feature_layers
 from verifier_svc.config import VerifierConfig
 
 
@@ -115,7 +115,7 @@ class Verifier(ModelCore):
                 "a resumed session needs the prompt and at least one generated token "
                 f"in prompt_token_ids, got {len(prompt_ids)} token(s)"
             )
-        layers = self._feature_layers(hidden)
+        layers = feature_layers(hidden, len(self.runner.lean.layers) if self.runner.lean else None)
         constraint = params.constraint
         if constraint is not None and resume and not 0 < generated_from < len(prompt_ids):
             raise InvalidRequest(
@@ -124,18 +124,6 @@ class Verifier(ModelCore):
             )
         matcher = self.constraint(constraint, prompt_ids, generated_from)
         return OpenJob(session_id, list(prompt_ids), params, resume, layers, matcher, owner)
-
-    def _feature_layers(self, hidden: bool | tuple[int, ...]) -> tuple[int, ...]:
-        """The layer ids whose states a session returns (() = none)."""
-        if not hidden:
-            return ()
-        if self.runner.lean is None:
-            raise InvalidRequest("return_hidden_states needs the verifier's lean engine")
-        n = len(self.runner.lean.layers)
-        layers = tuple(hidden) if isinstance(hidden, tuple) else (n,)
-        if any(not 0 <= i <= n for i in layers):
-            raise InvalidRequest(f"hidden_layers {list(layers)} must be decoder layer ids in [0, {n}]")
-        return layers
 
     def verify(
         self,

@@ -1,5 +1,5 @@
 """Automatic prefix caching: a replica's full KV blocks of prompts, found again
-by their content (issue 34).
+by their content.
 
 A block of `block_rows` prompt rows is named by a hash chained over the
 tokens of every block up to and including it, seeded with what else decides
