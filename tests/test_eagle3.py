@@ -443,6 +443,21 @@ def test_one_verifier_batch_serves_each_session_its_own_layers(heads):
 
 
 @pytest.mark.unit
+def test_a_model_with_damaged_weights_is_not_taken_for_a_head(heads, tmp_path):
+    """A drafter directory whose weights cannot be read is no head: the
+    format check passes it on (loading it as a model then reports the damage
+    in one line, tests/test_up_errors.py) instead of raising from the check."""
+    from specd_core.runtime.head_formats import head_format
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN}))
+    (damaged / "model.safetensors").write_bytes(b"not a safetensors file" * 10)
+    assert head_format(damaged) is None
+    assert head_format(heads["eagle"]) == "eagle"  # the same check still reads a published head
+
+
+@pytest.mark.unit
 def test_a_head_that_does_not_fit_is_refused_naming_the_mismatch(heads, tmp_path):
     target, vocab = heads["target"], heads["vocab"]
     bad = {

@@ -93,9 +93,19 @@ def head_format(path) -> str | None:
         return "specd"
     if EAGLE3_ARCH in (cfg.get("architectures") or []):
         return "eagle3"
-    if cfg and {"fc.weight", "layers.0.self_attn.q_proj.weight"} <= weight_names(path):
+    if cfg and {"fc.weight", "layers.0.self_attn.q_proj.weight"} <= _readable_names(path):
         return "eagle"
     return None
+
+
+def _readable_names(path) -> set[str]:
+    """weight_names, or none when the weights cannot be read: the directory is
+    then not taken for a head, and loading it as a model reports the damage
+    the way a damaged model is reported (one line, at the replica's start)."""
+    try:
+        return weight_names(path)
+    except Exception:  # noqa: BLE001 - safetensors and torch.load raise their own kinds
+        return set()
 
 
 def head_method(path) -> str | None:
