@@ -146,9 +146,13 @@ def _run_child(request: dict, out_fd: int) -> None:
     """In the forked child: become `python -m MODULE ARGS` and exit as it would."""
     code = 1
     try:
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # As a fresh interpreter starts: SIGPIPE ignored, so that a write to a
+        # socket whose client has gone raises an error the server handles
+        # (with the default action the server process would die of it).
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
         os.close(out_fd)
