@@ -88,15 +88,21 @@ def _load_target(head_dir: str, target_dir: str):
     return target
 
 
+def _start(head_dir: str, target_dir: str, device: str, dtype: str):
+    """What both published formats start from: the target (checked against
+    the head), the head's weights, a placer on the resolved device and dtype,
+    and an empty one-layer model shaped by the head's config."""
+    target = _load_target(head_dir, target_dir)
+    dev = resolve_device(device)
+    at = _Placer(dev, torch_dtype(target_dir, dtype, dev))
+    return target, load_weights(head_dir), at, _one_layer_model(read_config(head_dir), target)
+
+
 def build_eagle(head_dir: str, target_dir: str, device: str = "auto", dtype: str = "default"):
     """A published EAGLE-1/2 head: (one-layer model, FusedInput). Its layer has
     no input norm and the target's LM head reads its output without a norm;
     its features are the target's after the final norm (head_input.FusedInput)."""
-    target = _load_target(head_dir, target_dir)
-    w = load_weights(head_dir)
-    dev = resolve_device(device)
-    at = _Placer(dev, torch_dtype(target_dir, dtype, dev))
-    model = _one_layer_model(read_config(head_dir), target)
+    target, w, at, model = _start(head_dir, target_dir, device, dtype)
     layer = model.model.layers[0]
     at.layer(layer, w, "layers.0")
     layer.input_layernorm = None
@@ -117,11 +123,7 @@ def build_eagle3(head_dir: str, target_dir: str, device: str = "auto", dtype: st
     """A published EAGLE-3 head: (one-layer model, Eagle3Input). The model's
     LM head is the head's own over the draft vocabulary; Eagle3Input maps it
     to target ids with d2t."""
-    target = _load_target(head_dir, target_dir)
-    w = load_weights(head_dir)
-    dev = resolve_device(device)
-    at = _Placer(dev, torch_dtype(target_dir, dtype, dev))
-    model = _one_layer_model(read_config(head_dir), target)
+    target, w, at, model = _start(head_dir, target_dir, device, dtype)
     layer = model.model.layers[0]
     at.layer(layer, w, "midlayer")
     at.put(layer.input_layernorm, w["midlayer.input_layernorm.weight"])
@@ -133,7 +135,7 @@ def build_eagle3(head_dir: str, target_dir: str, device: str = "auto", dtype: st
     rule = Eagle3Input(
         at.tensor(w["fc.weight"]),
         at.tensor(w["midlayer.hidden_norm.weight"]),
-        (torch.arange(draft_vocab) + d2t).to(dev),
+        (torch.arange(draft_vocab) + d2t).to(at.device),
         target.config.vocab_size,
     )
     return model.eval(), rule
