@@ -41,6 +41,28 @@ import traceback
 from pathlib import Path
 
 PRELOAD = ("torch", "transformers", "numpy", "safetensors.torch", "tokenizers")
+# What a service imports on its way to serving, beyond PRELOAD: Hugging
+# Face's model-loading stack (`transformers` imports it lazily, on the first
+# model loaded: about 2.5 s of CPU in every replica) and the HTTP front's
+# FastAPI. None of them imports gRPC or starts a thread. The modeling modules
+# are those of the families the tests build (tests/tiny_models.py); one a
+# transformers release lacks is skipped here, and a service needing it fails
+# on its own import as it would outside the zygote.
+PRELOAD_LATER = (
+    "transformers.modeling_utils",
+    "transformers.masking_utils",
+    "transformers.activations",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mistral.modeling_mistral",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.phi3.modeling_phi3",
+    "transformers.models.gemma2.modeling_gemma2",
+    "transformers.models.gemma3.modeling_gemma3",
+    "fastapi",
+)
 MAX_MESSAGE = 1 << 20
 
 
@@ -187,6 +209,9 @@ def _run_child(request: dict, out_fd: int) -> None:
 def _serve(sock_path: str, rc_dir: Path) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in PRELOAD_LATER:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     parent = os.getppid()
 
     def reap(*_):
