@@ -39,7 +39,7 @@ class ModelFacts:
     target_ctx: int
     drafter_ctx: int
     eos_ids: set[int]
-    drafter_method: str  # what the drafter pool serves: eagle | eagle3 | draft_model
+    drafter_method: str  # what the drafter pool serves: eagle | eagle3 | medusa | draft_model
     # Structured output over the target's tokenizer, built at start: a tokenizer
     # it cannot run over is logged once there, and each constrained request is
     # refused with why (FAILED_PRECONDITION).
