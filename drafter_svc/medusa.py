@@ -27,6 +27,7 @@ length at its last verdict and the one feature the heads read.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -35,8 +36,9 @@ import torch.nn.functional as F
 from drafter_svc.eagle import Eagle
 from drafter_svc.state import ProposeJob
 from specd_core.runtime.head_formats import fit_problem, read_config
+from specd_core.runtime.kv_budget import KVPool
 from specd_core.runtime.medusa_format import MedusaWeights, load_medusa
-from specd_core.runtime.models import resolve_device, torch_dtype
+from specd_core.runtime.models import ModelRunner, resolve_device, torch_dtype
 from specd_core.runtime.propose_call import ProposeCall
 
 
@@ -51,10 +53,10 @@ class MedusaModel(nn.Module):
         super().__init__()
         tc = target.config
 
-        def put(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().to(device, dtype)
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device, dtype)
 
-        self.residual = [[(put(wt), put(b)) for wt, b in layers] for layers in w.residual]
+        self.residual = [[(put(wt), None if b is None else put(b)) for wt, b in layers] for layers in w.residual]
         self.lm_heads = [put(lm) for lm in w.lm_heads]
         self.token_map = None if w.token_map is None else w.token_map.to(device)
         self.logit_scale = w.logit_scale
@@ -145,10 +147,12 @@ class MedusaRunner:
 
     def __init__(self, model: MedusaModel):
         self.model = model
-        self.lean = model  # not None: sessions' levels are batched (drafter_svc/core.py)
+        # Not None: the sessions' levels are batched (drafter_svc/core.py). No
+        # lean forward runs through it (the heads are not a LeanModel).
+        self.lean: Any = model
         self.hidden_size = self.feature_width = model.hidden_size
         self.vocab_size = model.vocab_size
-        self.kv_pool = None  # installed by the core; the sessions take nothing from it
+        self.kv_pool: KVPool | None = None  # installed by the core; the sessions take nothing from it
         self.kv_dtype = model.dtype
         # The budget's unit: a session's rows cost nothing, so only max_sessions limits them.
         self.kv_row_bytes = 1
@@ -161,7 +165,7 @@ class MedusaRunner:
         by_head: dict[int, list[MedusaSession]] = {}
         for s, h in dict.fromkeys((s, h) for s, h in wanted):
             by_head.setdefault(h, []).append(s)
-        out = {}
+        out: dict[tuple[int, int], torch.Tensor] = {}
         for h, sessions in by_head.items():
             assert all(s.feature is not None for s in sessions)  # fed before any draft row
             rows = self.model.logits(h, torch.stack([s.feature for s in sessions]))  # type: ignore[misc]
@@ -218,7 +222,7 @@ class Medusa(Eagle):
         self.model = built or build_medusa(config.model_dir, self.tokenizer_dir, config.device, config.dtype)
         self.runner = None
 
-    def runner_of(self, runner) -> MedusaRunner:  # type: ignore[override]
+    def runner_of(self, runner: ModelRunner) -> MedusaRunner:  # type: ignore[override]
         """The heads run on their own (the model's Runner is not used)."""
         self.runner = MedusaRunner(self.model)  # type: ignore[assignment]
         return self.runner  # type: ignore[return-value]

@@ -53,8 +53,14 @@ def self_distillation(target, tok, windows: int = 16, prompt_len: int = 8, new: 
     starts = torch.linspace(0, len(ids) - prompt_len - 1, windows).long()
     x = torch.stack([ids[s : s + prompt_len] for s in starts])
     with torch.no_grad():
-        seq = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new,
-                              min_new_tokens=new, pad_token_id=0)
+        seq = target.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+        )
         h = target(seq, output_hidden_states=True).hidden_states[-1]
     return seq, h
 
@@ -65,24 +71,39 @@ def trained_heads(target, tok, steps: int = 250) -> list[dict]:
     seq, h = self_distillation(target, tok)
     g = torch.Generator().manual_seed(3)
     hidden, lm0 = h.shape[-1], target.lm_head.weight.detach()
-    heads = [{"w": [torch.randn(hidden, hidden, generator=g) * 0.02 for _ in range(NUM_LAYERS)],
-              "b": [torch.zeros(hidden) for _ in range(NUM_LAYERS)], "lm": lm0.clone()} for _ in range(NUM_HEADS)]
+    heads = [
+        {
+            "w": [torch.randn(hidden, hidden, generator=g) * 0.02 for _ in range(NUM_LAYERS)],
+            "b": [torch.zeros(hidden) for _ in range(NUM_LAYERS)],
+            "lm": lm0.clone(),
+        }
+        for _ in range(NUM_HEADS)
+    ]
     params = [t.requires_grad_() for hd in heads for t in (*hd["w"], *hd["b"], hd["lm"])]
     opt = torch.optim.Adam(params, lr=3e-3)
     for _ in range(steps):
-        loss = sum(F.cross_entropy(ref_head(hd, h[:, : -(2 + i)]).flatten(0, 1), seq[:, 2 + i :].flatten())
-                   for i, hd in enumerate(heads))
+        loss = sum(
+            F.cross_entropy(ref_head(hd, h[:, : -(2 + i)]).flatten(0, 1), seq[:, 2 + i :].flatten())
+            for i, hd in enumerate(heads)
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return [{k: ([t.detach() for t in v] if isinstance(v, list) else v.detach()) for k, v in hd.items()} for hd in heads]
+    return [
+        {k: ([t.detach() for t in v] if isinstance(v, list) else v.detach()) for k, v in hd.items()} for hd in heads
+    ]
 
 
 def save_original(out: Path, heads: list[dict], vocab: int, hidden: int, pt: bool = False, prefix="medusa_head."):
     """The Medusa authors' layout: medusa_lm_head.safetensors (or .pt, saved from the ModuleList: no prefix)."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {"medusa_num_heads": len(heads), "medusa_num_layers": NUM_LAYERS, "base_model_name_or_path": "tiny-llama",
-           "hidden_size": hidden, "vocab_size": vocab}
+    cfg = {
+        "medusa_num_heads": len(heads),
+        "medusa_num_layers": NUM_LAYERS,
+        "base_model_name_or_path": "tiny-llama",
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     w = {}
     for i, hd in enumerate(heads):
@@ -100,9 +121,16 @@ def save_original(out: Path, heads: list[dict], vocab: int, hidden: int, pt: boo
 def save_vllm(out: Path, heads: list[dict], vocab: int, hidden: int, token_map: torch.Tensor | None = None):
     """vLLM's layout; with token_map, each head's LM head keeps only those rows."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": len(heads),
-           "num_hidden_layers": NUM_LAYERS, "hidden_size": hidden, "vocab_size": vocab, "medusa_fc_bias": True,
-           "truncated_vocab_size": len(token_map) if token_map is not None else vocab}
+    cfg = {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "num_heads": len(heads),
+        "num_hidden_layers": NUM_LAYERS,
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+        "medusa_fc_bias": True,
+        "truncated_vocab_size": len(token_map) if token_map is not None else vocab,
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     w = {}
     for i, hd in enumerate(heads):
@@ -130,7 +158,11 @@ def medusa(pairs, tmp_path_factory):
     counts = torch.bincount(seq.flatten(), minlength=vocab).float() + torch.rand(vocab) * 1e-3
     token_map = torch.sort(torch.topk(counts, DRAFT_VOCAB).indices).values
     return {
-        "target": target_dir, "vocab": vocab, "hidden": hidden, "heads": heads, "token_map": token_map,
+        "target": target_dir,
+        "vocab": vocab,
+        "hidden": hidden,
+        "heads": heads,
+        "token_map": token_map,
         "original": save_original(root / "original", heads, vocab, hidden),
         "vllm": save_vllm(root / "vllm", heads, vocab, hidden, token_map),
     }
@@ -174,8 +206,9 @@ def test_both_layouts_are_read_as_medusa(medusa, tmp_path):
     pt = save_original(tmp_path / "pt", medusa["heads"], medusa["vocab"], medusa["hidden"], pt=True, prefix="")
     w = load_medusa(pt, json.loads((Path(pt) / "config.json").read_text()))
     assert head_format(pt) == "medusa" and w.num_heads == NUM_HEADS and w.layout == "original"
-    assert torch.equal(w.lm_heads[1], medusa["heads"][1]["lm"]) and torch.equal(w.residual[2][0][1],
-                                                                               medusa["heads"][2]["b"][0])
+    assert torch.equal(w.lm_heads[1], medusa["heads"][1]["lm"]) and torch.equal(
+        w.residual[2][0][1], medusa["heads"][2]["b"][0]
+    )
 
 
 @pytest.mark.unit
@@ -230,8 +263,13 @@ def test_heads_that_do_not_fit_are_refused_naming_the_mismatch(medusa, tmp_path)
     bad = {
         "hidden_size 32": save_original(tmp_path / "h", small, vocab, 32),
         f"vocab_size {vocab + 8}": save_vllm(tmp_path / "v", wide, vocab + 8, hidden),
-        "token_map maps draft rows outside": save_vllm(tmp_path / "m", [{**medusa["heads"][0], "lm": torch.zeros(8, hidden)}],
-                                                       vocab, hidden, torch.arange(vocab - 4, vocab + 4)),
+        "token_map maps draft rows outside": save_vllm(
+            tmp_path / "m",
+            [{**medusa["heads"][0], "lm": torch.zeros(8, hidden)}],
+            vocab,
+            hidden,
+            torch.arange(vocab - 4, vocab + 4),
+        ),
     }
     for needle, head in bad.items():
         with pytest.raises(IncompatiblePair) as e:
@@ -257,14 +295,21 @@ def test_medusa_choices_are_the_tree():
 # ----- services: greedy exactness ---------------------------------------------------------------
 
 
-SHAPES = [dict(num_speculative_tokens=1), dict(num_speculative_tokens=3), {},  # {}: the service's medusa_choices
-          dict(tree={"node_budget": 6, "max_depth": 3, "top_k": 2})]
+SHAPES = [
+    {"num_speculative_tokens": 1},
+    {"num_speculative_tokens": 3},
+    {},  # {}: the service's medusa_choices
+    {"tree": {"node_budget": 6, "max_depth": 3, "top_k": 2}},
+]
 
 
 @pytest.fixture(scope="module")
 def original_stack(medusa):
-    stack = Stack(medusa["target"], medusa["original"], orchestrator_args=("--method", "medusa", "--tree-paths",
-                                                                             "0;1;0,0;0,1;0,0,0"))
+    stack = Stack(
+        medusa["target"],
+        medusa["original"],
+        orchestrator_args=("--method", "medusa", "--tree-paths", "0;1;0,0;0,1;0,0,0"),
+    )
     yield stack
     stack.stop()
 
@@ -272,8 +317,16 @@ def original_stack(medusa):
 @pytest.fixture(scope="module")
 def vllm_stack(medusa, tmp_path_factory):
     spec = tmp_path_factory.mktemp("spec") / "speculative.json"
-    spec.write_text(json.dumps({"method": "medusa", "model": medusa["vllm"], "num_speculative_tokens": 3,
-                                "medusa_choices": [[0], [1], [0, 0], [2], [0, 0, 0]]}))
+    spec.write_text(
+        json.dumps(
+            {
+                "method": "medusa",
+                "model": medusa["vllm"],
+                "num_speculative_tokens": 3,
+                "medusa_choices": [[0], [1], [0, 0], [2], [0, 0, 0]],
+            }
+        )
+    )
     stack = Stack(medusa["target"], medusa["vllm"], orchestrator_args=("--speculative-config", str(spec)))
     yield stack
     stack.stop()

@@ -94,7 +94,11 @@ def _vllm(cfg: dict, raw: dict) -> MedusaWeights:
     lm_heads = [shared if shared is not None else raw[f"lm_heads.{i}.weight"] for i in range(heads)]
     token_map = raw.get("token_map")
     return MedusaWeights(
-        residual, lm_heads, token_map.long() if token_map is not None else None, float(cfg.get("logit_scale", 1.0)), "vllm"
+        residual,
+        lm_heads,
+        token_map.long() if token_map is not None else None,
+        float(cfg.get("logit_scale", 1.0)),
+        "vllm",
     )
 
 
