@@ -292,6 +292,36 @@ def test_medusa_choices_are_the_tree():
         SpeculativeConfig.from_dict({"method": "medusa", "medusa_choices": [[0]], "tree": {"branching": [2]}})
 
 
+@pytest.mark.unit
+def test_specd_up_with_method_medusa(medusa, tmp_path, monkeypatch, capsys):
+    """`specd up --method medusa --drafter HEADS`: heads that do not fit are
+    refused before Ray starts, in one line; none given is refused (there is
+    no demo Medusa head); heads that fit go on to Ray."""
+    from specd import ray_cluster
+    from specd.cli import deploy
+    from specd.cli.parser import build_parser
+
+    monkeypatch.setenv("SPECD_HOME", str(tmp_path / "home"))
+    deployed = []
+
+    def no_ray(args):
+        deployed.append(args)
+        raise RuntimeError("no Ray in a unit test")
+
+    monkeypatch.setattr(deploy, "_ray_cluster", no_ray)
+    monkeypatch.setattr(ray_cluster, "start_private_ray", no_ray)
+    small = [{"w": [torch.zeros(32, 32)], "b": [torch.zeros(32)], "lm": torch.zeros(medusa["vocab"], 32)}]
+    bad = save_original(tmp_path / "bad", small, medusa["vocab"], 32)
+    up = ["up", "--target", medusa["target"], "--method", "medusa"]
+    assert deploy.cmd_up(build_parser().parse_args([*up, "--drafter", bad])) == 2 and not deployed
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specd up: medusa head") and "hidden_size 32" in err and "\n" not in err
+    assert deploy.cmd_up(build_parser().parse_args(up)) == 2 and not deployed
+    assert "method medusa needs Medusa heads" in capsys.readouterr().err
+    monkeypatch.setattr(deploy, "_with_models", lambda cfg, models: cfg)
+    assert deploy.cmd_up(build_parser().parse_args([*up, "--drafter", medusa["vllm"]])) == 1 and deployed
+
+
 # ----- services: greedy exactness ---------------------------------------------------------------
 
 
