@@ -215,7 +215,8 @@ class Medusa(Eagle):
 
     name = "medusa"
 
-    def __init__(self, config, built: MedusaModel | None = None):  # noqa: D107 - replaces Eagle's
+    def __init__(self, config, built: MedusaModel | None = None):
+        # Not Eagle's: there is no one-layer model or input rule to build.
         self.tokenizer_dir = config.target_dir
         if not self.tokenizer_dir:
             raise ValueError(f"{config.model_dir}: a published medusa head needs its target directory (--target-dir)")
