@@ -271,6 +271,12 @@ def test_heads_that_do_not_fit_are_refused_naming_the_mismatch(medusa, tmp_path)
             torch.arange(vocab - 4, vocab + 4),
         ),
     }
+    # A config naming more heads than the weights hold.
+    short = Path(save_original(tmp_path / "s", medusa["heads"][:2], vocab, hidden))
+    (short / "config.json").write_text(
+        json.dumps({**json.loads((short / "config.json").read_text()), "medusa_num_heads": 3})
+    )
+    bad["the weights have no medusa_head.2.0.linear.weight"] = str(short)
     for needle, head in bad.items():
         with pytest.raises(IncompatiblePair) as e:
             check_pair(target, head)

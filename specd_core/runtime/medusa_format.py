@@ -78,9 +78,22 @@ def _original(cfg: dict, raw: dict) -> MedusaWeights:
         m = _ORIGINAL.match(k)
         if m:  # a full checkpoint also holds the base model's weights: those are not the heads'
             named[(int(m[1]), int(m[2]), m[3])] = v
-    residual = [[(named[(i, j, "weight")], named.get((i, j, "bias"))) for j in range(layers)] for i in range(heads)]
-    lm_heads = [named[(i, layers, "weight")] for i in range(heads)]
-    return MedusaWeights(residual, lm_heads, None, 1.0, "original")
+
+    def layer(i: int, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The authors' code repeats ONE block medusa_num_layers times, so a file
+        # that stores shared tensors once has only block 0 of a head.
+        at = j if (i, j, "weight") in named else 0
+        if (i, at, "weight") not in named:
+            raise KeyError(f"medusa_head.{i}.{j}.linear.weight")
+        return named[(i, at, "weight")], named.get((i, at, "bias"))
+
+    def lm_head(i: int) -> torch.Tensor:
+        if (i, layers, "weight") not in named:
+            raise KeyError(f"medusa_head.{i}.{layers}.weight")
+        return named[(i, layers, "weight")]
+
+    residual = [[layer(i, j) for j in range(layers)] for i in range(heads)]
+    return MedusaWeights(residual, [lm_head(i) for i in range(heads)], None, 1.0, "original")
 
 
 def _vllm(cfg: dict, raw: dict) -> MedusaWeights:
