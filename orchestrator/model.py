@@ -60,7 +60,7 @@ class ModelFacts:
 
 def load_model_facts(config: OrchestratorConfig) -> ModelFacts:
     """The target's facts from its directory, and the drafter's: an EAGLE head
-    directory (method eagle or eagle3, on the target's features, vocabulary and
+    directory (method eagle, eagle3 or medusa, on the target's features, vocabulary and
     context; refused unless its shapes fit the target) or a draft model,
     refused unless it shares the target's tokenizer."""
     tokenizer = load_tokenizer(config.target_dir)
