@@ -14,14 +14,15 @@ class DrafterConfig(ModelServiceConfig):
 
     port: int = field(default=50071, metadata=flag(PORT_HELP))
     max_sessions: int = field(default=1024, metadata=flag(MAX_SESSIONS_HELP))
-    # Methods eagle and eagle3 (model_dir is a head): the target directory whose
-    # embedding (and final norm and LM head, but for EAGLE-3's) the head shares
-    # ("" = specd's own head's config `target`, relative to the head directory;
-    # a published EAGLE-1/2 or EAGLE-3 head names none, so it needs this).
+    # Methods eagle, eagle3 and medusa (model_dir is a head): the target directory
+    # whose embedding (and final norm and LM head, but for EAGLE-3's; Medusa heads
+    # take only its final norm) the head shares ("" = specd's own head's config
+    # `target`, relative to the head directory; a published head names none, so
+    # it needs this).
     target_dir: str = field(
         default="",
         metadata=flag(
-            "methods eagle / eagle3 (--model is a head): the target directory it shares embedding and LM head "
+            "methods eagle / eagle3 / medusa (--model is a head): the target directory it shares embedding and LM head "
             "with (default: specd's own head's config; a published head needs it)"
         ),
     )

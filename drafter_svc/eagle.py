@@ -310,8 +310,16 @@ class Eagle:
 def make_drafter(config, model=None) -> Drafter:
     """The core a drafter directory asks for: on an EAGLE head directory the
     Drafter drafting with it (model: (head model, input rule) already built), on
-    a causal LM the draft_model Drafter."""
-    if head_format(config.model_dir):
+    Medusa heads the Drafter drafting with them (drafter_svc/medusa.py; model:
+    the MedusaModel already built), on a causal LM the draft_model Drafter."""
+    fmt = head_format(config.model_dir)
+    if fmt == "medusa":
+        from drafter_svc.medusa import Medusa, with_any_engine  # it builds on this module
+
+        config = with_any_engine(config)
+        medusa = Medusa(config, model)
+        return Drafter(config, medusa.model, medusa)
+    if fmt:
         eagle = Eagle(config, model)
         return Drafter(config, eagle.model, eagle)
     return Drafter(config, model)

@@ -39,7 +39,7 @@ class ModelFacts:
     target_ctx: int
     drafter_ctx: int
     eos_ids: set[int]
-    drafter_method: str  # what the drafter pool serves: eagle | eagle3 | draft_model
+    drafter_method: str  # what the drafter pool serves: eagle | eagle3 | medusa | draft_model
     # Structured output over the target's tokenizer, built at start: a tokenizer
     # it cannot run over is logged once there, and each constrained request is
     # refused with why (FAILED_PRECONDITION).
@@ -60,7 +60,7 @@ class ModelFacts:
 
 def load_model_facts(config: OrchestratorConfig) -> ModelFacts:
     """The target's facts from its directory, and the drafter's: an EAGLE head
-    directory (method eagle or eagle3, on the target's features, vocabulary and
+    directory (method eagle, eagle3 or medusa, on the target's features, vocabulary and
     context; refused unless its shapes fit the target) or a draft model,
     refused unless it shares the target's tokenizer."""
     tokenizer = load_tokenizer(config.target_dir)

@@ -1,17 +1,19 @@
 """The speculative config, in the vocabulary of vLLM's `speculative_config`.
 
-    method: draft_model        # draft_model | eagle | eagle3 | ngram | off
+    method: draft_model        # draft_model | eagle | eagle3 | medusa | ngram | off
     model: models/demo/drafter # the drafter (draft_model) or the head (eagle: models/demo/eagle, or a
-                               #   published EAGLE-1/2 head; eagle3: a published EAGLE-3 head)
+                               #   published EAGLE-1/2 head; eagle3: a published EAGLE-3 head;
+                               #   medusa: published Medusa heads, either layout)
     num_speculative_tokens: 4  # K: chain length, or the depth limit of a tree
     prompt_lookup_max: 4       # ngram: longest suffix tried
     prompt_lookup_min: 1       # ngram: shortest suffix tried
-    tree:                      # optional, draft_model / eagle / eagle3: a static or dynamic tree
+    tree:                      # optional, draft_model / eagle / eagle3 / medusa: a static or dynamic tree
       branching: [3, 2, 1]     #   children per depth, or
       paths: [[0], [1], [0, 0]] #  node by node: choice ranks from the root, or
       node_budget: 16          #   a dynamic tree of this many nodes ...
       max_depth: 6             #   ... and this depth
       top_k: 4
+    medusa_choices: [[0], [1], [0, 0]] # the Medusa authors' name for tree.paths (either, not both)
     adaptive: true             # depth per cycle from measured acceptance and costs (false: always K)
     pipeline: false            # draft the next chain during each verify (draft_model chains)
     pipeline_alternatives: 2   # ... also for this many rejection outcomes per depth (0: all-kept only)
@@ -35,10 +37,11 @@ import tomllib
 
 from specd_core.rules.draft_shape import DraftShape
 
-METHODS = ("draft_model", "eagle", "eagle3", "ngram", "off")
-# Methods drafted by the drafter service: a draft model, or an EAGLE or EAGLE-3
-# head on the target's features (the verifier then returns them; drafter_svc/eagle.py).
-DRAFTER_METHODS = ("draft_model", "eagle", "eagle3")
+METHODS = ("draft_model", "eagle", "eagle3", "medusa", "ngram", "off")
+# Methods drafted by the drafter service: a draft model, or an EAGLE, EAGLE-3
+# or Medusa head on the target's features (the verifier then returns them;
+# drafter_svc/eagle.py, drafter_svc/medusa.py).
+DRAFTER_METHODS = ("draft_model", "eagle", "eagle3", "medusa")
 TREE_KEYS = ("branching", "paths", "node_budget", "max_depth", "top_k")
 # Alternatives per depth a request may ask for (the drafter's own limit is
 # DrafterConfig.max_ahead_alternatives, by default the same).
@@ -78,6 +81,13 @@ class SpeculativeConfig:
     confidence_threshold: str | float = "auto"
     max_num_speculative_tokens: int = 16  # limits that requests cannot exceed
     max_tree_nodes: int = 64
+    # Medusa's tree as its authors write it: rank paths from the root, which is
+    # what tree.paths is; taken as the tree when no tree is given.
+    medusa_choices: list | None = None
+
+    def __post_init__(self):
+        if self.medusa_choices and not self.tree:
+            object.__setattr__(self, "tree", {"paths": self.medusa_choices})
 
     def validate(self) -> SpeculativeConfig:
         if self.method not in METHODS:
@@ -113,13 +123,15 @@ class SpeculativeConfig:
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is greater "
                 f"than prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if self.medusa_choices and self.tree != {"paths": self.medusa_choices}:
+            raise ConfigError("speculative_config.medusa_choices: give either it or tree, not both")
         unknown = sorted(set(self.tree) - set(TREE_KEYS))
         if unknown:
             raise ConfigError(f"speculative_config.tree.{unknown[0]}: unknown key (known: {', '.join(TREE_KEYS)})")
         if self.tree:
             if self.method not in DRAFTER_METHODS:
                 raise ConfigError(
-                    f"speculative_config.tree: trees need method draft_model, eagle or eagle3, not {self.method!r}"
+                    f"speculative_config.tree: trees need method {', '.join(DRAFTER_METHODS)}, not {self.method!r}"
                 )
             try:
                 tree_shape(self.tree).validate(self.max_tree_nodes, self.max_num_speculative_tokens)
@@ -185,7 +197,7 @@ def add_speculative_flags(parser) -> None:
     """Flags shared by `specd up` and `python -m orchestrator`; they override the file."""
     g = parser.add_argument_group("speculative config (vLLM vocabulary; flags override the file)")
     g.add_argument("--speculative-config", help="YAML, TOML or JSON file (see orchestrator/spec_config.py)")
-    g.add_argument("--method", choices=METHODS, help="draft_model | eagle | eagle3 | ngram | off")
+    g.add_argument("--method", choices=METHODS, help=" | ".join(METHODS))
     g.add_argument("--num-speculative-tokens", type=int, help="K: chain length / tree depth limit")
     g.add_argument("--prompt-lookup-max", type=int)
     g.add_argument("--prompt-lookup-min", type=int)
@@ -265,6 +277,8 @@ def speculative_config_from_args(args) -> SpeculativeConfig:
         )
         if getattr(args, k, None) is not None
     }
+    if args.tree or getattr(args, "tree_paths", None) or args.tree_budget:
+        changes["medusa_choices"] = None  # a tree flag overrides the file's tree, medusa_choices included
     if args.tree:
         changes["tree"] = {"branching": args.tree}
     elif getattr(args, "tree_paths", None):

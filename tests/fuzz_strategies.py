@@ -274,5 +274,5 @@ def generate_requests(draw):
     elif brk == "tree":
         req.tree.CopyFrom(draw(shapes()))
     elif brk == "method":
-        req.speculative_method = draw(st.sampled_from(["medusa", "OFF", "\x00", " ngram"]))
+        req.speculative_method = draw(st.sampled_from(["lookahead", "OFF", "\x00", " ngram"]))
     return req

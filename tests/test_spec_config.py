@@ -9,7 +9,7 @@ import pytest
 from orchestrator.spec_config import ConfigError, SpeculativeConfig, load
 
 BAD = [
-    ({"method": "medusa"}, "speculative_config.method"),
+    ({"method": "lookahead"}, "speculative_config.method"),
     ({"num_speculative_tokens": -1}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),

@@ -10,7 +10,7 @@ from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
 
 # The methods whose drafter reads the target's features.
-FEATURE_METHODS = ("eagle", "eagle3")
+FEATURE_METHODS = ("eagle", "eagle3", "medusa")
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class GenerationSpec:
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams
-    method: str  # draft_model | eagle | eagle3 | ngram | off
+    method: str  # draft_model | eagle | eagle3 | medusa | ngram | off
     shape: DraftShape | None  # the draft each cycle; None = plain decoding
     stop: tuple[str, ...] = ()
     adaptive: bool = False  # choose the depth per cycle (orchestrator/cycle/adaptive.py), up to shape's

@@ -36,7 +36,7 @@ def build_spec(
     drafter_method: str = "draft_model",
     compile_constraint: Callable[[OutputConstraint], object] | None = None,
 ) -> GenerationSpec:
-    """drafter_method: what the deployment's drafter pool serves (draft_model | eagle | eagle3).
+    """drafter_method: what the deployment's drafter pool serves (draft_model | eagle | eagle3 | medusa).
     compile_constraint: checks a structured_output (InvalidRequest naming
     what is wrong) before any replica sees it."""
     prompt_ids = request_prompt_ids(req, tokenizer)
@@ -182,7 +182,7 @@ def confidence_threshold(
             raise InvalidRequest(f"confidence_threshold must be in [0, 1) (0 = off), got {t}")
         if t and not drafts:
             raise InvalidRequest(
-                f"confidence_threshold needs speculative_method draft_model, eagle or eagle3 (got method {method!r})"
+                f"confidence_threshold needs speculative_method {', '.join(DRAFTER_METHODS)} (got method {method!r})"
             )
         return t
     if not drafts:
@@ -224,7 +224,7 @@ def speculation(
         if not (0 <= k <= sc.max_num_speculative_tokens):
             raise InvalidRequest(f"num_speculative_tokens must be in [0, {sc.max_num_speculative_tokens}], got {k}")
     if req.HasField("tree") and method not in DRAFTER_METHODS:
-        raise InvalidRequest(f"a draft tree needs speculative_method draft_model, eagle or eagle3, not {method!r}")
+        raise InvalidRequest(f"a draft tree needs speculative_method {', '.join(DRAFTER_METHODS)}, not {method!r}")
     if method == "off" or k == 0:
         return "off", None
     if method == "ngram":

@@ -121,8 +121,9 @@ def _choose_drafter(args, sc: SpeculativeConfig) -> str | None:
     `model`, else the demo drafter; '' deploys none (then only ngram and off
     can run); args.models: both resolved (a repo id to its directory in the
     Hugging Face cache). Returns what is wrong with the models, if anything."""
-    if sc.method == "eagle3" and args.drafter is None and not sc.model:  # no demo EAGLE-3 head
-        return "specd up: method eagle3 needs an EAGLE-3 head: --drafter HEAD_DIR (or the speculative config's model)"
+    if sc.method in ("eagle3", "medusa") and args.drafter is None and not sc.model:  # no demo head of these
+        what = "an EAGLE-3 head" if sc.method == "eagle3" else "Medusa heads"
+        return f"specd up: method {sc.method} needs {what}: --drafter HEAD_DIR (or the speculative config's model)"
     drafter = (
         args.drafter
         if args.drafter is not None

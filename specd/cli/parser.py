@@ -70,7 +70,7 @@ def _add_generate_parser(sub) -> None:
     _add_generate_flags(gen)
     add_tls_flags(gen, server=False)
     g = gen.add_argument_group("per-request speculation (default: the service's config)")
-    g.add_argument("--method", choices=METHODS, help="draft_model | eagle | eagle3 | ngram | off")
+    g.add_argument("--method", choices=METHODS, help=" | ".join(METHODS))
     g.add_argument("--num-speculative-tokens", type=int, help="K for this request (0 = off)")
     add_draft_shape_flags(g)
     gen.set_defaults(func=cmd_generate)

@@ -1,7 +1,7 @@
 """Draft-head directories as published: which format a directory holds, its
 weights, and whether it fits a target (checked before anything starts).
 
-Three formats, two methods:
+Four formats, three methods:
 
 * `specd` - specd's own EAGLE head (specd_core/runtime/eagle_head.py,
   config `kind: specd-eagle-head`), method eagle;
@@ -17,7 +17,11 @@ Three formats, two methods:
   target_hidden over three auxiliary layers' hidden states), `midlayer.*` (a
   decoder layer whose attention reads [input_layernorm(embed); hidden_norm(h)],
   2 hidden wide), `norm`, `lm_head` over the draft vocabulary, `d2t` (draft id
-  -> target id offset) and `t2d` (mask over the target vocabulary). Method eagle3.
+  -> target id offset) and `t2d` (mask over the target vocabulary). Method eagle3;
+* `medusa` - the published Medusa heads (Cai et al. 2024), in the Medusa
+  authors' layout or vLLM's (specd_core/runtime/medusa_format.py): K heads,
+  each residual layers and an LM head over the target's last hidden state
+  after its final norm. Method medusa.
 
 The auxiliary layer ids name decoder layers; the state taken at id i is the
 residual stream entering layer i (Hugging Face's `hidden_states[i]`), in the
@@ -33,12 +37,15 @@ from pathlib import Path
 
 import torch
 
+from specd_core.runtime.medusa_format import is_medusa_config, medusa_problem
+from specd_core.runtime.medusa_format import weight_file as medusa_weight_file
+
 CONFIG_NAME = "config.json"
 SPECD_KIND = "specd-eagle-head"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 # The method each format is served by.
-METHOD_OF = {"specd": "eagle", "eagle": "eagle", "eagle3": "eagle3"}
-PUBLISHED = ("eagle", "eagle3")  # the formats that name no target and are checked against one
+METHOD_OF = {"specd": "eagle", "eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa"}
+PUBLISHED = ("eagle", "eagle3", "medusa")  # the formats that name no target and are checked against one
 
 
 def read_config(path) -> dict:
@@ -85,7 +92,7 @@ def load_weights(path) -> dict[str, torch.Tensor]:
 
 
 def head_format(path) -> str | None:
-    """ "specd" | "eagle" | "eagle3" for a head directory, None for anything else."""
+    """ "specd" | "eagle" | "eagle3" | "medusa" for a head directory, None for anything else."""
     if not path or not Path(path).is_dir():
         return None
     cfg = read_config(path)
@@ -93,6 +100,8 @@ def head_format(path) -> str | None:
         return "specd"
     if EAGLE3_ARCH in (cfg.get("architectures") or []):
         return "eagle3"
+    if is_medusa_config(cfg) and medusa_weight_file(path) is not None:
+        return "medusa"
     if cfg and {"fc.weight", "layers.0.self_attn.q_proj.weight"} <= _readable_names(path):
         return "eagle"
     return None
@@ -109,7 +118,7 @@ def _readable_names(path) -> set[str]:
 
 
 def head_method(path) -> str | None:
-    """The method a head directory is served by (eagle | eagle3), None: not a head."""
+    """The method a head directory is served by (eagle | eagle3 | medusa), None: not a head."""
     fmt = head_format(path)
     return METHOD_OF[fmt] if fmt else None
 
@@ -194,6 +203,10 @@ def fit_problem(head_dir, target_config) -> str | None:
     fmt = head_format(head_dir)
     if fmt not in PUBLISHED:
         return None
-    cfg, w, t = read_config(head_dir), load_weights(head_dir), TargetShape.of(target_config)
-    problem = _eagle3_problem(cfg, w, t) if fmt == "eagle3" else _eagle_problem(cfg, w, t)
+    cfg, t = read_config(head_dir), TargetShape.of(target_config)
+    if fmt == "medusa":
+        problem = medusa_problem(head_dir, cfg, t.hidden_size, t.vocab_size)
+    else:
+        w = load_weights(head_dir)
+        problem = _eagle3_problem(cfg, w, t) if fmt == "eagle3" else _eagle_problem(cfg, w, t)
     return f"{fmt} head {head_dir} does not fit its target: {problem}" if problem else None
