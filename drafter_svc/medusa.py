@@ -154,8 +154,11 @@ class MedusaRunner:
         self.vocab_size = model.vocab_size
         self.kv_pool: KVPool | None = None  # installed by the core; the sessions take nothing from it
         self.kv_dtype = model.dtype
-        # The budget's unit: a session's rows cost nothing, so only max_sessions limits them.
-        self.kv_row_bytes = 1
+        # The sessions take no block (only max_sessions limits them), but the
+        # pool is still built from a budget in bytes: priced at one feature per
+        # row it stays the size of other drafters' (at 1 byte a row, a 10 GiB
+        # budget made a free list of 168 million blocks: gigabytes and seconds).
+        self.kv_row_bytes = model.hidden_size * torch.finfo(model.dtype).bits // 8
 
     def new_session(self) -> MedusaSession:
         return MedusaSession(self)

@@ -225,6 +225,10 @@ def test_drafter_distributions_equal_reference_heads(medusa, layout):
 
     d = make_drafter(DrafterConfig(medusa[layout], target_dir=target_dir, device="cpu", engine="lean"))
     assert d.method.name == "medusa" and d.vocab_size == medusa["vocab"]
+    # The sessions take no KV blocks, but the replica's pool is still sized
+    # from a budget in bytes: a row priced at a feature's bytes, not at 1 byte
+    # (which made a 10 GiB budget a free list of 168 million blocks).
+    assert d.runner.kv_pool.row_bytes >= d.runner.hidden_size, d.runner.kv_pool.row_bytes
     runner, s = d.runner, d.runner.new_session()
     got = [runner.feed_batch([(s, prompt[1:] + [first], wire.decode())])[0][-1].softmax(-1)]
     for _ in range(NUM_HEADS - 1):  # along a chain: whatever the token, depth d reads head d-1
