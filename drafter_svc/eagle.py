@@ -263,7 +263,7 @@ class Eagle:
         # feature per token, so a forced run would cost a level per token
         # anyway; its masked q drafts forced positions (q = 1) as it goes.
         if call.ahead or call.rewind or call.alternatives or call.branch:
-            raise InvalidRequest("method eagle does not draft ahead (pipelined drafting is for draft_model)")
+            raise InvalidRequest(f"method {self.name} does not draft ahead (pipelined drafting is for draft_model)")
         return dataclasses.replace(call, hidden=None, forced_room=0)
 
     def ready(self, job: ProposeJob, call: ProposeCall) -> ProposeJob:
@@ -274,7 +274,7 @@ class Eagle:
         got = hidden.rows if hidden is not None else 0
         if need < 1 or got != need:
             raise InvalidRequest(
-                f"method eagle: hidden_states must hold the features of the {need} tokens "
+                f"method {self.name}: hidden_states must hold the features of the {need} tokens "
                 f"committed before the newest, got {got} rows"
             )
         assert hidden is not None  # got == need >= 1

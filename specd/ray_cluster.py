@@ -221,7 +221,7 @@ def _alive(pid: int) -> bool:
     return done == 0
 
 
-def stop_local_ray(pid: int, timeout_s: float = 5.0) -> None:
+def stop_local_ray(pid: int, timeout_s: float = 2.0) -> None:
     """SIGTERM the `ray start --block` process group, then SIGKILL what is left
     (`ray start --block` itself and its monitor do not always exit on SIGTERM)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -105,7 +105,10 @@ def test_plain_up_is_loopback_only_and_its_ray_takes_only_its_token(tmp_path):
         token = token_path.read_text().strip()
         # Drivers: no token, a wrong token, the token. The loopback setting is
         # given to all three, so that only the token differs.
-        loopback = {ray_cluster.RAY_LOOPBACK_ENV: "0"}
+        # A driver the cluster refuses retries its first GCS call for about 20 s
+        # (Ray's NUM_REDIS_GET_RETRIES, one try a second) before it reports the
+        # refusal; the same refusal comes on every try, so three are plenty.
+        loopback = {ray_cluster.RAY_LOOPBACK_ENV: "0", "RAY_NUM_REDIS_GET_RETRIES": "3"}
         drivers = {
             "none": clean_env(home, **loopback),
             "wrong": clean_env(home, **loopback, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64),
