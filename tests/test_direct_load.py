@@ -1,0 +1,123 @@
+"""The lean engine's direct load (specd_core/runtime/lean_load.py) against the
+LeanModel built from a Hugging Face model: the same logits, bit for bit, for
+every family tests/tiny_models.py builds (targets and drafters: tied and untied
+embeddings, biases, fused weights, each RoPE variant, past the RoPE switch of
+the sequence-dependent ones), in fp32 and bf16, padded vocabularies and sharded
+checkpoints; and the checkpoints it leaves to the HF path (load_lean -> None)."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specd_core.runtime.lean import LeanModel
+from specd_core.runtime.lean_load import load_lean
+from specd_core.runtime.models import load_model
+from tests.tiny_models import FAMILIES, build_model, build_tokenizer
+
+# 60 tokens: past every sliding window (8, 31) and past Phi-3.5's longrope switch (48).
+PROMPTS = ([(7 * i + 3) % 300 + 5 for i in range(60)], [5, 9, 300, 2], [42])
+STEPS = ([11], [12, 13, 14], [15])  # decode steps and a chunk after the prefill
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("direct")
+    return root, build_tokenizer(root / "tokenizer")
+
+
+def build(tok_dir, family: str, size: str, **kw) -> str:
+    root, tok = tok_dir
+    name = "-".join([family, size, *(f"{k}{v}" for k, v in kw.items())])
+    return build_model(root / name, family, size, 1 if size == "target" else 2, tok, 15.0, random_norms=True, **kw)
+
+
+def run(lm: LeanModel, prompt: list[int]) -> list[torch.Tensor]:
+    """Logits of a prefill then decode steps, one session (room past the context for dynamic NTK)."""
+    s = lm.new_session(max_len=4 * lm.max_positions)
+    return [s.forward(ids) for ids in (prompt, *STEPS)]
+
+
+def assert_same(path: str, dtype: str = "default") -> None:
+    old = LeanModel(load_model(path, "cpu", dtype))
+    new = load_lean(path, "cpu", dtype)
+    assert new is not None
+    assert new.dtype == old.dtype and new.vocab_size == old.vocab_size
+    for prompt in PROMPTS:
+        for a, b in zip(run(old, prompt), run(new, prompt)):
+            assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("size", ["target", "drafter"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_logits(tok_dir, family, size):
+    assert_same(build(tok_dir, family, size))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["llama-dynamic", "phi3.5"])
+def test_past_the_rope_switch(tok_dir, family):
+    # A context of 32: the 60-token prompt passes dynamic NTK's max_position_embeddings
+    # (Phi-3.5's longrope switch, 48, is fixed by its config and crossed anyway).
+    assert_same(build(tok_dir, family, "target", context=32))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "phi3.5"])
+def test_half_precision(tok_dir, family):
+    assert_same(build(tok_dir, family, "target"), "bfloat16")
+
+
+@pytest.mark.unit
+def test_checkpoint_dtype(tok_dir):
+    """dtype "auto" reads the checkpoint's own (float16 here) as the HF path does."""
+    path = build(tok_dir, "qwen2", "drafter")
+    model = load_model(path, "cpu", "float16")
+    model.save_pretrained(path + "-fp16")
+    assert_same(path + "-fp16", "auto")
+    assert load_lean(path + "-fp16", "cpu", "auto").dtype == torch.float16
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_padded_vocabulary(tok_dir, family):
+    assert_same(build(tok_dir, family, "target", rows=400))
+
+
+@pytest.mark.unit
+def test_sharded(tok_dir):
+    path = build(tok_dir, "mistral", "target")
+    load_model(path, "cpu").save_pretrained(path + "-sharded", max_shard_size="100KB")
+    assert os.path.isfile(os.path.join(path + "-sharded", "model.safetensors.index.json"))
+    assert_same(path + "-sharded")
+
+
+def _rewrite(src: str, dst: str, edit) -> str:
+    """A copy of checkpoint src whose tensors are edit(tensors)."""
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(dst, "config.json"), "w") as g:
+        g.write(f.read())
+    save_file(edit(load_file(os.path.join(src, "model.safetensors"))), os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+@pytest.mark.unit
+def test_left_to_hf(tok_dir):
+    """Checkpoints the direct path does not reproduce: None, for the HF path to load."""
+    path = build(tok_dir, "llama", "drafter")
+    no_head = _rewrite(path, path + "-nohead", lambda w: {k: v for k, v in w.items() if k != "lm_head.weight"})
+    assert load_lean(no_head, "cpu") is None  # untied, no output layer: HF initialises one randomly
+    renamed = _rewrite(path, path + "-renamed", lambda w: {"transformer." + k: v for k, v in w.items()})
+    assert load_lean(renamed, "cpu") is None  # a layout HF would have to rename
+    no_norm = _rewrite(path, path + "-nonorm", lambda w: {k: v for k, v in w.items() if k != "model.norm.weight"})
+    assert load_lean(no_norm, "cpu") is None
+    bin_only = _rewrite(path, path + "-noweights", lambda w: w)
+    os.remove(os.path.join(bin_only, "model.safetensors"))
+    assert load_lean(bin_only, "cpu") is None  # no safetensors weights (e.g. only pytorch_model.bin)
+    tied = build(tok_dir, "qwen3", "drafter")
+    other = _rewrite(tied, tied + "-otherhead", lambda w: {**w, "lm_head.weight": w["model.embed_tokens.weight"] + 1})
+    assert load_lean(other, "cpu") is None  # tied, but a different output layer stored too
+    gpt2 = build(tok_dir, "gpt2", "drafter")
+    assert load_lean(gpt2, "cpu") is None  # not a lean family
