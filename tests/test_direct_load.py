@@ -5,14 +5,18 @@ embeddings, biases, fused weights, each RoPE variant, past the RoPE switch of
 the sequence-dependent ones), in fp32 and bf16, padded vocabularies and sharded
 checkpoints; and the checkpoints it leaves to the HF path (load_lean -> None)."""
 
+import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+from transformers.configuration_utils import PreTrainedConfig
 
+from specd_core.runtime.arch import describe
 from specd_core.runtime.lean import LeanModel
-from specd_core.runtime.lean_load import load_lean
+from specd_core.runtime.lean_load import COMMON_KEYS, FAMILY_KEYS, load_lean, read_config
 from specd_core.runtime.models import load_model
 from tests.tiny_models import FAMILIES, build_model, build_tokenizer
 
@@ -121,3 +125,33 @@ def test_left_to_hf(tok_dir):
     assert load_lean(other, "cpu") is None  # tied, but a different output layer stored too
     gpt2 = build(tok_dir, "gpt2", "drafter")
     assert load_lean(gpt2, "cpu") is None  # not a lean family
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_without_its_class(tok_dir, family):
+    """A config.json saved by transformers 5 is read as a plain PreTrainedConfig
+    (not its family's class: that import is the cost), with the same fields."""
+    path = build(tok_dir, family, "drafter")
+    fast, full = read_config(path), AutoConfig.from_pretrained(path)
+    assert type(fast) is PreTrainedConfig and type(full) is not PreTrainedConfig
+    for key in (*COMMON_KEYS, *FAMILY_KEYS[full.model_type], "head_dim"):
+        assert getattr(fast, key, None) == getattr(full, key, None), key
+    assert describe(fast) == describe(full)
+
+
+@pytest.mark.unit
+def test_legacy_config(tok_dir):
+    """A config in the transformers 4 form (rope_theta and rope_scaling, no
+    head_dim) goes through AutoConfig, whose class converts it."""
+    path = build(tok_dir, "llama3", "target")
+    legacy = _rewrite(path, path + "-legacy", lambda w: w)
+    with open(os.path.join(legacy, "config.json")) as f:
+        d = json.load(f)
+    rope = d.pop("rope_parameters")
+    d.pop("head_dim")
+    d.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope, transformers_version="4.46.0")
+    with open(os.path.join(legacy, "config.json"), "w") as f:
+        json.dump(d, f)
+    assert type(read_config(legacy)) is not PreTrainedConfig
+    assert_same(legacy)

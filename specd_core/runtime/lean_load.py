@@ -4,15 +4,16 @@ Hugging Face's modeling stack.
 Why: the lean engine (specd_core/runtime/lean.py) only reads a loaded HF
 model's weights and config, yet `AutoModelForCausalLM.from_pretrained` first
 imports transformers' modeling stack (modeling_utils, masking_utils and the
-family's modeling_* module): about 1 s of CPU in every fresh process (each
+family's modeling_* module): about 2.5 s of CPU with the config classes' imports, in every fresh process (each
 Ray actor, each replica restart), against ~0.1 s for the weights themselves.
 
-Here the config still comes from `AutoConfig` (the config classes normalise
-what the lean engine reads: legacy rope_scaling into rope_parameters, default
-layer_types, head_dim, Qwen2's use_sliding_window) and the weights from the
-safetensors files. The LeanModel is built from a tree of plain objects whose
-attribute paths are the checkpoint's tensor names - exactly the paths
-`LeanModel` reads on an HF model - so the lean engine has one constructor.
+Here the config is config.json read into transformers' base config class
+where it was saved by transformers 5 with every field the lean engine reads
+(read_config; else AutoConfig, whose family classes convert older forms), and
+the weights come from the safetensors files. The LeanModel is built from a
+tree of plain objects whose attribute paths are the checkpoint's tensor names
+- exactly the paths `LeanModel` reads on an HF model - so the lean engine
+keeps one constructor.
 
 `load_lean` returns None where this path would not reproduce HF's load: a
 config the lean engine does not cover, no safetensors weights (only
@@ -32,13 +33,33 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from specd_core.runtime.lean import LeanModel, supports
-from specd_core.runtime.models import resolve_device, torch_dtype
+from specd_core.runtime.models import _DTYPES, DTYPE_CHOICES, checkpoint_dtype, resolve_device
 
-__all__ = ["DefaultRope", "load_lean", "read_weights"]
+__all__ = ["DefaultRope", "load_lean", "read_config", "read_weights"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PREFIXES = ("model.", "lm_head.")
+# The config fields the lean engine, arch.describe and HF's RoPE functions read,
+# per family: read_config takes config.json as it is only when it names them all.
+# head_dim only where the family's class has one (Qwen2 and Phi-3 derive it,
+# as getattr(config, "head_dim", None) does on the base class); Phi-3's
+# original_max_position_embeddings changes how HF standardises longrope parameters.
+COMMON_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "rms_norm_eps", "max_position_embeddings", "rope_parameters", "tie_word_embeddings",
+)  # fmt: skip
+GEMMA_KEYS = ("hidden_activation", "head_dim", "sliding_window", "layer_types", "query_pre_attn_scalar",
+              "attn_logit_softcapping", "final_logit_softcapping")  # fmt: skip
+FAMILY_KEYS = {
+    "llama": ("hidden_act", "head_dim"),
+    "mistral": ("hidden_act", "head_dim", "sliding_window"),
+    "phi3": ("hidden_act", "sliding_window", "original_max_position_embeddings"),
+    "qwen2": ("hidden_act", "sliding_window", "layer_types"),
+    "qwen3": ("hidden_act", "head_dim", "sliding_window", "layer_types"),
+    "gemma2": GEMMA_KEYS,
+    "gemma3_text": GEMMA_KEYS,
+}
 
 
 class DefaultRope:
@@ -57,6 +78,51 @@ class DefaultRope:
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq.to(device), 1.0
+
+
+def _complete(d: dict) -> bool:
+    """Whether a config.json can be used without its family's config class:
+    written by transformers 5 or later (which saves the class's normalised
+    fields: rope_parameters with rope_theta, layer_types, head_dim), naming
+    every field the lean engine reads, and no legacy RoPE fields to convert."""
+    version = str(d.get("transformers_version", "0")).split(".")[0]
+    if not version.isdigit() or int(version) < 5 or d.get("model_type") not in FAMILY_KEYS:
+        return False
+    if not all(k in d for k in COMMON_KEYS + FAMILY_KEYS[d["model_type"]]):
+        return False
+    if "rope_scaling" in d or "rope_theta" in d or not isinstance(d["rope_parameters"], dict):
+        return False
+    params = d["rope_parameters"]
+    nested = [params[t] for t in set(d.get("layer_types") or ()) if t in params]
+    return all(isinstance(p, dict) and "rope_theta" in p for p in (nested or [params]))
+
+
+def read_config(model_dir: str):
+    """The checkpoint's config: config.json as a plain PreTrainedConfig where
+    _complete says that reads as the family's class would, else AutoConfig.
+
+    Why not always AutoConfig: every family's configuration module imports
+    transformers.utils.type_validators, which imports transformers.activations
+    and torch.distributed.tensor - about 1.4 s of CPU, more than the rest of
+    the load. The base class (configuration_utils) costs ~0.01 s."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        d = json.load(f)
+    if not _complete(d):
+        return AutoConfig.from_pretrained(model_dir)
+    from transformers.configuration_utils import PreTrainedConfig
+
+    return PreTrainedConfig(**d)
+
+
+def _dtype(config, dtype: str, device: str) -> torch.dtype:
+    """models.resolve_dtype over an already read config (it reads its own with AutoConfig)."""
+    if dtype == "default":
+        dtype = "float32" if device == "cpu" else "auto"
+    if dtype == "auto":
+        dtype = checkpoint_dtype(config)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    return _DTYPES[dtype]
 
 
 def _weight_files(model_dir: str) -> list[str] | None:
@@ -134,10 +200,10 @@ def load_lean(model_dir: str, device: str = "auto", dtype: str = "default") -> L
     with the same device and dtype, without importing HF's modeling stack;
     None where this path does not cover the checkpoint (module docstring)."""
     device = resolve_device(device)
-    config = AutoConfig.from_pretrained(model_dir)
+    config = read_config(model_dir)
     if not supports(config):
         return None
-    weights = read_weights(model_dir, device, torch_dtype(model_dir, dtype, device))
+    weights = read_weights(model_dir, device, _dtype(config, dtype, device))
     root = _module_tree(weights) if weights is not None else None
     if root is None or not hasattr(root, "model") or not _output_layer(root, config):
         return None
