@@ -4,8 +4,9 @@ Hugging Face's modeling stack.
 Why: the lean engine (specd_core/runtime/lean.py) only reads a loaded HF
 model's weights and config, yet `AutoModelForCausalLM.from_pretrained` first
 imports transformers' modeling stack (modeling_utils, masking_utils and the
-family's modeling_* module): about 2.5 s of CPU with the config classes' imports, in every fresh process (each
-Ray actor, each replica restart), against ~0.1 s for the weights themselves.
+family's modeling_* module) and the family's config module: about 2.5 s of
+CPU in every fresh process (each Ray actor, each replica restart), against
+~0.1 s for the weights themselves.
 
 Here the config is config.json read into transformers' base config class
 where it was saved by transformers 5 with every field the lean engine reads
@@ -30,7 +31,6 @@ from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig
 
 from specd_core.runtime.lean import LeanModel, supports
 from specd_core.runtime.models import _DTYPES, DTYPE_CHOICES, checkpoint_dtype, resolve_device
@@ -108,6 +108,8 @@ def read_config(model_dir: str):
     with open(os.path.join(model_dir, "config.json")) as f:
         d = json.load(f)
     if not _complete(d):
+        from transformers import AutoConfig  # imported here: the auto module alone costs ~0.5 s
+
         return AutoConfig.from_pretrained(model_dir)
     from transformers.configuration_utils import PreTrainedConfig
 
