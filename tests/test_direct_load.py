@@ -16,8 +16,8 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from specd_core.runtime.arch import describe
 from specd_core.runtime.lean import LeanModel
-from specd_core.runtime.lean_load import COMMON_KEYS, FAMILY_KEYS, load_lean, read_config
-from specd_core.runtime.models import load_model
+from specd_core.runtime.lean_load import COMMON_KEYS, FAMILY_KEYS, load_checkpoint, load_lean, read_config
+from specd_core.runtime.models import Runner, architecture, context_length, load_model, vocab_size
 from tests.tiny_models import FAMILIES, build_model, build_tokenizer
 
 # 60 tokens: past every sliding window (8, 31) and past Phi-3.5's longrope switch (48).
@@ -121,6 +121,8 @@ def test_left_to_hf(tok_dir):
     os.remove(os.path.join(bin_only, "model.safetensors"))
     assert load_lean(bin_only, "cpu") is None  # no safetensors weights (e.g. only pytorch_model.bin)
     tied = build(tok_dir, "qwen3", "drafter")
+    no_qnorm = _rewrite(tied, tied + "-noqnorm", lambda w: {k: v for k, v in w.items() if "q_norm" not in k})
+    assert load_lean(no_qnorm, "cpu") is None  # the lean engine would skip the norm, HF would initialise it
     other = _rewrite(tied, tied + "-otherhead", lambda w: {**w, "lm_head.weight": w["model.embed_tokens.weight"] + 1})
     assert load_lean(other, "cpu") is None  # tied, but a different output layer stored too
     gpt2 = build(tok_dir, "gpt2", "drafter")
@@ -155,3 +157,19 @@ def test_legacy_config(tok_dir):
         json.dump(d, f)
     assert type(read_config(legacy)) is not PreTrainedConfig
     assert_same(legacy)
+
+
+@pytest.mark.unit
+def test_checkpoint_as_model(tok_dir):
+    """What ModelCore reads of its model is the same on a Checkpoint, and a Runner runs it on the lean engine."""
+    path = build(tok_dir, "gemma2", "target", rows=400)
+    hf, ckpt = load_model(path, "cpu"), load_checkpoint(path, "cpu")
+    assert vocab_size(ckpt) == vocab_size(hf) == 400
+    assert context_length(ckpt.config) == context_length(hf.config)
+    assert architecture(ckpt.config) == architecture(hf.config)
+    assert (ckpt.device, ckpt.dtype) == (hf.device, hf.dtype)
+    assert ckpt.config.eos_token_id == hf.config.eos_token_id
+    runner = Runner(ckpt, "auto")
+    assert runner.engine == "lean"
+    with pytest.raises(ValueError):
+        Runner(ckpt, "hf")  # no HF forward to fall back on

@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from specd_core.runtime.lean import LeanModel, supports
 from specd_core.runtime.models import _DTYPES, DTYPE_CHOICES, checkpoint_dtype, resolve_device
 
-__all__ = ["DefaultRope", "load_lean", "read_config", "read_weights"]
+__all__ = ["Checkpoint", "DefaultRope", "load_checkpoint", "load_lean", "read_config", "read_weights"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -184,6 +184,20 @@ def _module_tree(weights: dict[str, torch.Tensor]) -> SimpleNamespace | None:
     return node if isinstance(node, SimpleNamespace) else None
 
 
+def _required(family: str, layers: int) -> set[str]:
+    """The tensors (weights; biases are optional) every checkpoint of a family
+    has: without one, HF would initialise it and the lean engine would skip or miss it."""
+    attn = ["qkv_proj"] if family == "phi3" else ["q_proj", "k_proj", "v_proj"]
+    attn += ["o_proj"] + (["q_norm", "k_norm"] if family in ("qwen3", "gemma3_text") else [])
+    mlp = (["gate_up_proj"] if family == "phi3" else ["gate_proj", "up_proj"]) + ["down_proj"]
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if family in ("gemma2", "gemma3_text"):
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    per_layer = [f"self_attn.{a}" for a in attn] + [f"mlp.{m}" for m in mlp] + norms
+    names = {f"model.layers.{i}.{n}.weight" for i in range(layers) for n in per_layer}
+    return names | {"model.embed_tokens.weight", "model.norm.weight"}
+
+
 def _output_layer(root: SimpleNamespace, config) -> bool:
     """Point lm_head at the embeddings where the config ties them, as HF does;
     False where that would not give HF's output layer."""
@@ -197,27 +211,44 @@ def _output_layer(root: SimpleNamespace, config) -> bool:
     return head is not None  # untied without an output layer: HF would initialise it randomly
 
 
-def load_lean(model_dir: str, device: str = "auto", dtype: str = "default") -> LeanModel | None:
-    """A LeanModel of the checkpoint in model_dir, equal to LeanModel(load_model(...))
-    with the same device and dtype, without importing HF's modeling stack;
-    None where this path does not cover the checkpoint (module docstring)."""
+class Checkpoint:
+    """A checkpoint's weights under HF's module paths (`.model.layers[i].self_attn.q_proj.weight`,
+    `.lm_head.weight`) with what the lean engine and ModelCore read of a loaded
+    HF model: config, device, dtype, parameters(), get_output_embeddings().
+    It has no forward: it stands for a model only where the lean engine runs it."""
+
+    def __init__(self, root: SimpleNamespace, config):
+        self.model, self.lm_head, self.config = root.model, root.lm_head, config
+        self.model.rotary_emb = DefaultRope()
+        self.device = self.model.embed_tokens.weight.device
+        self.dtype = self.model.embed_tokens.weight.dtype
+
+    def parameters(self):
+        yield self.model.embed_tokens.weight  # LeanModel reads the dtype of the first, as HF's
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def load_checkpoint(model_dir: str, device: str = "auto", dtype: str = "default") -> Checkpoint | None:
+    """The checkpoint in model_dir for the lean engine, with the weights
+    load_model(model_dir, device, dtype) would give, without importing HF's
+    modeling stack; None where this path does not cover it (module docstring)."""
     device = resolve_device(device)
     config = read_config(model_dir)
     if not supports(config):
         return None
     weights = read_weights(model_dir, device, _dtype(config, dtype, device))
-    root = _module_tree(weights) if weights is not None else None
-    if root is None or not hasattr(root, "model") or not _output_layer(root, config):
+    if weights is None or not _required(config.model_type, config.num_hidden_layers) <= weights.keys():
         return None
-    if len(getattr(root.model, "layers", [])) != config.num_hidden_layers:
+    root = _module_tree(weights)
+    if root is None or len(root.model.layers) != config.num_hidden_layers or not _output_layer(root, config):
         return None
-    first = root.model.embed_tokens.weight
-    root.config, root.device = config, first.device
-    root.parameters = lambda: iter([first])
-    root.model.rotary_emb = DefaultRope()
-    try:
-        return LeanModel(root)
-    except AttributeError:
-        # A tensor the lean engine reads is not in the checkpoint: HF would
-        # initialise it randomly (or rename it while loading), neither worth copying.
-        return None
+    return Checkpoint(root, config)
+
+
+def load_lean(model_dir: str, device: str = "auto", dtype: str = "default") -> LeanModel | None:
+    """LeanModel(load_model(model_dir, device, dtype)) from the checkpoint
+    directly; None where load_checkpoint does not cover it."""
+    ckpt = load_checkpoint(model_dir, device, dtype)
+    return LeanModel(ckpt) if ckpt is not None else None
