@@ -28,12 +28,13 @@ from __future__ import annotations
 import json
 import os
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
 from specd_core.runtime.lean import LeanModel, supports
-from specd_core.runtime.models import _DTYPES, DTYPE_CHOICES, checkpoint_dtype, resolve_device
+from specd_core.runtime.models import _DTYPES, DTYPE_CHOICES, checkpoint_dtype, load_model, resolve_device
 
 __all__ = ["Checkpoint", "DefaultRope", "load_checkpoint", "load_lean", "read_config", "read_weights"]
 
@@ -215,13 +216,21 @@ class Checkpoint:
     """A checkpoint's weights under HF's module paths (`.model.layers[i].self_attn.q_proj.weight`,
     `.lm_head.weight`) with what the lean engine and ModelCore read of a loaded
     HF model: config, device, dtype, parameters(), get_output_embeddings().
-    It has no forward: it stands for a model only where the lean engine runs it."""
 
-    def __init__(self, root: SimpleNamespace, config):
+    Calling it runs HF's forward on the HF model, loaded (load_model) on the
+    first call: tests and tools use a core's model as an oracle, and pay the
+    modeling stack's import only then. The engines never call it (Runner
+    refuses the hf engine on it: `lean_only`)."""
+
+    lean_only = True
+
+    def __init__(self, root: SimpleNamespace, config, source: tuple[str, str, str]):
         self.model, self.lm_head, self.config = root.model, root.lm_head, config
         self.model.rotary_emb = DefaultRope()
         self.device = self.model.embed_tokens.weight.device
         self.dtype = self.model.embed_tokens.weight.dtype
+        self._source = source  # (model_dir, device, dtype) for load_model
+        self._hf: Any = None
 
     def parameters(self):
         yield self.model.embed_tokens.weight  # LeanModel reads the dtype of the first, as HF's
@@ -229,11 +238,18 @@ class Checkpoint:
     def get_output_embeddings(self):
         return self.lm_head
 
+    def __call__(self, *args, **kwargs):
+        if self._hf is None:
+            self._hf = load_model(*self._source)
+        return self._hf(*args, **kwargs)
+
 
 def load_checkpoint(model_dir: str, device: str = "auto", dtype: str = "default") -> Checkpoint | None:
     """The checkpoint in model_dir for the lean engine, with the weights
     load_model(model_dir, device, dtype) would give, without importing HF's
     modeling stack; None where this path does not cover it (module docstring)."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return None  # not a checkpoint directory: HF's load says what is wrong
     device = resolve_device(device)
     config = read_config(model_dir)
     if not supports(config):
@@ -244,7 +260,7 @@ def load_checkpoint(model_dir: str, device: str = "auto", dtype: str = "default"
     root = _module_tree(weights)
     if root is None or len(root.model.layers) != config.num_hidden_layers or not _output_layer(root, config):
         return None
-    return Checkpoint(root, config)
+    return Checkpoint(root, config, (model_dir, device, dtype))
 
 
 def load_lean(model_dir: str, device: str = "auto", dtype: str = "default") -> LeanModel | None:

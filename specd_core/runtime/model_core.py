@@ -19,6 +19,7 @@ from specd_core.rules.validation import check_token_ids
 from specd_core.runtime.grammar import Constraint, GrammarEngine, engine_of, eos_ids, try_engine
 from specd_core.runtime.hub import model_label
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, budget_bytes
+from specd_core.runtime.lean_load import load_checkpoint
 from specd_core.runtime.models import (
     ModelRunner,
     Runner,
@@ -35,6 +36,18 @@ from specd_core.runtime.token_text import TokenizerUnsupported
 log = logging.getLogger(__name__)
 
 MAX_SESSION_ID = 256
+
+
+def _load(config):
+    """The model a core serves. Where the lean engine will run it, straight
+    from the checkpoint (specd_core/runtime/lean_load.py): a fresh process then
+    does not import HF's modeling stack, ~2 s of CPU per replica start.
+    Elsewhere (the hf engine, a checkpoint that path does not cover) HF's load."""
+    if config.engine != "hf":
+        ckpt = load_checkpoint(config.model_dir, config.device, config.dtype)
+        if ckpt is not None:
+            return ckpt
+    return load_model(config.model_dir, config.device, config.dtype)
 
 
 class ModelCore:
@@ -55,7 +68,7 @@ class ModelCore:
         self.config, self.role = config, role
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        self.model = model if model is not None else load_model(config.model_dir, config.device, config.dtype)
+        self.model = model if model is not None else _load(config)
         runner: ModelRunner = Runner(self.model, config.engine)
         self.runner = runner_of(runner) if runner_of is not None else runner
         # The ids it serves: the output layer's rows, or what its runner maps

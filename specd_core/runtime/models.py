@@ -159,7 +159,7 @@ class Runner:
         if engine == "lean" and not lean.supports(model.config):
             reason = lean.unsupported_reason(model.config)
             raise ValueError(f"the lean engine does not support {model.config.model_type} with this config: {reason}")
-        if engine == "hf" and not callable(model):
+        if engine == "hf" and getattr(model, "lean_only", False):
             # A checkpoint loaded for the lean engine alone (specd_core/runtime/lean_load.py) has no forward.
             raise ValueError("the hf engine needs a model loaded by load_model")
         self.model = model
