@@ -173,3 +173,29 @@ def test_checkpoint_as_model(tok_dir):
     assert runner.engine == "lean"
     with pytest.raises(ValueError):
         Runner(ckpt, "hf")  # no HF forward to fall back on
+
+
+def _configs():
+    """Configs saved by transformers 5 whose class normalises fields on load:
+    Qwen2's use_sliding_window and max_window_layers, Gemma-3's and Phi-3's defaults."""
+    from transformers import Gemma3TextConfig, Phi3Config, Qwen2Config
+
+    return {
+        "qwen2-sliding": Qwen2Config(
+            use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=3
+        ),
+        "qwen2-unused-window": Qwen2Config(use_sliding_window=False, sliding_window=4096, num_hidden_layers=3),
+        "gemma3-defaults": Gemma3TextConfig(num_hidden_layers=7),
+        "phi3-defaults": Phi3Config(num_hidden_layers=2),
+    }
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", list(_configs()))
+def test_normalised_configs(tmp_path, name):
+    _configs()[name].save_pretrained(tmp_path)
+    fast, full = read_config(str(tmp_path)), AutoConfig.from_pretrained(tmp_path)
+    assert type(fast) is PreTrainedConfig
+    assert describe(fast) == describe(full)
+    for key in (*COMMON_KEYS, *FAMILY_KEYS[full.model_type], "head_dim"):
+        assert getattr(fast, key, None) == getattr(full, key, None), key
