@@ -39,6 +39,7 @@ from specd_core.runtime.kv_budget import KVPool
 from specd_core.runtime.lean import LeanModel
 from specd_core.runtime.models import ModelRunner, resolve_device, torch_dtype
 from specd_core.runtime.propose_call import ProposeCall
+from specd_core.runtime.tree_tensors import TreeLevel
 
 HeadRule = FusedInput | Eagle3Input  # drafter_svc/head_input.py
 
@@ -141,6 +142,8 @@ class HeadSession:
             if n != 1:
                 raise ValueError("drafted rows go through the head one tree level at a time")
             return self.feats[start - 1 : start]
+        if isinstance(mask, TreeLevel):
+            return self.feats[mask.parents()]
         seen = mask[:, :start] == 0  # (n, start)
         order = torch.arange(1, start + 1, device=seen.device)
         return self.feats[(seen * order).argmax(-1)]

@@ -40,6 +40,7 @@ from specd_core.runtime.kv_budget import KVPool
 from specd_core.runtime.medusa_format import MedusaWeights, load_medusa
 from specd_core.runtime.models import ModelRunner, resolve_device, torch_dtype
 from specd_core.runtime.propose_call import ProposeCall
+from specd_core.runtime.tree_tensors import TreeLevel
 
 
 class MedusaModel(nn.Module):
@@ -120,7 +121,9 @@ class MedusaSession:
     def head_of_rows(self, n: int, positions) -> list[int]:
         """The head whose logits each new row gets: a row at depth d (position
         committed - 1 + d; a chain's rows follow the cache) has children at d + 1."""
-        pos = positions.tolist() if positions is not None else range(self.length, self.length + n)
+        if positions is None:
+            positions = range(self.length, self.length + n)
+        pos = positions.tolist() if isinstance(positions, torch.Tensor) else positions
         last = self.runner.model.num_heads - 1
         # Rows past the last head occur only for shapes deeper than the heads,
         # which Medusa.ready cuts; any head's law would still be exact there.
@@ -177,7 +180,7 @@ class MedusaRunner:
 
     def forward_batch(self, items: list, last_only: bool = False) -> list[torch.Tensor]:
         """Drafted rows: items (MedusaSession, token_ids, positions | None, mask | None)."""
-        heads = [s.head_of_rows(len(toks), pos) for s, toks, pos, _ in items]
+        heads = [s.head_of_rows(len(toks), m.positions if isinstance(m, TreeLevel) else pos) for s, toks, pos, m in items]
         got = self._heads([(s, h) for (s, *_), hs in zip(items, heads) for h in hs])
         out = []
         for (s, toks, *_), hs in zip(items, heads):

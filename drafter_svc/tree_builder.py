@@ -34,6 +34,8 @@ import torch
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams, logits_to_probs, truncate_top
 from specd_core.runtime.grammar import Constraint, apply_masks
+from specd_core.runtime.models import dense_item
+from specd_core.runtime.tree_tensors import TreeLevel
 
 
 @dataclass
@@ -111,7 +113,8 @@ class _Grower:
 
     def level(self, nodes: list[int]) -> tuple:
         """The forward of these nodes in one pass, as a batch item
-        (session, token ids, positions, mask); they count as forwarded from now."""
+        (session, token ids, positions, mask: None or a TreeLevel); they
+        count as forwarded from now."""
         fwd = self.tree.forwarded
         cached = self.past + len(fwd)
         tokens = [self.tree.tokens[n] for n in nodes]
@@ -120,17 +123,15 @@ class _Grower:
             # plain causal forward, no mask to build.
             fwd += nodes
             return self.s, tokens, None, None
-        row_of = {n: i for i, n in enumerate(fwd)}
-        mask = torch.full((len(nodes), cached + len(nodes)), float("-inf"))
-        mask[:, : self.past] = 0.0  # committed tokens
-        for r, n in enumerate(nodes):
-            for a in self.ancestors[n]:
-                mask[r, self.past + row_of[a]] = 0.0  # its ancestors
-            mask[r, cached + r] = 0.0  # itself
+        row_of = {n: self.past + i for i, n in enumerate(fwd)}
         # The root (last committed token) sits at past-1; a node at depth d at past-1+d.
-        positions = torch.tensor([self.past - 1 + self.depth[n] for n in nodes])
+        level = TreeLevel(
+            self.past,
+            tuple(self.past - 1 + self.depth[n] for n in nodes),
+            tuple(tuple(row_of[a] for a in self.ancestors[n]) for n in nodes),
+        )
         fwd += nodes
-        return self.s, tokens, positions, mask
+        return self.s, tokens, None, level
 
 
 def masked_row(constraint: Constraint | None, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
@@ -184,42 +185,104 @@ class TreeJob(NamedTuple):
     constraint: Constraint | None = None
 
 
+class Ranked(NamedTuple):
+    """A row's best ids and their log-probabilities, best first (rank_rows):
+    what a node's greedy or dynamic children are chosen from."""
+
+    ids: list[int]
+    logps: list[float]
+
+
+def rank_rows(rows: list[torch.Tensor], k: int) -> list[Ranked]:
+    """The k best ids of each row of logits and their log-probabilities,
+    from one top-k per vocabulary width (one, but for a padded pair's rows
+    cut to the target's ids) and ONE transfer to the host for them all: not
+    a host sync per node, which on a GPU would stall the queue every time."""
+    out: list[Ranked] = [Ranked([], [])] * len(rows)
+    by_width: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_width.setdefault(r.shape[-1], []).append(i)
+    for width, idx in by_width.items():
+        x = torch.stack([rows[i] for i in idx]).float()
+        kk = min(k, width)
+        top = torch.topk(x, kk)
+        logp = top.values - torch.logsumexp(x, -1, keepdim=True)
+        # ids as float64 are exact (< 2**53): ids and log-probabilities come over together.
+        for i, r in zip(idx, torch.cat([top.indices.double(), logp.double()], 1).tolist()):
+            out[i] = Ranked([int(t) for t in r[:kk]], r[kk:])
+    return out
+
+
+def _ranks(j: TreeJob) -> int:
+    """How many ranked choices a tree's nodes take from the level's batched
+    ranking (rank_rows); 0: it chooses from its rows' logits itself (sampled
+    children are drawn from q; an output constraint masks each node's row by
+    its path)."""
+    if j.constraint is not None:
+        return 0
+    if j.shape.dynamic:
+        return j.shape.top_k
+    return max(j.shape.children().values()) if j.params.greedy else 0
+
+
+def _rows_for(growth_rows: list[tuple[int, torch.Tensor]], ks: list[int]) -> list:
+    """Each tree's rows for its growth: Ranked rows for those that take them
+    (ks[tree] > 0; ranked together), the logits for the others."""
+    wanted = [(t, r) for t, (n, lg) in enumerate(growth_rows) if ks[n] for r in range(lg.shape[0])]
+    ranked = rank_rows([growth_rows[t][1][r] for t, r in wanted], max((ks[n] for n, _ in growth_rows), default=0))
+    out: list = [lg if not ks[n] else [] for n, lg in growth_rows]
+    for (t, _), rk in zip(wanted, ranked):
+        out[t].append(rk)
+    return out
+
+
 def grow_trees_batched(runner, jobs: list[TreeJob], top_n: int) -> list[DraftTree]:
     """Trees of several sessions (static or dynamic, any shapes), each level
     of all of them in one forward (`runner.forward_batch`; None: each
-    session's own forward, one after another)."""
+    session's own forward, one after another), the greedy and dynamic trees'
+    choices at each level ranked together (rank_rows)."""
     growers = [_Grower(j.cache, j.cache.length, j.constraint) for j in jobs]
-    running: list[tuple[_Grower, Growth, list[int]]] = []
-    for g, j in zip(growers, jobs):
+    ks = [_ranks(j) for j in jobs]
+    roots = _rows_for([(n, j.root[None]) for n, j in enumerate(jobs)], ks)
+    running: list[tuple[int, Growth, list[int]]] = []
+    for n, (g, j, root) in enumerate(zip(growers, jobs, roots)):
+        root = root[0]
         growth = (
-            _grow_dynamic(g, j.root, j.shape)
+            _grow_dynamic(g, root, j.shape)
             if j.shape.dynamic
-            else _grow_static(g, j.root, j.shape.children(), j.params, top_n, j.generator, j.shape.min_confidence)
+            else _grow_static(g, root, j.shape.children(), j.params, top_n, j.generator, j.shape.min_confidence)
         )
-        running += _advance(g, growth, None)
+        running += _advance(n, growth, None)
     while running:
-        items = [g.level(nodes) for g, _, nodes in running]
+        items = [growers[n].level(nodes) for n, _, nodes in running]
         if runner is None:
-            out = [s.forward(ids, positions=pos, mask=mask) for s, ids, pos, mask in items]
+            out = [s.forward(ids, **dense_item(s, pos, mask)) for s, ids, pos, mask in items]
         else:
             out = runner.forward_batch(items)
-        running = [step for (g, growth, _), logits in zip(running, out) for step in _advance(g, growth, logits)]
+        rows = _rows_for([(n, lg) for (n, _, _), lg in zip(running, out)], ks)
+        running = [step for (n, growth, _), r in zip(running, rows) for step in _advance(n, growth, r)]
     return [g.tree for g in growers]
 
 
-def _advance(g: _Grower, growth: Growth, logits: torch.Tensor | None) -> list[tuple[_Grower, Growth, list[int]]]:
-    """The growth's next level after these logits ([] once it is grown)."""
+def _advance(n: int, growth: Growth, rows) -> list[tuple[int, Growth, list[int]]]:
+    """Tree n's next level after these rows ([] once it is grown)."""
     try:
-        nodes = next(growth) if logits is None else growth.send(logits)
+        nodes = next(growth) if rows is None else growth.send(rows)
     except StopIteration:
         return []
-    return [(g, growth, nodes)]
+    return [(n, growth, nodes)]
 
 
-def _choose(logits: torch.Tensor, n: int, params, top_n: int, gen):
+def _choose(logits: torch.Tensor | Ranked, n: int, params, top_n: int, gen):
     """A node's n children and their confidences: the drafter's top n
     (greedy; no q), or n draws without replacement from its truncated q,
-    returned with them (sampled). -> (ids, q or None, confidences)."""
+    returned with them (sampled). -> (ids, q or None, confidences).
+    logits: the row, or its ranking (greedy, batched: rank_rows)."""
+    if isinstance(logits, Ranked):
+        # A constraint's forbidden tokens (log-probability -inf) are no children.
+        ranked = [(i, math.exp(lp)) for i, lp in zip(logits.ids[:n], logits.logps[:n]) if lp > -math.inf]
+        kept = ranked or [(logits.ids[0], 0.0)]
+        return [i for i, _ in kept], None, [c for _, c in kept]
     if params.greedy:
         top = torch.topk(logits, n)
         probs = torch.exp(top.values.float() - torch.logsumexp(logits.float(), -1))
@@ -397,12 +460,16 @@ def _grow_dynamic(g: _Grower, root_logits, shape: DraftShape) -> Growth:
     node under shape.min_confidence is not expanded (the next best is)."""
     score: list[float] = []
 
-    def expand(parent: int, logits: torch.Tensor) -> list[int]:
-        logp = torch.log_softmax(g.masked(logits, parent).float(), -1)
-        top = torch.topk(logp, shape.top_k)
+    def expand(parent: int, logits: torch.Tensor | Ranked) -> list[int]:
+        if isinstance(logits, Ranked):  # batched for the level (rank_rows)
+            ranked = zip(logits.logps[: shape.top_k], logits.ids[: shape.top_k])
+        else:
+            logp = torch.log_softmax(g.masked(logits, parent).float(), -1)
+            top = torch.topk(logp, shape.top_k)
+            ranked = zip(top.values.tolist(), top.indices.tolist())
         base = score[parent] if parent >= 0 else 0.0
         made = []
-        for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+        for lp, t in ranked:
             if lp == float("-inf"):  # forbidden by the output constraint
                 continue
             made.append(g.add(t, parent, math.exp(lp)))

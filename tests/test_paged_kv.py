@@ -13,8 +13,8 @@ from specd_core.rules.tree import TokenTree
 from specd_core.runtime import lean_step
 from specd_core.runtime.kv_budget import KVPool
 from specd_core.runtime.lean import LeanModel
-from specd_core.runtime.models import load_model
-from specd_core.runtime.tree_tensors import tree_attention
+from specd_core.runtime.models import dense_item, load_model
+from specd_core.runtime.tree_tensors import TreeLevel, tree_attention
 from tests.tiny_models import build_model, build_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -132,15 +132,16 @@ def family_model(tmp_path_factory):
 def test_padded_batch_equals_each_session_alone(family, spread, family_model, monkeypatch):
     """Sessions of different lengths and row counts - a long prefill, decode
     rows, a chain after a past, a tree as a dense mask, trees as TokenTrees
-    (their masks built in the step; alone, the same trees' dense masks) - in
-    one step give each the logits and cache of its own forward, in one padded
-    group and (spread 0: every session its own group) in several."""
+    and a drafter's tree level as a TreeLevel (their masks built in the step;
+    alone, the same dense masks) - in one step give each the logits and cache
+    of its own forward, in one padded group and (spread 0: every session its
+    own group) in several."""
     monkeypatch.setattr(lean_step, "SPREAD", spread)
     monkeypatch.setattr(lean_step, "SLACK", 1 << 15 if spread else 0)
     lean = LeanModel(family_model(family))
     pool = KVPool(200, 4, lean.kv_row_bytes)
-    solo = [lean.new_session(pool=pool) for _ in range(7)]
-    batched = [lean.new_session(pool=pool) for _ in range(7)]
+    solo = [lean.new_session(pool=pool) for _ in range(8)]
+    batched = [lean.new_session(pool=pool) for _ in range(8)]
     # Rows never written are uninitialised memory: make them NaN, which a
     # masked key would still spread (0 x NaN) if attention ever read one.
     with torch.inference_mode():
@@ -152,14 +153,20 @@ def test_padded_batch_equals_each_session_alone(family, spread, family_model, mo
         group[4].forward(PROMPT[:3])
         group[5].forward(PROMPT[:17])
         group[6].forward(PROMPT[:23])
+        # A tree growing on a drafter: its first level (two children of the
+        # root, rows 18 and 19), then below both in the step.
+        group[7].forward(PROMPT[:18])
+        group[7].forward([61, 62], **dense_item(group[7], None, TreeLevel(18, (18, 18), ((), ()))))
+    level = TreeLevel(18, (19, 19, 19), ((18,), (18,), (19,)))
     small = TokenTree(tokens=(40, 41, 42, 43, 44), parents=(-1, 0, -1, 2, 3))
     wide = TokenTree(tokens=(50, 51, 52, 53, 54, 55), parents=(-1, -1, 0, 0, 1, 1))
     mask, pos = tree_attention(small, 20)
     work = [(PROMPT[:30], None, None), ([9], None, None), ([4, 5, 6, 7, 8, 9], None, None),
             ([5] + list(small.tokens), pos[0], mask[0, 0]), ([11], None, None),
-            ([6] + list(wide.tokens), None, wide), ([7] + list(small.tokens), None, small)]
+            ([6] + list(wide.tokens), None, wide), ([7] + list(small.tokens), None, small),
+            ([63, 64, 65], None, level)]
     items = [(s, ids, p, m) for s, (ids, p, m) in zip(batched, work)]
-    want = [s.forward(ids, **_dense(s, p, m)) for s, (ids, p, m) in zip(solo, work)]
+    want = [s.forward(ids, **dense_item(s, p, m)) for s, (ids, p, m) in zip(solo, work)]
     groups = len(lean_step.group_entries(lean_step.entries_of(items)))
     assert groups == (1 if spread else len(work))
     got = lean.forward_batch(items)
@@ -171,14 +178,6 @@ def test_padded_batch_equals_each_session_alone(family, spread, family_model, mo
     after = lean.forward_batch([(s, ids, p, m) for s, (ids, p, m) in zip(batched, nxt)], last_only=True)
     for a, g in zip(solo, after):
         close(g, a.forward([3, 4])[-1:])
-
-
-def _dense(s, positions, mask) -> dict:
-    """A TokenTree item's forward arguments as tree_attention's dense mask and positions."""
-    if not isinstance(mask, TokenTree):
-        return {"positions": positions, "mask": mask}
-    mask4, pos2 = tree_attention(mask, s.length)
-    return {"positions": pos2[0], "mask": mask4[0, 0]}
 
 
 def test_tree_layout_hides_what_is_not_an_ancestor(llama):

@@ -23,12 +23,15 @@ depth) are host integers of the pack, and their mask is the causal one less
 the (row, key) pairs it shows a node that are not its ancestors - earlier
 siblings and their subtrees - listed in the pack and cleared in one indexed
 write per group and window size. A tree's pairs depend on its shape alone
-and are computed once per shape.
+and are computed once per shape. One level of a tree growing on a drafter
+(a `TreeLevel`: nodes of one depth, each seeing the committed rows, its
+ancestors' cached rows and itself) goes the same way: its positions are
+host integers and the rows it hides (other nodes' rows, the level's earlier
+rows) are pairs of the pack.
 
 Host -> device: one int64 tensor per step (every index below, the callers'
 position tensors appended) and one tensor of callers' dense masks per group
-that has them (the drafter's branches and level-wise trees); nothing is read
-back.
+that has them (the drafter's branches); nothing is read back.
 
 Sliding windows: a key is attended when the query's position minus its
 position is below the window (Hugging Face's rule). Positions are not stored
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from specd_core.rules.tree import TokenTree
+from specd_core.runtime.tree_tensors import TreeLevel
 
 if TYPE_CHECKING:
     from specd_core.runtime.paged_kv import LeanSession
@@ -64,7 +68,7 @@ class Entry(NamedTuple):
     r0: int
     positions: torch.Tensor | None  # (n,) RoPE positions; None: start..end-1, or the tree's
     mask: torch.Tensor | None  # (n, end) additive, a caller's; None: causal, or the tree's
-    tree: TokenTree | None  # the rows are [root, node0 ..] of this tree
+    tree: TokenTree | TreeLevel | None  # the rows are [root, node0 ..] of this tree, or this level of one
 
     @property
     def masked(self) -> bool:
@@ -123,13 +127,15 @@ class _Pack:
 def entries_of(items: list) -> list[Entry]:
     """Each item's entry, its session's rows reserved now (CapacityExceeded
     from the pool for a session that cannot have them). An item's mask is
-    an additive tensor or a TokenTree (then its positions are the tree's)."""
+    an additive tensor, a TokenTree or a TreeLevel (then its positions are
+    the tree's or the level's)."""
     entries, r0 = [], 0
     for s, token_ids, positions, mask in items:
         n, start = len(token_ids), s.length
-        tree = mask if isinstance(mask, TokenTree) else None
-        if tree is not None and (positions is not None or n != len(tree.tokens) + 1):
-            raise ValueError(f"a tree of {len(tree.tokens)} nodes takes {len(tree.tokens) + 1} rows and no positions")
+        tree = mask if isinstance(mask, (TokenTree, TreeLevel)) else None
+        rows = len(tree.tokens) + 1 if isinstance(tree, TokenTree) else len(tree.positions) if tree else n
+        if tree is not None and (positions is not None or n != rows):
+            raise ValueError(f"this {type(tree).__name__} takes {rows} rows and no positions, not {n}")
         s.reserve(start + n)
         entries.append(Entry(s, n, start, r0, positions, None if tree is not None else mask, tree))
         r0 += n
@@ -160,6 +166,8 @@ def _host_positions(e: Entry) -> range | list[int]:
     """An entry's RoPE positions when the host knows them (no caller's tensor)."""
     if e.tree is None:
         return range(e.start, e.end)
+    if isinstance(e.tree, TreeLevel):
+        return e.tree.positions
     return [e.start + d for d in tree_layout(e.tree.parents).depths]
 
 
@@ -275,13 +283,20 @@ def _spec(pack: _Pack, entries: list[Entry], members: list[int], windows: list[i
 
 def _hidden(pack: _Pack, es: list[Entry], rows: int, keys: list[int]) -> list[slice] | None:
     """Per window kind, where the pack lists the pairs the members' trees
-    hide, as flat indices into the group's (size, rows, K) mask (a tree's
-    keys start at column 0: its k0)."""
-    trees = [(j, e.start, tree_layout(e.tree.parents)) for j, e in enumerate(es) if e.tree is not None]
-    pairs = [(j * rows + r, start + c) for j, start, layout in trees for r, c in layout.hidden]
+    and tree levels hide, as flat indices into the group's (size, rows, K)
+    mask (their keys start at column 0: their k0)."""
+    pairs = [(j * rows + r, c) for j, e in enumerate(es) if e.tree is not None for r, c in _hides(e)]
     if not pairs:
         return None
     return [pack.put(q * k + c for q, c in pairs) for k in keys]
+
+
+def _hides(e: Entry) -> list[tuple[int, int]]:
+    """The (row, cache row) pairs of a tree's or a level's entry that the causal mask shows and it does not."""
+    if isinstance(e.tree, TreeLevel):
+        return e.tree.hidden(e.start)
+    assert e.tree is not None
+    return [(r, e.start + c) for r, c in tree_layout(e.tree.parents).hidden]
 
 
 def _lone_keys(pack: _Pack, e: Entry, k0: int) -> slice | range:

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 
 from specd_core.rules.tree import TokenTree
 from specd_core.runtime.kv_budget import KVPool, kv_row_bytes
-from specd_core.runtime.tree_tensors import compact_cache, tree_attention
+from specd_core.runtime.tree_tensors import TreeLevel, compact_cache, tree_attention
 
 if TYPE_CHECKING:
     from specd_core.runtime.lean import LeanModel
@@ -200,11 +200,15 @@ class Runner:
                 return ([], []) if hidden else []
             return self.lean.forward_batch(items, last_only, hidden)
         flags = last_only if isinstance(last_only, list) else [last_only] * len(items)
-        return [c.forward(ids, last_only=lo, **_dense(c, p, m)) for (c, ids, p, m), lo in zip(items, flags)]
+        return [c.forward(ids, last_only=lo, **dense_item(c, p, m)) for (c, ids, p, m), lo in zip(items, flags)]
 
 
-def _dense(cache, positions, mask) -> dict:
-    """An item's positions and mask as tensors (a TokenTree's from tree_attention)."""
+def dense_item(cache, positions, mask) -> dict:
+    """An item's positions and mask as tensors, what a Hugging Face forward
+    takes (a TokenTree's from tree_attention, a TreeLevel's own)."""
+    if isinstance(mask, TreeLevel):
+        pos, dense = mask.dense(cache.length)
+        return {"positions": pos, "mask": dense}
     if not isinstance(mask, TokenTree):
         return {"positions": positions, "mask": mask}
     mask4, pos2 = tree_attention(mask, cache.length)

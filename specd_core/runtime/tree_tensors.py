@@ -8,6 +8,8 @@ once: specd_core/runtime/lean_step.py).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specd_core.rules.tree import TokenTree, depth
@@ -33,6 +35,44 @@ def tree_attention(tree: TokenTree, past_len: int, dtype=torch.float32, device=N
     mask[0, 0, :, past_len:].masked_fill_(~seen.to(device), torch.finfo(dtype).min)
     pos = torch.tensor([[past_len] + [past_len + d for d in depth(tree)]], dtype=torch.long, device=device)
     return mask, pos
+
+
+class TreeLevel(NamedTuple):
+    """One level of a tree grown on a drafter, as a forward item's mask (in
+    place of a dense one): its rows are nodes appended after the rows already
+    cached; row r sees the committed rows [0, past), the cache rows of its
+    ancestors among the tree's nodes (`ancestors[r]`, ascending), and itself.
+    Host integers only: the lean engine turns them into its step's mask
+    without an operator per session (specd_core/runtime/lean_step.py); other
+    consumers take `dense`."""
+
+    past: int
+    positions: tuple[int, ...]  # each row's RoPE position (past - 1 + its depth)
+    ancestors: tuple[tuple[int, ...], ...]
+
+    def hidden(self, start: int) -> list[tuple[int, int]]:
+        """The (row, cache row) pairs a causal mask over rows appended at
+        `start` would show and this level does not: earlier tree rows that
+        are not the row's ancestors, and the level's own earlier rows."""
+        pairs = []
+        for r, seen in enumerate(self.ancestors):
+            shown = set(seen)
+            pairs += [(r, c) for c in range(self.past, start + r) if c not in shown]
+        return pairs
+
+    def parents(self) -> list[int]:
+        """Each row's parent's cache row: its nearest ancestor, or the last committed row."""
+        return [seen[-1] if seen else self.past - 1 for seen in self.ancestors]
+
+    def dense(self, start: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions (n,), additive float mask (n, start + n): 0 = attend, -inf = not)."""
+        n = len(self.positions)
+        mask = torch.full((n, start + n), float("-inf"))
+        mask[:, : self.past] = 0.0
+        for r, seen in enumerate(self.ancestors):
+            mask[r, list(seen)] = 0.0
+            mask[r, start + r] = 0.0
+        return torch.tensor(self.positions, device=device), mask.to(device)
 
 
 @torch.inference_mode()
