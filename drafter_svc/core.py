@@ -87,7 +87,20 @@ class Drafter(ModelCore):
             self.sessions.check_room(session_id)
             s = self._new_session(prompt_ids, params, target_vocab)
             s.constraint = matcher
-            self.method.prefill(s, session_id, prompt_ids)
+            reason = None
+            try:
+                self.method.prefill(s, session_id, prompt_ids)  # gives the session's blocks back if it fails
+            except torch.OutOfMemoryError as exc:
+                # This prompt's activations alone (the KV cache is preallocated):
+                # refused like a full budget, no other session touched.
+                reason = (str(exc).splitlines() or ["out of memory"])[0]
+            if reason is not None:  # outside the except: its traceback holds the activations
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                raise CapacityExceeded(
+                    f"session {session_id!r}: the device ran out of memory for a prefill of "
+                    f"{len(prompt_ids)} tokens ({reason}); retry with a shorter prompt or later"
+                )
             s.base = s.cache.length
             self.sessions.add(session_id, s, owner)  # idle (and owner) expiry count from now
 

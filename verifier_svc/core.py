@@ -180,22 +180,66 @@ class Verifier(ModelCore):
         """Run several sessions' calls in ONE forward (lean engine; the HF engine
         runs them one after another): verifies (VerifyJob) and prefills of new
         sessions (OpenJob). Each job gets its result, or the exception that
-        stopped it (a session closed meanwhile, no room for a new one)."""
+        stopped it (a session closed meanwhile, no room for a new one, a job
+        that runs the device out of memory even alone: _after_oom)."""
         with self.sessions.lock:
-            start, phases = time.perf_counter(), Phases()
-            live, admitted, refused = self._admit_batch(jobs)
-            items, last_only = plan_rows(live, admitted)
+            return self._run_batch(jobs)
+
+    def _run_batch(self, jobs: list) -> list:
+        """verify_batch under the lock, which the caller holds: the retries
+        after an out-of-memory forward run here too, within the same hold
+        (the lock is not reentrant)."""
+        start, phases = time.perf_counter(), Phases()
+        live, admitted, refused = self._admit_batch(jobs)
+        items, last_only = plan_rows(live, admitted)
+        oom = None
+        try:
             logits, states = self._forward(items, last_only, live, admitted)
-            phases.mark("forward")
-            done = self._open_sessions(admitted, logits[len(live) :], states[len(live) :])
-            accepted = accept_all(live, logits[: len(live)])
-            phases.mark("accept")
-            attach_features(live, accepted, states, self.config.hidden_dtype)
-            compact(live, accepted)
-            phases.mark("compact")
-            stamp(accepted, (time.perf_counter() - start) * 1e3, phases.spans, items, next(self._batch_ids))
-            done |= {id(j): r for j, r in zip(live, accepted)}
-            return in_order(jobs, done | refused, "verify")
+        except torch.OutOfMemoryError as exc:
+            # Keep only the message: the traceback's frames hold the activations
+            # that filled the device, freed when this block ends, before the retry.
+            oom = (str(exc).splitlines() or ["out of memory"])[0]
+        if oom is not None:
+            retried = self._after_oom(live + [o for o, _ in admitted], oom)
+            return in_order(jobs, retried | refused, "verify")
+        phases.mark("forward")
+        done = self._open_sessions(admitted, logits[len(live) :], states[len(live) :])
+        accepted = accept_all(live, logits[: len(live)])
+        phases.mark("accept")
+        attach_features(live, accepted, states, self.config.hidden_dtype)
+        compact(live, accepted)
+        phases.mark("compact")
+        stamp(accepted, (time.perf_counter() - start) * 1e3, phases.spans, items, next(self._batch_ids))
+        done |= {id(j): r for j, r in zip(live, accepted)}
+        return in_order(jobs, done | refused, "verify")
+
+    def _after_oom(self, jobs: list, reason: str) -> dict:
+        """{id(job): result or error} of the jobs of a forward that ran the
+        device out of memory (the KV cache is preallocated, so its activations
+        did: a long prompt, a big batch); _forward left nothing of it. They run
+        again in parts: prefills apart from verifies first (a long prompt must
+        not cost the running sessions their step), then halves; a job that does
+        not fit even alone is refused, and the others get their results."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the allocator's cached blocks, for whatever else needs them
+        if len(jobs) == 1:
+            return {id(jobs[0]): self._out_of_memory(jobs[0], reason)}
+        opens = [j for j in jobs if isinstance(j, OpenJob)]
+        verifies = [j for j in jobs if not isinstance(j, OpenJob)]
+        parts = [verifies, opens] if verifies and opens else [jobs[: len(jobs) // 2], jobs[len(jobs) // 2 :]]
+        return {id(j): r for part in parts for j, r in zip(part, self._run_batch(part))}
+
+    @staticmethod
+    def _out_of_memory(j, reason: str) -> CapacityExceeded:
+        """The refusal of a job whose forward alone runs the device out of memory."""
+        if isinstance(j, OpenJob):
+            what, smaller = f"a prefill of {len(j.prompt_ids)} tokens", "a shorter prompt"
+        else:
+            what, smaller = f"a verify of {len(j.tree.tokens)} draft tokens", "a smaller draft"
+        return CapacityExceeded(
+            f"session {j.session_id!r}: the device ran out of memory for {what} ({reason}); "
+            f"retry with {smaller} or later"
+        )
 
     def _admit_batch(self, jobs: list) -> tuple[list[VerifyJob], list[tuple[OpenJob, VerifySession]], dict]:
         """Under the lock: (the verifies that still stand, with their KV
@@ -237,19 +281,25 @@ class Verifier(ModelCore):
 
     def _forward(self, items: list, last_only: list[bool], live: list[VerifyJob], admitted: list) -> tuple[list, list]:
         """The batch's ONE forward: each item's logits, and its hidden states
-        when any session returns features (else Nones)."""
+        when any session returns features (else Nones). When it fails, nothing
+        of it stays: the verified sessions' caches are as before, the new ones released."""
         wanted = [j.session.hidden for j in live] + [o.hidden for o, _ in admitted]
         taps = tuple(dict.fromkeys(t for w in wanted for t in w))  # every layer asked for, once
+        lengths = [j.session.cache.length for j in live]
         try:
             out = self.runner.forward_batch(items, last_only=last_only, hidden=taps or False)
+            if not taps:
+                return out, [None] * len(items)
+            logits, states = out
+            return logits, [own_layers(h, taps, w) for h, w in zip(states, wanted)]
         except BaseException:
+            # The engine moves a session's length past its new rows before the
+            # last step (the LM head), and the HF engine runs sessions one by one.
+            for j, n in zip(live, lengths):
+                j.session.cache.rollback(n)
             for _, new in admitted:  # never added: their blocks would be lost
                 new.cache.release()
             raise
-        if not taps:
-            return out, [None] * len(items)
-        logits, states = out
-        return logits, [own_layers(h, taps, w) for h, w in zip(states, wanted)]
 
     def _open_sessions(self, admitted: list, logits: list, states: list) -> dict:
         """The prefills' first tokens (by id(job)); their sessions join the table."""

@@ -275,11 +275,14 @@ class SessionCache:
 
     def rollback(self, length: int) -> None:
         """Drop cached positions at and after `length`."""
-        extra = self.length - length
-        if extra < 0:
+        if length > self.length:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
-        if extra:
-            self.cache.crop(-extra)
+        # Layer by layer: a forward that failed part-way (out of memory) has
+        # appended its rows to the first layers only.
+        for layer in self.cache.layers:
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                layer.crop(-extra)
 
     def compact(self, start: int, keep: list[int]) -> None:
         """Keep rows start+keep[j] at start+j (keep ascending), drop the rest:
