@@ -56,8 +56,8 @@ from .common import (
     heldout_prompts,
     machine,
     paired_ratio,
-    random_token_pool,
     random_prompts,
+    random_token_pool,
     run_main,
     utc_now,
 )
@@ -110,6 +110,8 @@ class Host:
             stderr=subprocess.STDOUT,
             text=True,
         )
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        self.stdin = self.proc.stdin
         lines = []
         for line in self.proc.stdout:
             if line.startswith("ADDRESS "):
@@ -124,7 +126,7 @@ class Host:
 
     def stop(self) -> None:
         self.channel.close()
-        self.proc.stdin.close()
+        self.stdin.close()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -132,18 +134,18 @@ class Host:
 
 
 def generate(stub, prompt: list[int], max_new: int, k: int | None) -> list[int]:
-    fields = {"prompt_token_ids": pb.PromptTokenIds(ids=prompt), "max_new_tokens": max_new}
+    request = pb.GenerateRequest(prompt_token_ids=pb.PromptTokenIds(ids=prompt), max_new_tokens=max_new)
     if k is not None:
-        fields["num_speculative_tokens"] = k
+        request.num_speculative_tokens = k
     ids: list[int] = []
-    for r in stub.Generate(pb.GenerateRequest(**fields), timeout=1800):
+    for r in stub.Generate(request, timeout=1800):
         ids += r.token_ids
     return ids
 
 
 def one_round(host: Host, prompts: list[list[int]], max_new: int, k: int | None) -> tuple[float, list[list[int]]]:
     """All prompts at once, one stream each: (tokens/s, each stream's tokens)."""
-    outs: list[list[int] | Exception] = [[] for _ in prompts]
+    outs: list = [[] for _ in prompts]  # each stream's tokens, or the error that ended it
 
     def stream(i: int) -> None:
         try:
@@ -161,7 +163,7 @@ def one_round(host: Host, prompts: list[list[int]], max_new: int, k: int | None)
     failed = [o for o in outs if isinstance(o, Exception)]
     if failed:
         raise RuntimeError(f"{host.name}: {len(failed)} of {len(prompts)} streams failed: {failed[0]}")
-    return sum(len(o) for o in outs) / wall, outs  # type: ignore[arg-type]
+    return sum(len(o) for o in outs) / wall, outs
 
 
 def engine_pair() -> tuple[Path, Path]:

@@ -180,7 +180,9 @@ class MedusaRunner:
 
     def forward_batch(self, items: list, last_only: bool = False) -> list[torch.Tensor]:
         """Drafted rows: items (MedusaSession, token_ids, positions | None, mask | None)."""
-        heads = [s.head_of_rows(len(toks), m.positions if isinstance(m, TreeLevel) else pos) for s, toks, pos, m in items]
+        heads = [
+            s.head_of_rows(len(toks), m.positions if isinstance(m, TreeLevel) else pos) for s, toks, pos, m in items
+        ]
         got = self._heads([(s, h) for (s, *_), hs in zip(items, heads) for h in hs])
         out = []
         for (s, toks, *_), hs in zip(items, heads):

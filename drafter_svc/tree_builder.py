@@ -116,7 +116,6 @@ class _Grower:
         (session, token ids, positions, mask: None or a TreeLevel); they
         count as forwarded from now."""
         fwd = self.tree.forwarded
-        cached = self.past + len(fwd)
         tokens = [self.tree.tokens[n] for n in nodes]
         if len(nodes) == 1 and len(self.ancestors[nodes[0]]) == len(fwd):
             # One node that sees everything cached (every level of a chain): the

@@ -45,6 +45,7 @@ included. A causal entry's keys start at its first row's window.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -162,7 +163,7 @@ def tree_layout(parents: tuple[int, ...]) -> TreeLayout:
     return TreeLayout(tuple(depths), tuple(hidden))
 
 
-def _host_positions(e: Entry) -> range | list[int]:
+def _host_positions(e: Entry) -> Sequence[int]:
     """An entry's RoPE positions when the host knows them (no caller's tensor)."""
     if e.tree is None:
         return range(e.start, e.end)
