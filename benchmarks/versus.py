@@ -11,7 +11,7 @@ benchmarks/.cache/versus/ and runs from there with this virtualenv's Python
 (its packages first on the path, so its own code serves); each system is its
 own `Stack` (verifier, drafter and orchestrator processes: the local stack of
 that commit) started once and kept for all rounds, both up at the same time,
-idle while the other runs. A round sends, for each number of streams, the
+idle while the other runs; each takes one untimed round first. A round sends, for each number of streams, the
 same prompts to each system in turn (the order alternating between rounds),
 all streams at once, each one Generate of --max-new-tokens tokens; its
 tokens/s is every stream's tokens over the wall time from the first send to
@@ -216,8 +216,8 @@ def run(args: argparse.Namespace) -> dict:
         levels = []
         for n in args.streams:
             prompts = prompts_for(args, n, target)
-            for h in hosts:  # warm-up: first forwards, thread pools, connections
-                one_round(h, prompts[: min(n, 4)], 8, args.speculative_tokens)
+            for h in hosts:  # warm-up, a whole round: first forwards, thread pools, connections, adaptive depth
+                one_round(h, prompts, args.max_new_tokens, args.speculative_tokens)
             tps: dict[str, list[float]] = {h.name: [] for h in hosts}
             outputs: dict[str, list[list[int]]] = {}
             differ = 0

@@ -6,7 +6,6 @@ No grpc, no lock here."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -117,26 +116,40 @@ def argmaxes(logits: list[torch.Tensor]) -> list[list[int]]:
     return out
 
 
+def on_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors of one width on the host, in ONE transfer for them all (not
+    a host sync per session)."""
+    if len(rows) < 2 or rows[0].device.type == "cpu":  # on a CPU they are there already
+        return [r.cpu() for r in rows]
+    return list(torch.cat(rows).cpu().split([r.shape[0] for r in rows]))
+
+
 def accept_all(live: list[VerifyJob], logits: list[torch.Tensor]) -> list[VerifyResult]:
     """Each verify's lossless outcome from its rows' logits, masked first
-    where a constraint holds; the greedy sessions' argmaxes in one go."""
+    where a constraint holds; the greedy sessions' argmaxes in one go, the
+    sampled sessions' laws brought over in one go."""
     logits = [
         lg if j.session.constraint is None else masked(j.session.constraint, lg, j.tree) for j, lg in zip(live, logits)
     ]
     best = iter(argmaxes([lg for j, lg in zip(live, logits) if j.session.params.greedy]))
-    return [accept(j, lg, best) for j, lg in zip(live, logits)]
+    # The sampled rules walk the tree with host-side decisions and draw from
+    # each session's CPU generator: its rows' law comes over once, not per node.
+    laws = iter(
+        on_host([logits_to_probs(lg, j.session.params) for j, lg in zip(live, logits) if not j.session.params.greedy])
+    )
+    return [accept(j, next(best) if j.session.params.greedy else next(laws)) for j in live]
 
 
-def accept(job: VerifyJob, logits: torch.Tensor, best: Iterator[list[int]]) -> VerifyResult:
-    """best: the greedy sessions' argmaxes in batch order (argmaxes),
-    consumed here in the same order."""
+def accept(job: VerifyJob, rows: list[int] | torch.Tensor) -> VerifyResult:
+    """rows: a greedy session's per-row argmaxes (argmaxes), or a sampled
+    one's per-row law p on the host."""
     s, tree = job.session, job.tree
     if s.params.greedy:
-        result = accept_tree_argmax(next(best), tree)
+        assert isinstance(rows, list)
+        result = accept_tree_argmax(rows, tree)
     else:
-        # The rule walks the tree with host-side decisions and draws from the
-        # session's CPU generator: its rows come over once, not per node.
-        p = logits_to_probs(logits, s.params).cpu()
+        assert isinstance(rows, torch.Tensor)
+        p = rows
         result = (
             accept_tree_sampled(p, tree, job.q, s.generator)
             if job.q is not None
