@@ -277,3 +277,29 @@ def test_the_last_prompt_row_is_always_computed(verifiers):
         v.close_session(f"w{i}")
     assert torch.is_tensor(v.kv_pool.storage.data)
     v.kv_pool.check()
+
+
+def test_a_next_turn_starts_after_what_the_last_one_generated(verifiers):
+    """A session's committed rows - its prompt and the tokens it generated,
+    not its drafts - stay cached when it ends: the next turn (that
+    conversation plus a new message) starts after them, with the verdicts of
+    a verifier without caching."""
+    results = []
+    for v in verifiers:
+        prompt = prompts_sharing_a_prefix(1, seed=3)[0]
+        first = v.verify_batch([v.prepare_open("t1", prompt, SamplingParams())])[0]
+        tokens = prompt + [first]
+        for _ in range(4):
+            tokens += v.verify("t1", [9, 10, 11]).tokens
+        v.close_session("t1")
+        job = v.prepare_open("t2", tokens + [21, 22, 23], SamplingParams())
+        second = v.verify_batch([job])[0]
+        verdict = v.verify("t2", [second, 5, 6])
+        v.close_session("t2")
+        v.kv_pool.check()
+        results.append((tokens, second, verdict.path, verdict.tokens, job.cached))
+    on, off = results
+    assert on[:4] == off[:4]
+    rows = len(on[0]) - 1  # the first turn's committed rows: all its tokens but the pending last
+    assert rows // 8 * 8 > len(prompts_sharing_a_prefix(1, seed=3)[0]) // 8 * 8  # generated rows fill a block
+    assert on[4] == rows // 8 * 8 and off[4] == 0

@@ -16,6 +16,7 @@ from specd_core.rules.tree import TokenTree, accept_tree_argmax, compaction_indi
 from specd_core.runtime.features import HiddenStates
 from specd_core.runtime.grammar import Constraint, apply_masks
 from specd_core.runtime.models import ModelSession
+from specd_core.runtime.prefix_cache import publish_rows
 
 
 @dataclass
@@ -46,6 +47,11 @@ class VerifySession:
     # Structured output: the target's logits are masked to what it allows at
     # every row before the rule, and it advances only on committed tokens.
     constraint: Constraint | None = None
+
+    def keep_rows(self) -> None:
+        """As it ends: its committed rows (every token but the pending last,
+        which has no row yet) stay in the prefix cache for a next turn."""
+        publish_rows(self.cache, self.tokens[:-1])
 
 
 @dataclass

@@ -103,6 +103,7 @@ class LeanSession:
         # is shared or may be (named): never written, rolled back or compacted.
         self.names: list[bytes] = []
         self.frozen = 0
+        self.salt: str | None = None  # the request's cache_salt once it looked its prompt up (None: never)
 
     @property
     def capacity(self) -> int:
@@ -151,7 +152,7 @@ class LeanSession:
     def release(self) -> None:
         """Give the blocks back (the session is over)."""
         ids, self.table, self.length = [b - NULL_BLOCK for b in self.table], [], 0
-        self.names, self.frozen = [], 0
+        self.names, self.frozen, self.salt = [], 0, None
         self.pool.give_blocks(ids)
 
     def reuse_prefix(self, prompt_rows: list[int], salt: str, limit: int) -> int:
@@ -162,7 +163,7 @@ class LeanSession:
         cache = self.pool.prefix
         if cache is None or self.table:
             return 0
-        self.names = cache.names(prompt_rows, self.block_rows, salt)
+        self.names, self.salt = cache.names(prompt_rows, self.block_rows, salt), salt
         ids = self.pool.share(self.names[: max(0, limit) // self.block_rows])
         self.table = [b + NULL_BLOCK for b in ids]
         self.length = self.frozen = len(ids) * self.block_rows
@@ -178,6 +179,18 @@ class LeanSession:
         if mine:
             self.pool.name_blocks(mine)
             self.frozen = max(self.frozen, (self.frozen // b + len(mine)) * b)
+
+    def publish_rows(self, rows: list[int]) -> None:
+        """As the session ends: cache the full blocks of all its rows, whose
+        tokens `rows` are (its prompt and what it generated), so that a later
+        prompt carrying the conversation on starts after them too. It writes
+        nothing more, so a named block is still never written again. Only when
+        the rows are exactly the cache's (no draft rows past them)."""
+        cache = self.pool.prefix
+        if cache is None or self.salt is None or len(rows) != self.length:
+            return
+        self.names = cache.names(rows, self.block_rows, self.salt)
+        self.publish_prefix()
 
     def forward(self, token_ids: list[int], last_only: bool = False, positions=None, mask=None) -> torch.Tensor:
         return self.lean.forward(self, token_ids, positions, mask, last_only)

@@ -15,7 +15,11 @@ Rules that keep output exact:
 - only full blocks of prompt rows are named, and a named block is never
   written again: the session that computed it and every session that shares
   it write only rows past their prompt (drafts, tree rows, compaction and
-  rollback stay in their own blocks; LeanSession checks it);
+  rollback stay in their own blocks; LeanSession checks it). When a verifier
+  session ends, the full blocks of the rows it committed (prompt and
+  generated tokens, no draft row) are named too: it writes nothing more, and
+  chat clients send the conversation so far, reply included, as the next
+  turn's prompt;
 - a new session reuses at most all but its last prompt row, which it must
   compute for its first token's logits (the caller passes that bound);
 - a block is named only after the forward that wrote it ran.
@@ -157,3 +161,11 @@ def publish_prefix(cache) -> None:
     publish = getattr(cache, "publish_prefix", None)
     if publish is not None:
         publish()
+
+
+def publish_rows(cache, rows: list[int]) -> None:
+    """As a session ends: cache the full blocks of all its rows (their tokens
+    `rows`: prompt and generated), for the next turn of its conversation."""
+    publish = getattr(cache, "publish_rows", None)
+    if publish is not None:
+        publish(rows)

@@ -129,7 +129,11 @@ class SessionTable:
         """What a closed session held, freed now: its KV blocks go back to the
         pool, its structured-output matcher goes. A job of the session still in
         a batch (or in a frame an exception kept) may outlive it by a while; what
-        it holds must not."""
+        it holds must not. A session that can keeps its rows' full blocks in
+        the prefix cache first (VerifySession.keep_rows)."""
+        keep = getattr(session, "keep_rows", None)
+        if keep is not None:
+            keep()
         session.cache.release()
         if getattr(session, "constraint", None) is not None:
             session.constraint = None
