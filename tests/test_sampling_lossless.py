@@ -132,6 +132,33 @@ def test_resumed_streams_follow_the_target_law_given_the_resumed_tokens(pairs, s
     assert stat < threshold
 
 
+def test_requests_starting_after_cached_rows_follow_the_target_law(pairs, stacks):
+    """Requests that share a prompt longer than a KV block start their prefill
+    after the cached block (every one but the first few), and still sample
+    from the target's exact law: the joint of their first 3 tokens over N
+    seeds is within the threshold, with the same power check as above."""
+    target_dir, drafter_dir = pairs["llama"]
+    prompt = [(7 * i + 3) % 300 + 5 for i in range(64)] + [40, 41, 42, 43, 44]  # a full 64-row block, then 5
+    params = SamplingParams(1.0, 1.0, 6)
+    joint = exact_joint(target_dir, prompt, params)
+    threshold = null_threshold(joint, N)
+    drafter_joint = exact_joint(drafter_dir, prompt, params)
+    assert tv(joint, {k: v * N for k, v in drafter_joint.items()}, N) > 2 * threshold
+    counts, rejections, acceptances, cached = {}, 0, 0, 0
+    for ids, last in generate_seeds(stacks["llama"], N, prompt_token_ids={"ids": prompt}, max_new_tokens=4,
+                                    temperature=1.0, top_k=6, num_speculative_tokens=2):
+        counts[tuple(ids[:3])] = counts.get(tuple(ids[:3]), 0) + 1
+        rejections += last.stats.accepted_tokens < last.stats.drafted_tokens
+        acceptances += last.stats.accepted_tokens > 0
+        cached += last.stats.cached_prompt_tokens == 64
+    stat = tv(joint, counts, N)
+    print(f"after a cached block: TV={stat:.4f} threshold={threshold:.4f} support={len(joint)} "
+          f"requests with a rejection={rejections} with an acceptance={acceptances} starting after it={cached}")
+    assert cached > 0.9 * N
+    assert rejections > N // 10 and acceptances > N // 10
+    assert stat < threshold
+
+
 def check_stream_law(stack, prompt, joint, threshold, fields: dict) -> int:
     """N sampled requests (4 tokens, seeds 0..N-1) through the stack; the law of
     their first 3 tokens must be within `threshold` TV of the exact joint, and
