@@ -218,6 +218,26 @@ _RAY_HEAD: dict = {}
 
 
 @pytest.fixture
+def up_without_ray(tmp_path, monkeypatch) -> list:
+    """`specd up` in a unit test: SPECD_HOME under tmp_path, and the step that
+    would start or reach Ray records its arguments and fails instead. The list
+    it returns fills when a `specd up` got that far (a refusal before Ray
+    leaves it empty)."""
+    from specd.cli import deploy
+
+    monkeypatch.setenv("SPECD_HOME", str(tmp_path / "home"))
+    deployed: list = []
+
+    def no_ray(args):
+        deployed.append(args)
+        raise RuntimeError("no Ray in a unit test")
+
+    monkeypatch.setattr(deploy, "_ray_cluster", no_ray)
+    monkeypatch.setattr(local_ray, "start_private_ray", no_ray)
+    return deployed
+
+
+@pytest.fixture
 def attach_ray(monkeypatch):
     """attach(home): make this process, and those it starts, drivers of the
     cluster whose token is in `home` (token authentication, as every cluster

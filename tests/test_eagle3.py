@@ -480,23 +480,15 @@ def test_a_head_that_does_not_fit_is_refused_naming_the_mismatch(heads, tmp_path
 
 
 @pytest.mark.unit
-def test_specd_up_with_method_eagle3(heads, tmp_path, monkeypatch, capsys):
+def test_specd_up_with_method_eagle3(heads, tmp_path, monkeypatch, up_without_ray, capsys):
     """`specd up --method eagle3 --drafter HEAD`: a head that does not fit is
     refused before Ray starts, in one line naming the mismatch; one that fits
     goes on to Ray with its drafter replicas told where the target is."""
-    from specd import ray_cluster, ray_deploy
+    from specd import ray_deploy
     from specd.cli import deploy
     from specd.cli.parser import build_parser
 
-    monkeypatch.setenv("SPECD_HOME", str(tmp_path / "home"))
-    deployed = []
-
-    def no_ray(args):
-        deployed.append(args)
-        raise RuntimeError("no Ray in a unit test")
-
-    monkeypatch.setattr(deploy, "_ray_cluster", no_ray)
-    monkeypatch.setattr(ray_cluster, "start_private_ray", no_ray)
+    deployed = up_without_ray
     bad = save_eagle3_head(tmp_path / "bad", heads["vocab"], aux=(1, 4, 9))
     args = build_parser().parse_args(["up", "--target", heads["target"], "--drafter", bad, "--method", "eagle3"])
     assert deploy.cmd_up(args) == 2 and not deployed

@@ -303,23 +303,14 @@ def test_medusa_choices_are_the_tree():
 
 
 @pytest.mark.unit
-def test_specd_up_with_method_medusa(medusa, tmp_path, monkeypatch, capsys):
+def test_specd_up_with_method_medusa(medusa, tmp_path, monkeypatch, up_without_ray, capsys):
     """`specd up --method medusa --drafter HEADS`: heads that do not fit are
     refused before Ray starts, in one line; none given is refused (there is
     no demo Medusa head); heads that fit go on to Ray."""
-    from specd import ray_cluster
     from specd.cli import deploy
     from specd.cli.parser import build_parser
 
-    monkeypatch.setenv("SPECD_HOME", str(tmp_path / "home"))
-    deployed = []
-
-    def no_ray(args):
-        deployed.append(args)
-        raise RuntimeError("no Ray in a unit test")
-
-    monkeypatch.setattr(deploy, "_ray_cluster", no_ray)
-    monkeypatch.setattr(ray_cluster, "start_private_ray", no_ray)
+    deployed = up_without_ray
     small = [{"w": [torch.zeros(32, 32)], "b": [torch.zeros(32)], "lm": torch.zeros(medusa["vocab"], 32)}]
     bad = save_original(tmp_path / "bad", small, medusa["vocab"], 32)
     up = ["up", "--target", medusa["target"], "--method", "medusa"]
