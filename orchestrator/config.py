@@ -28,6 +28,18 @@ HOST_HELP = (
     "another address needs bearer tokens or mutual TLS, or --insecure"
 )
 INSECURE_HELP = "serve Generate and the HTTP API beyond loopback without tokens or mutual TLS (a warning says so)"
+# Prefix routing's defaults (orchestrator/fleet/prefix_routing.py).
+DEFAULT_PREFIX_ROUTING_BOUND = 1.5
+DEFAULT_PREFIX_ROUTING_SLACK = 2
+PREFIX_ROUTING_HELP = (
+    "route each new session to the least-loaded replica only, not to the one that likely caches its prompt's prefix"
+)
+NO_PREFIX_ROUTING = {"name": "--no-prefix-routing", "action": "store_false", "dest": "prefix_routing"}
+PREFIX_ROUTING_BOUND_HELP = (
+    "prefix routing: a replica caching a session's prefix takes it only while it then holds at most "
+    "BOUND x the least-loaded replica's sessions + SLACK"
+)
+PREFIX_ROUTING_SLACK_HELP = "prefix routing: the SLACK of --prefix-routing-bound (>= 0)"
 ON_RAY = "set per orchestrator by the Ray deployment (specd/ray_deploy.py)"
 FIXED = "fixed: no command sets it"
 
@@ -167,6 +179,14 @@ class OrchestratorConfig:
     # Replacements of a lost verifier (and, apart, drafter) per request before
     # it fails (verifier) or goes on without a drafter (orchestrator/fleet/failover.py).
     max_failovers: int = field(default=3, metadata=not_flag(FIXED))
+    # Prefix routing (orchestrator/fleet/prefix_routing.py, docs/prefix_caching.md#routing):
+    # a new session goes to the replica this orchestrator sent the longest
+    # prefix of its prompt to (its KV blocks are likely cached there), unless
+    # that replica would then hold more than bound x the least-loaded one's
+    # sessions + slack; then to the least-loaded one. Off: by load alone.
+    prefix_routing: bool = field(default=True, metadata=flag(PREFIX_ROUTING_HELP, **NO_PREFIX_ROUTING))
+    prefix_routing_bound: float = field(default=DEFAULT_PREFIX_ROUTING_BOUND, metadata=flag(PREFIX_ROUTING_BOUND_HELP))
+    prefix_routing_slack: int = field(default=DEFAULT_PREFIX_ROUTING_SLACK, metadata=flag(PREFIX_ROUTING_SLACK_HELP))
     # A replica whose call goes unanswered past its deadline is suspected hung:
     # its sessions move as from a lost one (orchestrator/fleet/hang.py).
     hang: HangConfig = field(default_factory=HangConfig, metadata=flag_group(add_hang_flags, hang_config_from_args))
@@ -220,3 +240,10 @@ class OrchestratorConfig:
     metrics_targets_file: str | None = field(
         default=None, metadata=not_flag("on Ray only: `specd up --metrics-targets-file`")
     )
+
+    def __post_init__(self) -> None:
+        if not (self.prefix_routing_bound >= 0 and self.prefix_routing_slack >= 0):
+            raise ValueError(
+                f"prefix routing wants --prefix-routing-bound >= 0 and --prefix-routing-slack >= 0, got "
+                f"{self.prefix_routing_bound:g} and {self.prefix_routing_slack}"
+            )

@@ -13,10 +13,16 @@ from dataclasses import dataclass, field
 
 from orchestrator.config import (
     AUTH_TOKENS_FILE_HELP,
+    DEFAULT_PREFIX_ROUTING_BOUND,
+    DEFAULT_PREFIX_ROUTING_SLACK,
     HOST_HELP,
     HTTP_PORT_HELP,
     INSECURE_HELP,
     MAX_MESSAGE_BYTES_HELP,
+    NO_PREFIX_ROUTING,
+    PREFIX_ROUTING_BOUND_HELP,
+    PREFIX_ROUTING_HELP,
+    PREFIX_ROUTING_SLACK_HELP,
     SERVED_MODEL_NAME_HELP,
     AutoscalePolicy,
     HangConfig,
@@ -143,6 +149,11 @@ class DeploymentConfig:
             dest="prefix_caching",
         ),
     )
+    # The orchestrators' prefix routing (orchestrator/fleet/prefix_routing.py):
+    # a new session to the replica that likely caches its prompt's prefix, within a bound on load.
+    prefix_routing: bool = field(default=True, metadata=flag(PREFIX_ROUTING_HELP, **NO_PREFIX_ROUTING))
+    prefix_routing_bound: float = field(default=DEFAULT_PREFIX_ROUTING_BOUND, metadata=flag(PREFIX_ROUTING_BOUND_HELP))
+    prefix_routing_slack: int = field(default=DEFAULT_PREFIX_ROUTING_SLACK, metadata=flag(PREFIX_ROUTING_SLACK_HELP))
     # Every replica closes the sessions of an orchestrator it has not heard
     # from for this long (one that died; specd_core/runtime/sessions.py).
     owner_timeout_s: float = field(

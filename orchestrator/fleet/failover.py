@@ -119,9 +119,12 @@ class _Lease:
             raise RuntimeError(f"no {self.pool.kind} replica is leased")
         return self.replica
 
-    def acquire(self) -> None:
-        """The least-loaded serving replica (CapacityExceeded when none)."""
-        self.replica = self.pool.acquire()
+    def acquire(self, prompt: list[int] | None = None, sampling=None) -> None:
+        """A serving replica (CapacityExceeded when none): the least loaded, or
+        with the prompt (and its sampling's cache_salt) one that likely caches
+        its prefix (Pool.acquire)."""
+        salt = getattr(sampling, "cache_salt", "") or ""
+        self.replica = self.pool.acquire(prompt, salt)
         self.client = self.replica.client
 
     def release(self) -> None:
@@ -132,6 +135,7 @@ class _Lease:
     def lose(self, session_id: str, exc: ServiceError) -> None:
         r, client = self.held, self.client
         if not isinstance(exc, Hung) and Pool.mark_lost(r, client):
+            self.pool.forget(r.spec.name)  # a restart finds its cache empty
             log.warning(
                 "%s %s at %s lost (%s): no new sessions go there",
                 self.pool.kind,
@@ -169,7 +173,7 @@ class FailoverVerifier:
         self.sampling, self.hidden, self.prompt_len = sampling, hidden, generated_from or len(prompt_ids)
         more = {"generated_from": generated_from} if generated_from else {}
         try:
-            self.lease.acquire()
+            self.lease.acquire(prompt_ids, sampling)
         except CapacityExceeded:  # none deployed or all draining: RESOURCE_EXHAUSTED; lost ones: UNAVAILABLE
             pool = self.lease.pool
             out = [f"{r.spec.name} lost" for r in pool.lost()] + [
@@ -191,7 +195,7 @@ class FailoverVerifier:
                 )
             except ServiceError as exc:
                 self._lose_or_raise(session_id, exc)
-            self._next()
+            self._next(prompt_ids)
 
     async def verify(self, session_id: str, draft: Draft) -> Verdict:
         while True:
@@ -211,8 +215,8 @@ class FailoverVerifier:
     async def _resume(self, session_id: str) -> None:
         """Re-prefill the committed tokens on the next serving verifier."""
         while True:
-            self._next()
             tokens = self.committed()
+            self._next(tokens)
             try:
                 await self.lease.client.open(
                     session_id,
@@ -248,9 +252,10 @@ class FailoverVerifier:
                 ),
             ) from exc
 
-    def _next(self) -> None:
+    def _next(self, prompt: list[int]) -> None:
+        """The next serving verifier for a session prefilling `prompt`."""
         try:
-            self.lease.acquire()
+            self.lease.acquire(prompt, self.sampling)
         except CapacityExceeded:
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -347,20 +352,21 @@ class FailoverDrafter:
         self.opened = self.fresh = self.rebuild = False
 
     async def _open_any(self, session_id: str, prompt_ids, sampling, rebuild: bool, more: dict | None = None) -> bool:
-        """Open the session on the least-loaded serving drafter, past lost ones.
+        """Open the session on a serving drafter (Pool.acquire: the least loaded
+        or one that likely caches the prompt's prefix), past lost ones.
         rebuild: from the committed tokens (all but the last), with a fresh seed.
         more: the open's other keywords. False: no drafter left (or too many
         lost) - go on without one."""
         while self.lease.failovers <= self.max_failovers:
-            try:
-                self.lease.acquire()
-            except CapacityExceeded:
-                return False
             if rebuild:
                 tokens = self.committed()
                 prompt_ids, sampling = tokens[:-1], reseeded(self.sampling, len(tokens))
                 self.base = len(prompt_ids)
                 more = generated_after(self.sampling, self.prompt_len)
+            try:
+                self.lease.acquire(prompt_ids, sampling)
+            except CapacityExceeded:
+                return False
             try:
                 self.opening = self.lease.client
                 await self.lease.client.open(session_id, prompt_ids, sampling, **(more or {}))

@@ -21,6 +21,7 @@ from orchestrator.fleet.failover import FailoverDrafter, FailoverVerifier
 from orchestrator.fleet.keepalive import KeepAlive, session_owner_name
 from orchestrator.fleet.peers import Group, OrchestratorReport, Peers, PoolView, follow, merge_status
 from orchestrator.fleet.pool import Pool
+from orchestrator.fleet.prefix_routing import routing_from
 from orchestrator.fleet.recovery import Recovery
 from orchestrator.fleet.scaling import Launcher, Scaler
 
@@ -87,7 +88,8 @@ class Fleet:
         # owner orchestrator of a group): the replicas close them when they
         # stop hearing from it (orchestrator/fleet/keepalive.py).
         self.session_owner = session_owner_name(config.name)
-        self.pools = {"verifier": Pool("verifier"), "drafter": Pool("drafter")}
+        # Each pool with its own prefix routing table: both kinds cache prefixes.
+        self.pools = {kind: Pool(kind, routing=routing_from(config)) for kind in ("verifier", "drafter")}
         self.keepalive = KeepAlive(self.pools)
         for spec in specs:
             self.pools[spec.kind].add(spec, self.client_for(spec))
@@ -153,8 +155,9 @@ class Fleet:
         return any(not r.draining for r in self.pools["drafter"].replicas.values())
 
     def verifier(self, committed: Callable[[], list[int]]) -> FailoverVerifier:
-        """A session's verifier: the least-loaded replica, kept to the session's
-        end or until lost; then the session moves, rebuilt from `committed`."""
+        """A session's verifier: the least-loaded replica or one that likely
+        caches its prompt's prefix (Pool.acquire), kept to the session's end or
+        until lost; then the session moves, rebuilt from `committed`."""
         return FailoverVerifier(self.pools["verifier"], committed, self.config.max_failovers)
 
     def drafter(self, committed: Callable[[], list[int]], rebuild: bool) -> FailoverDrafter:

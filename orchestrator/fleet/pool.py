@@ -1,8 +1,10 @@
 """Replica pools: which drafter / verifier replica takes a new session.
 
-A pool routes each new session to its least-loaded serving replica; the session
-then stays on that replica to its end (the verifier holds its KV cache, the
-drafter its own). Scaling down drains: a draining replica takes no new
+A pool routes each new session to its least-loaded serving replica, or, with
+prefix routing (orchestrator/fleet/prefix_routing.py), to the one this
+orchestrator sent the longest prefix of its prompt to, while that one is not
+too busy (`acquire`); the session then stays on that replica to its end (the
+verifier holds its KV cache, the drafter its own). Scaling down drains: a draining replica takes no new
 sessions and is handed back (`reap`) once its last session has ended. A lost
 replica (a call to it failed with UNAVAILABLE: orchestrator/fleet/failover.py) takes
 no new sessions until it is found serving again (`revive`: on Ray the actor
@@ -16,11 +18,12 @@ and stops the replicas.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config import ReplicaSpec
+from orchestrator.fleet.prefix_routing import PrefixRouting
 from specd_core.errors import CapacityExceeded
 
 
@@ -50,6 +53,8 @@ class Pool:
     kind: str
     replicas: dict[str, Replica] = field(default_factory=dict)
     _arrivals: int = 0
+    # None: every new session goes to the least-loaded replica.
+    routing: PrefixRouting | None = None
 
     def add(self, spec: ReplicaSpec, client) -> Replica:
         if spec.name in self.replicas:
@@ -61,14 +66,40 @@ class Pool:
     def serving(self) -> list[Replica]:
         return [r for r in self.replicas.values() if not r.draining and not r.lost and not r.suspected]
 
-    def acquire(self) -> Replica:
-        """The least-loaded serving replica, with one more session counted on it."""
+    def acquire(self, prompt: Sequence[int] | None = None, salt: str = "") -> Replica:
+        """A serving replica for a new session, with one more session counted on it.
+
+        Without a prompt (or prefix routing): the least-loaded one (the oldest
+        on ties). With both: of the replicas that may take one more session for
+        their cache (`PrefixRouting.within`: then at most bound x the
+        least-loaded one's sessions + slack), the one this pool sent the
+        longest prefix of the prompt to, at least one chunk (the least loaded
+        on ties); none: the least-loaded one. The prompt is recorded as sent to
+        the chosen replica."""
         serving = self.serving()
         if not serving:
             raise CapacityExceeded(f"no {self.kind} replica is serving (all are draining or lost, or none is deployed)")
-        r = min(serving, key=lambda r: (r.sessions, r.added))
+        r = least = min(serving, key=lambda r: (r.sessions, r.added))
+        routing = self.routing
+        if routing is not None and prompt is not None:
+            names = routing.table.names(prompt, salt)
+            if names:
+                matched = {c.spec.name: routing.table.matched_names(c.spec.name, names) for c in serving}
+                best = min(
+                    (c for c in serving if c is least or routing.within(c.sessions, least.sessions)),
+                    key=lambda c: (-matched[c.spec.name], c.sessions, c.added),
+                )
+                if matched[best.spec.name] > 0:
+                    r = best
+                routing.table.record_names(r.spec.name, names)
         r.client.active += 1
         return r
+
+    def forget(self, name: str) -> None:
+        """The replica's prefix cache is gone (lost, restarted, removed): route
+        no prompt there for it."""
+        if self.routing is not None:
+            self.routing.table.forget(name)
 
     @staticmethod
     def release(replica: Replica, client=None) -> None:
@@ -99,6 +130,7 @@ class Pool:
         r = self.replicas[name]
         old, r.spec, r.client, r.lost = r.client, spec, client, False
         r.revision += 1
+        self.forget(name)  # a restarted replica caches nothing yet
         return old
 
     def mark_lost_at(self, name: str, revision: int) -> bool:
@@ -109,10 +141,12 @@ class Pool:
         if r is None or r.revision != revision or r.lost:
             return False
         r.lost = True
+        self.forget(name)
         return True
 
     def remove(self, name: str) -> Replica:
         """A replica gone for good (on Ray: out of restarts)."""
+        self.forget(name)
         return self.replicas.pop(name)
 
     def drain(self, n: int) -> list[Replica]:
@@ -136,4 +170,5 @@ class Pool:
         done = [r for r in self.replicas.values() if r.draining and r.sessions == 0 and idle_elsewhere(r.spec.name)]
         for r in done:
             del self.replicas[r.spec.name]
+            self.forget(r.spec.name)
         return done
