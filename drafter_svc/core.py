@@ -65,6 +65,10 @@ class Drafter(ModelCore):
             # the tokens, which the block names do not cover: no prefix caching.
             self.kv_pool.prefix = None
 
+    def info(self) -> dict:
+        """ModelCore's report, and how this drafter drafts (its method and head)."""
+        return {**super().info(), "drafting": self.method.describe()}
+
     def open_session(
         self,
         session_id: str,

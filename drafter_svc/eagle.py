@@ -239,6 +239,15 @@ class Eagle:
             config.model_dir, self.tokenizer_dir, config.device, config.dtype
         )
         self.runner: HeadRunner | None = None  # made with the core (runner_of)
+        self.format = fmt
+
+    def describe(self) -> str:
+        what = {"specd": "specd's own EAGLE head", "eagle": "published EAGLE-1/2 head", "eagle3": "published EAGLE-3 head"}
+        out = f"{self.name}: {what[self.format]}"
+        ids = getattr(self.rule, "target_ids", None)  # a draft vocabulary of its own (EAGLE-3)
+        if ids is not None:
+            out += f", draft vocabulary {len(ids)} of the target's {self.rule.vocab_size}"
+        return out
 
     def runner_of(self, runner: ModelRunner) -> HeadRunner:
         """The head reads features too: its runner wraps the lean forward of

@@ -60,7 +60,7 @@ class MedusaModel(nn.Module):
         self.residual = [[(put(wt), None if b is None else put(b)) for wt, b in layers] for layers in w.residual]
         self.lm_heads = [put(lm) for lm in w.lm_heads]
         self.token_map = None if w.token_map is None else w.token_map.to(device)
-        self.logit_scale = w.logit_scale
+        self.logit_scale, self.layout = w.logit_scale, w.layout
         self.norm, self.eps = put(target.model.norm.weight), tc.rms_norm_eps
         self.hidden_size, self.vocab_size = tc.hidden_size, tc.vocab_size
         self.config = PretrainedConfig(
@@ -230,6 +230,12 @@ class Medusa(Eagle):
             raise ValueError(f"{config.model_dir}: a published medusa head needs its target directory (--target-dir)")
         self.model = built or build_medusa(config.model_dir, self.tokenizer_dir, config.device, config.dtype)
         self.runner = None
+
+    def describe(self) -> str:
+        m = self.model
+        rows = m.lm_heads[0].shape[0]
+        vocab = f", draft vocabulary {rows} of the target's {m.vocab_size}" if m.token_map is not None else ""
+        return f"medusa: {m.num_heads} published Medusa heads ({m.layout} layout){vocab}"
 
     def runner_of(self, runner: ModelRunner) -> MedusaRunner:  # type: ignore[override]
         """The heads run on their own (the model's Runner is not used)."""

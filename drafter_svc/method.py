@@ -16,8 +16,12 @@ from specd_core.runtime.propose_call import ProposeCall
 
 
 class DraftMethod(Protocol):
-    name: str  # "draft_model" | "eagle"
+    name: str  # "draft_model" | "eagle" | "eagle3" | "medusa"
     warms_up: bool  # whether warm-up calls can run on this replica alone
+
+    def describe(self) -> str:
+        """The method and what it drafts with, as `specd status` shows it."""
+        ...
 
     @property
     def tokenizer_dir(self) -> str | None:
@@ -60,6 +64,9 @@ class DraftModel:
     open, and a verdict keeps the accepted path's rows of the last tree."""
 
     name = "draft_model"
+
+    def describe(self) -> str:
+        return "draft_model: a draft model"
     warms_up = True
     tokenizer_dir: str | None = None
 

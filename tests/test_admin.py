@@ -71,6 +71,7 @@ def test_status_reports_each_replicas_engine_model_and_kv(pairs, capsys):
         assert "ENGINE" in out and "KV TOKENS" in out and "PREFIX HITS" in out and f"0/{v.kv_capacity_tokens} (0%)" in out
         assert "note: verifier-0 runs the Hugging Face fallback engine for llama" in out and "docs/models.md" in out
         assert "METRICS" in out and "orchestrator metrics" not in out   # none known (started by hand)
+        assert "drafter-0 drafts with draft_model: a draft model\n" in out
         assert main(["metrics-targets", "--address", stack.orchestrator.address]) == 0
         assert json.loads(capsys.readouterr().out) == []
     finally:

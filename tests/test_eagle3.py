@@ -560,6 +560,21 @@ def test_published_eagle_greedy_equals_target_only(heads, eagle1_stack):
 
 
 @pytest.mark.services
+def test_status_says_what_each_drafter_drafts_with(heads, eagle3_stack, eagle1_stack, capsys):
+    """`specd status` names each drafter's method and head, and a published
+    EAGLE-3 head's draft vocabulary against the target's."""
+    from specd.cli import main
+
+    for stack, want in (
+        (eagle3_stack, f"eagle3: published EAGLE-3 head, draft vocabulary {DRAFT_VOCAB} of the target's {heads['vocab']}"),
+        (eagle1_stack, "eagle: published EAGLE-1/2 head"),
+    ):
+        assert main(["status", "--address", stack.orchestrator.address]) == 0
+        out = capsys.readouterr().out
+        assert f"drafter-0 drafts with {want}\n" in out, out
+
+
+@pytest.mark.services
 def test_eagle3_constrained_decoding(heads, eagle3_stack):
     """Structured output with a draft vocabulary smaller than the target's:
     greedy output is target-only constrained greedy, and sampled requests run

@@ -386,3 +386,18 @@ def test_original_layout_greedy_equals_target_only(medusa, original_stack):
 @pytest.mark.services
 def test_vllm_layout_greedy_equals_target_only(medusa, vllm_stack):
     _greedy_equals_target(vllm_stack, medusa, 2)
+
+
+@pytest.mark.services
+def test_status_says_what_each_drafter_drafts_with(medusa, original_stack, vllm_stack, capsys):
+    """`specd status` names the heads, their layout and, for vLLM's layout, the
+    truncated draft vocabulary against the target's."""
+    from specd.cli import main
+
+    for stack, want in (
+        (original_stack, f"medusa: {NUM_HEADS} published Medusa heads (original layout)\n"),
+        (vllm_stack, f"medusa: {NUM_HEADS} published Medusa heads (vllm layout), draft vocabulary {DRAFT_VOCAB} "
+                     f"of the target's {medusa['vocab']}\n"),
+    ):
+        assert main(["status", "--address", stack.orchestrator.address]) == 0
+        assert f"drafter-0 drafts with {want}" in capsys.readouterr().out

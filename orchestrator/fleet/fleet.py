@@ -39,6 +39,7 @@ REPLICA_INFO_FIELDS = (
     "kv_used_bytes",
     "prefix_queried_tokens",
     "prefix_hit_tokens",
+    "drafting",
 )
 # Status waits this long for a replica's Info: a stuck replica must not stall it.
 INFO_TIMEOUT_S = 2.0

@@ -68,6 +68,9 @@ def print_status(status) -> None:
         print(f"orchestrator metrics: {status.metrics_address}  (all targets: specd metrics-targets)")
     for model, names in _models(status.replicas).items():
         print(f"model {model}: {', '.join(names)}")
+    for r in sorted(status.replicas, key=lambda r: r.name):
+        if r.drafting:
+            print(f"{r.name} drafts with {r.drafting}")
     for r in status.replicas:
         if r.engine == "hf":
             print(
