@@ -242,8 +242,8 @@ class Eagle:
         self.format = fmt
 
     def describe(self) -> str:
-        what = {"specd": "specd's own EAGLE head", "eagle": "published EAGLE-1/2 head", "eagle3": "published EAGLE-3 head"}
-        out = f"{self.name}: {what[self.format]}"
+        what = {"specd": "specd's own", "eagle": "published EAGLE-1/2", "eagle3": "published EAGLE-3"}[self.format]
+        out = f"{self.name}: {what} {'EAGLE ' if self.format == 'specd' else ''}head"
         ids = getattr(self.rule, "target_ids", None)  # a draft vocabulary of its own (EAGLE-3)
         if ids is not None:
             out += f", draft vocabulary {len(ids)} of the target's {self.rule.vocab_size}"
