@@ -67,6 +67,7 @@ class DraftModel:
 
     def describe(self) -> str:
         return "draft_model: a draft model"
+
     warms_up = True
     tokenizer_dir: str | None = None
 
