@@ -401,3 +401,64 @@ def test_status_says_what_each_drafter_drafts_with(medusa, original_stack, vllm_
     ):
         assert main(["status", "--address", stack.orchestrator.address]) == 0
         assert f"drafter-0 drafts with {want}" in capsys.readouterr().out
+
+
+# ----- services: the sampling law -------------------------------------------------------------
+
+
+@torch.inference_mode()
+def medusa_joint(medusa, prompt: list[int], params: SamplingParams, layout: str, eps=1e-7) -> dict:
+    """The law of 3 tokens if every draft were kept: token 1 from the target's
+    prefill, tokens 2 and 3 from heads 0 and 1 on the last prompt row's
+    feature (the reference forward above), under the request's law."""
+    target = LlamaForCausalLM.from_pretrained(medusa["target"], dtype=torch.float32)
+    out = target(torch.tensor([prompt]), output_hidden_states=True)
+    feature = out.hidden_states[-1][0, -1]  # after the final norm, as the heads read it
+    p1 = logits_to_probs(out.logits[0, -1], params)
+    q2, q3 = (logits_to_probs(torch.log(q), params) for q in ref_probs(medusa, feature, layout)[:2])
+    s1, s2, s3 = (torch.nonzero(p > eps).flatten().tolist() for p in (p1, q2, q3))
+    return {(a, b, c): float(p1[a] * q2[b] * q3[c]) for a in s1 for b in s2 for c in s3}
+
+
+_FAVOURABLE: dict = {}
+
+
+def favourable_prompt(medusa) -> list[int]:
+    """Of a few corpus prompts, the one where the heads' drafts are kept most
+    often at T = 1 / top-k 6 (the test needs kept drafts and rejections both;
+    the law must hold whatever the prompt). Chosen once per module."""
+    from tests.test_eagle3 import overlap
+    from tests.test_sampling_lossless import exact_joint
+
+    if "prompt" not in _FAVOURABLE:
+        tok, params = load_tokenizer(medusa["target"]), SamplingParams(1.0, 1.0, 6)
+        scored = []
+        for line in [ln for ln in corpus_lines(600) if len(ln.strip()) > 20][::60][:8]:
+            prompt = tok(line)["input_ids"][:6]
+            joint = exact_joint(medusa["target"], prompt, params)
+            scored.append((overlap(joint, medusa_joint(medusa, prompt, params, "original")), prompt))
+        _FAVOURABLE["prompt"] = max(scored)[1]
+    return _FAVOURABLE["prompt"]
+
+
+@pytest.mark.parametrize("layout,temperature,top_p,top_k,draft", [
+    ("original", 1.0, 1.0, 6, dict(num_speculative_tokens=2)),
+    ("vllm", 0.7, 0.8, 0, dict(tree={"branching": [2, 2]})),
+], ids=["original-chain-T1", "vllm-static22-T0.7p0.8"])
+@pytest.mark.services
+@pytest.mark.statistical
+def test_medusa_sampling_matches_target(layout, temperature, top_p, top_k, draft, medusa, original_stack, vllm_stack):
+    """Sampled requests drafted by Medusa heads follow the target's exact law
+    (the joint of their first 3 tokens over N seeds within the threshold),
+    with kept drafts and rejections both run; a rule that kept every draft
+    would follow the heads' law, which the threshold tells apart."""
+    from tests.test_sampling_lossless import N, check_stream_law, exact_joint, null_threshold, tv
+
+    params = SamplingParams(temperature, top_p, top_k)
+    prompt = favourable_prompt(medusa)
+    joint = exact_joint(medusa["target"], prompt, params)
+    threshold = null_threshold(joint, N)
+    heads = medusa_joint(medusa, prompt, params, layout)
+    assert tv(joint, {k: v * N for k, v in heads.items()}, N) > 2 * threshold
+    stack = original_stack if layout == "original" else vllm_stack
+    check_stream_law(stack, prompt, joint, threshold, dict(temperature=temperature, top_p=top_p, top_k=top_k, **draft))

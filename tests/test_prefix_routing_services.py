@@ -129,3 +129,55 @@ def test_off_the_same_sequence_goes_by_load(stack, unrouted):
     # of them prefills it whole there, the others reuse that copy; verifier 1's is never used.
     assert cached == [0] + [PREFIX] * (N - 1)
     assert after == [(N - 1) * PREFIX, 0]
+
+
+BOUND, SLACK = 1.5, 2  # the orchestrator's defaults (--prefix-routing-bound, --prefix-routing-slack)
+
+
+def test_a_popular_prefix_spreads_within_the_bound(stack):
+    """Skewed load: 90 % of 48 requests, 12 at a time, share one long prefix.
+    Sampled all along, the busier verifier's sessions stay within the bound
+    of the other's (one more allowed for a session opening or closing while
+    a sample is taken), and the popular prefix is served from the cache on
+    both verifiers: routing follows it until its holder is past the bound,
+    then load wins and the other verifier caches it too."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(7)
+    popular = [rng.randrange(3, 4000) for _ in range(PREFIX)]
+    prompts = [
+        (popular if rng.random() < 0.9 else [rng.randrange(3, 4000) for _ in range(PREFIX)])
+        + [rng.randrange(3, 4000) for _ in range(rng.randrange(1, 20))]
+        for _ in range(48)
+    ]
+    stubs = [pb_grpc.VerifierServiceStub(open_channel(v.address)) for v in stack.verifiers]
+    samples: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append(tuple(s.Info(pb.ReplicaInfoRequest(), timeout=30).sessions for s in stubs))
+            time.sleep(0.05)
+
+    def generate(ids) -> None:
+        request = pb.GenerateRequest(prompt_token_ids={"ids": ids}, max_new_tokens=24, cache_salt="skewed")
+        list(pb_grpc.OrchestratorServiceStub(stack.channel).Generate(request, timeout=300))
+
+    idle(stack.channel)
+    before = counters(stack)
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            list(pool.map(generate, prompts))
+    finally:
+        done.set()
+        watcher.join()
+    _, hits = delta(before, counters(stack))
+    worst = max(samples, key=lambda s: max(s) - (BOUND * min(s) + SLACK))
+    print(f"skewed: {len(samples)} samples, worst (sessions on verifiers 0, 1) {worst}; hits added {hits}")
+    assert max(max(s) for s in samples) >= 4  # the load was there
+    for s in samples:
+        assert max(s) <= BOUND * min(s) + SLACK + 1, s
+    assert all(h >= PREFIX for h in hits), hits  # the popular prefix was reused on both
