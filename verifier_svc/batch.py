@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd_core.errors import CapacityExceeded
 from specd_core.rules.acceptance import accept_tree_deterministic, accept_tree_sampled
-from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample
 from specd_core.rules.tree import TokenTree, accept_tree_argmax, compaction_indices
 from specd_core.runtime.features import HiddenStates
 from specd_core.runtime.grammar import Constraint, apply_masks
@@ -200,3 +201,39 @@ def own_layers(states, taps: tuple[int, ...], want: tuple[int, ...]):
         return states
     width = states.shape[-1] // len(taps)
     return torch.cat([states[:, taps.index(t) * width : (taps.index(t) + 1) * width] for t in want], -1)
+
+
+def oom_parts(jobs: list) -> list[list]:
+    """How the jobs of a forward that ran the device out of memory run again:
+    prefills apart from verifies first (a long prompt must not cost the
+    running sessions their step), then halves."""
+    opens = [j for j in jobs if isinstance(j, OpenJob)]
+    verifies = [j for j in jobs if not isinstance(j, OpenJob)]
+    return [verifies, opens] if verifies and opens else [jobs[: len(jobs) // 2], jobs[len(jobs) // 2 :]]
+
+
+def out_of_memory(j, reason: str) -> CapacityExceeded:
+    """The refusal of a job whose forward alone runs the device out of memory."""
+    if isinstance(j, OpenJob):
+        what, smaller = f"a prefill of {len(j.prompt_ids)} tokens", "a shorter prompt"
+    else:
+        what, smaller = f"a verify of {len(j.tree.tokens)} draft tokens", "a smaller draft"
+    return CapacityExceeded(
+        f"session {j.session_id!r}: the device ran out of memory for {what} ({reason}); retry with {smaller} or later"
+    )
+
+
+def first_token(j: OpenJob, s: VerifySession, logits: torch.Tensor, states, hidden_dtype: str) -> object:
+    """An open job's result from its prefill's last row (Verifier.prepare_open)."""
+    if j.resume:
+        return (None, None) if j.hidden else None
+    params = s.params
+    if s.constraint is not None:
+        allowed = s.constraint.allowed()
+        assert allowed is not None  # the empty path is never forbidden
+        logits = apply_masks(logits, allowed)
+    first = sample(logits_to_probs(logits, params), s.generator) if not params.greedy else int(logits.argmax())
+    s.tokens.append(first)
+    if s.constraint is not None:
+        s.constraint.commit([first])
+    return (first, HiddenStates.encode(states, hidden_dtype)) if j.hidden else first

@@ -1,5 +1,5 @@
 """The checks of a verify call's inputs: its draft distributions (the sampled-children
-rule's q) and the feature layers a new session asks for."""
+rule's q), the feature layers a new session asks for and a resumed session's tokens."""
 
 from __future__ import annotations
 
@@ -58,3 +58,20 @@ def feature_layers(hidden: bool | tuple[int, ...], layers: int | None) -> tuple[
     if any(not 0 <= i <= layers for i in ids):
         raise InvalidRequest(f"hidden_layers {list(ids)} must be decoder layer ids in [0, {layers}]")
     return ids
+
+
+def check_resume(prompt_ids: list[int], resume: bool, constrained: bool, generated_from: int) -> None:
+    """A resumed session's tokens: the prompt and at least one generated token;
+    a constrained one's generated_from must say where the generated ones start."""
+    if not resume:
+        return
+    if len(prompt_ids) < 2:
+        raise InvalidRequest(
+            "a resumed session needs the prompt and at least one generated token "
+            f"in prompt_token_ids, got {len(prompt_ids)} token(s)"
+        )
+    if constrained and not 0 < generated_from < len(prompt_ids):
+        raise InvalidRequest(
+            f"generated_from {generated_from} must point into the {len(prompt_ids)} prompt_token_ids "
+            "of a resumed constrained session (where its generated tokens start)"
+        )

@@ -18,10 +18,8 @@ import time
 import torch
 
 from specd_core.errors import CapacityExceeded, InvalidRequest
-from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample
+from specd_core.rules.sampling import SamplingParams
 from specd_core.rules.tree import depth, validate_tree
-from specd_core.runtime.features import HiddenStates
-from specd_core.runtime.grammar import apply_masks
 from specd_core.runtime.jobs import alone, in_order, still_valid
 from specd_core.runtime.model_core import ModelCore
 from specd_core.runtime.models import Runner
@@ -36,11 +34,14 @@ from verifier_svc.batch import (
     accept_all,
     attach_features,
     compact,
+    first_token,
+    oom_parts,
+    out_of_memory,
     own_layers,
     plan_rows,
     stamp,
 )
-from verifier_svc.checks import dense_draft_q, feature_layers
+from verifier_svc.checks import check_resume, dense_draft_q, feature_layers
 from verifier_svc.config import VerifierConfig
 
 
@@ -110,19 +111,9 @@ class Verifier(ModelCore):
         when it is not heard from for owner_timeout_s (specd_core/runtime/sessions.py)."""
         self._check_request(session_id, prompt_ids, params)
         self.sessions.heard(owner)  # checked, and word from it while the prefill waits
-        if resume and len(prompt_ids) < 2:
-            raise InvalidRequest(
-                "a resumed session needs the prompt and at least one generated token "
-                f"in prompt_token_ids, got {len(prompt_ids)} token(s)"
-            )
+        check_resume(prompt_ids, resume, params.constraint is not None, generated_from)
         layers = feature_layers(hidden, len(self.runner.lean.layers) if self.runner.lean else None)
-        constraint = params.constraint
-        if constraint is not None and resume and not 0 < generated_from < len(prompt_ids):
-            raise InvalidRequest(
-                f"generated_from {generated_from} must point into the {len(prompt_ids)} prompt_token_ids "
-                "of a resumed constrained session (where its generated tokens start)"
-            )
-        matcher = self.constraint(constraint, prompt_ids, generated_from)
+        matcher = self.constraint(params.constraint, prompt_ids, generated_from)
         return OpenJob(session_id, list(prompt_ids), params, resume, layers, matcher, owner)
 
     def verify(
@@ -223,23 +214,8 @@ class Verifier(ModelCore):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the allocator's cached blocks, for whatever else needs them
         if len(jobs) == 1:
-            return {id(jobs[0]): self._out_of_memory(jobs[0], reason)}
-        opens = [j for j in jobs if isinstance(j, OpenJob)]
-        verifies = [j for j in jobs if not isinstance(j, OpenJob)]
-        parts = [verifies, opens] if verifies and opens else [jobs[: len(jobs) // 2], jobs[len(jobs) // 2 :]]
-        return {id(j): r for part in parts for j, r in zip(part, self._run_batch(part))}
-
-    @staticmethod
-    def _out_of_memory(j, reason: str) -> CapacityExceeded:
-        """The refusal of a job whose forward alone runs the device out of memory."""
-        if isinstance(j, OpenJob):
-            what, smaller = f"a prefill of {len(j.prompt_ids)} tokens", "a shorter prompt"
-        else:
-            what, smaller = f"a verify of {len(j.tree.tokens)} draft tokens", "a smaller draft"
-        return CapacityExceeded(
-            f"session {j.session_id!r}: the device ran out of memory for {what} ({reason}); "
-            f"retry with {smaller} or later"
-        )
+            return {id(jobs[0]): out_of_memory(jobs[0], reason)}
+        return {id(j): r for part in oom_parts(jobs) for j, r in zip(part, self._run_batch(part))}
 
     def _admit_batch(self, jobs: list) -> tuple[list[VerifyJob], list[tuple[OpenJob, VerifySession]], dict]:
         """Under the lock: (the verifies that still stand, with their KV
@@ -306,7 +282,7 @@ class Verifier(ModelCore):
         done = {}
         for (j, s), lg, h in zip(admitted, logits, states):
             publish_prefix(s.cache)  # its prompt's rows are written now
-            done[id(j)] = self._first_token(j, s, lg[0], h)
+            done[id(j)] = first_token(j, s, lg[0], h, self.config.hidden_dtype)
             self.sessions.add(j.session_id, s, j.owner)
         return done
 
@@ -319,18 +295,3 @@ class Verifier(ModelCore):
             j.session.cache.length + 1 + nodes,
             f"session {j.session_id!r} (a draft of {nodes} tokens after {committed} committed)",
         )
-
-    def _first_token(self, j: OpenJob, s: VerifySession, logits: torch.Tensor, states) -> object:
-        """An open job's result from its prefill's last row (see open_session)."""
-        if j.resume:
-            return (None, None) if j.hidden else None
-        params = s.params
-        if s.constraint is not None:
-            allowed = s.constraint.allowed()
-            assert allowed is not None  # the empty path is never forbidden
-            logits = apply_masks(logits, allowed)
-        first = sample(logits_to_probs(logits, params), s.generator) if not params.greedy else int(logits.argmax())
-        s.tokens.append(first)
-        if s.constraint is not None:
-            s.constraint.commit([first])
-        return (first, HiddenStates.encode(states, self.config.hidden_dtype)) if j.hidden else first
