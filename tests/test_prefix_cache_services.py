@@ -2,7 +2,7 @@
 outputs of requests that hit the cache equal target-only (chains and trees);
 `cached_prompt_tokens` on a second request sharing a prefix, none with a
 different `cache_salt`; and a stress run - concurrent streams on shared random
-prefixes, chains, trees and plain decoding mixed, random cancellations, a KV
+prefixes, 64 at a time, chains, trees and plain decoding mixed, random cancellations, a KV
 budget so small that cached blocks are evicted throughout - after which every
 output equals target-only and every block is free or cached (the replicas
 hold no block: no reference leaked)."""
@@ -27,10 +27,12 @@ pytestmark = pytest.mark.services
 
 BLOCK = 8
 # Rows are 512 bytes (2 layers x K, V x 2 heads x 16 x 4 bytes; the drafter is
-# the target plus noise): 256 blocks of 8 rows each, a little more than 8
-# streams may hold at once (at most 28 blocks each) and less than the stress
-# run's distinct prompt blocks, so cached blocks are evicted all the time.
-SERVICE_ARGS = ("--kv-block-size", str(BLOCK), "--kv-cache-memory", "1MiB")
+# the target plus noise): 1,536 blocks of 8 rows each, a little more than the
+# stress run's 64 streams may hold at once (at most 21 blocks each: 136 prompt
+# tokens, 24 new, a draft) and less than its distinct blocks (384 prefixes of
+# up to 15 blocks, every prompt's suffix, every stream's generated rows), so
+# cached blocks are evicted all the time.
+SERVICE_ARGS = ("--kv-block-size", str(BLOCK), "--kv-cache-memory", "6MiB")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_cache_salt_keeps_requests_apart(stack):
     assert cached("") == 0
 
 
-STREAMS, CONCURRENCY = 96, 8
+STREAMS, CONCURRENCY = 384, 64
 SHAPES = [dict(num_speculative_tokens=3), dict(tree={"branching": [2, 2, 1]}), dict(num_speculative_tokens=0),
           dict(tree={"node_budget": 8, "max_depth": 4, "top_k": 3}), dict(num_speculative_tokens=5)]
 
@@ -127,7 +129,7 @@ def settled(stack) -> tuple[pb.ReplicaInfo, pb.ReplicaInfo]:
 
 def test_stress_shared_prefixes_cancellations_and_eviction(stack, target):
     rng = random.Random(34)
-    prefixes = [[rng.randrange(3, 380) for _ in range(rng.randrange(24, 121))] for _ in range(48)]
+    prefixes = [[rng.randrange(3, 380) for _ in range(rng.randrange(24, 121))] for _ in range(384)]
     prompts = [
         rng.choice(prefixes)[: rng.randrange(8, 121)] + [rng.randrange(3, 380) for _ in range(rng.randrange(1, 17))]
         for _ in range(STREAMS)
