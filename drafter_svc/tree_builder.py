@@ -212,26 +212,81 @@ def rank_rows(rows: list[torch.Tensor], k: int) -> list[Ranked]:
     return out
 
 
-def _ranks(j: TreeJob) -> int:
-    """How many ranked choices a tree's nodes take from the level's batched
-    ranking (rank_rows); 0: it chooses from its rows' logits itself (sampled
-    children are drawn from q; an output constraint masks each node's row by
-    its path)."""
+class Truncated(NamedTuple):
+    """A row's truncated q on the host (truncate_top of its law): what a
+    sampled node's children are drawn from, and what the verifier is sent."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+
+def truncated_rows(rows: list[tuple[torch.Tensor, SamplingParams]], top_n: int) -> list[Truncated]:
+    """Each row's truncate_top(logits_to_probs(row, its params), top_n), with
+    ONE transfer to the host for them all: each row's top entries come over
+    at a fixed count, and the cut to the nonzero ones (a size that depends on
+    the data, a host sync on a GPU) is made on the host."""
+    out: list[Truncated] = []
+    by_k: dict[int, list[int]] = {}
+    tops = []
+    for i, (row, params) in enumerate(rows):
+        vals, ids = torch.topk(logits_to_probs(row, params), min(top_n, row.shape[-1]))
+        tops.append((vals, ids))
+        by_k.setdefault(vals.shape[0], []).append(i)
+    host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for idx in by_k.values():
+        vals = torch.stack([tops[i][0] for i in idx]).float()
+        ids = torch.stack([tops[i][1] for i in idx])
+        # ids as float64 are exact (< 2**53): both come over in one transfer.
+        both = torch.stack([vals.double(), ids.double()]).cpu()
+        vals_h, ids_h = both[0].float(), both[1].long()
+        host |= {i: (vals_h[j], ids_h[j]) for j, i in enumerate(idx)}
+    for i in range(len(rows)):
+        vals, ids = host[i]
+        keep = vals > 0
+        vals, ids = vals[keep], ids[keep]
+        out.append(Truncated(ids, vals / vals.sum()))
+    return out
+
+
+RANKED, TRUNCATED = "ranked", "truncated"
+
+
+def _prepared(j: TreeJob) -> tuple[str, int] | None:
+    """What a tree's rows come to its growth as, batched for the level:
+    (RANKED, k) - its nodes' k best choices (rank_rows: greedy and dynamic
+    trees), (TRUNCATED, 0) - each row's truncated q (truncated_rows: sampled
+    static trees); None - the rows' logits (an output constraint masks each
+    node's row by its path first)."""
     if j.constraint is not None:
-        return 0
+        return None
     if j.shape.dynamic:
-        return j.shape.top_k
-    return max(j.shape.children().values()) if j.params.greedy else 0
+        return RANKED, j.shape.top_k
+    if j.params.greedy:
+        return RANKED, max(j.shape.children().values())
+    return TRUNCATED, 0
 
 
-def _rows_for(growth_rows: list[tuple[int, torch.Tensor]], ks: list[int]) -> list:
-    """Each tree's rows for its growth: Ranked rows for those that take them
-    (ks[tree] > 0; ranked together), the logits for the others."""
-    wanted = [(t, r) for t, (n, lg) in enumerate(growth_rows) if ks[n] for r in range(lg.shape[0])]
-    ranked = rank_rows([growth_rows[t][1][r] for t, r in wanted], max((ks[n] for n, _ in growth_rows), default=0))
-    out: list = [lg if not ks[n] else [] for n, lg in growth_rows]
-    for (t, _), rk in zip(wanted, ranked):
-        out[t].append(rk)
+def _rows_for(growth_rows: list[tuple[int, torch.Tensor]], jobs: list[TreeJob], top_n: int) -> list:
+    """Each tree's rows for its growth (_prepared): Ranked or Truncated rows,
+    those of all trees made together, or the logits."""
+    kinds = [_prepared(jobs[n]) for n, _ in growth_rows]
+    out: list = [lg if kind is None else [] for (_, lg), kind in zip(growth_rows, kinds)]
+    for what in (RANKED, TRUNCATED):
+        wanted = [
+            (t, r)
+            for t, (_, lg) in enumerate(growth_rows)
+            if (kinds[t] or ("",))[0] == what
+            for r in range(lg.shape[0])
+        ]
+        if not wanted:
+            continue
+        rows = [growth_rows[t][1][r] for t, r in wanted]
+        if what == RANKED:
+            made: list = rank_rows(rows, max(kind[1] for kind in kinds if kind and kind[0] == RANKED))
+        else:
+            made = truncated_rows([(row, jobs[growth_rows[t][0]].params) for row, (t, _) in zip(rows, wanted)], top_n)
+        for (t, _), m in zip(wanted, made):
+            out[t].append(m)
     return out
 
 
@@ -241,8 +296,7 @@ def grow_trees_batched(runner, jobs: list[TreeJob], top_n: int) -> list[DraftTre
     session's own forward, one after another), the greedy and dynamic trees'
     choices at each level ranked together (rank_rows)."""
     growers = [_Grower(j.cache, j.cache.length, j.constraint) for j in jobs]
-    ks = [_ranks(j) for j in jobs]
-    roots = _rows_for([(n, j.root[None]) for n, j in enumerate(jobs)], ks)
+    roots = _rows_for([(n, j.root[None]) for n, j in enumerate(jobs)], jobs, top_n)
     running: list[tuple[int, Growth, list[int]]] = []
     for n, (g, j, root) in enumerate(zip(growers, jobs, roots)):
         root = root[0]
@@ -258,7 +312,7 @@ def grow_trees_batched(runner, jobs: list[TreeJob], top_n: int) -> list[DraftTre
             out = [s.forward(ids, **dense_item(s, pos, mask)) for s, ids, pos, mask in items]
         else:
             out = runner.forward_batch(items)
-        rows = _rows_for([(n, lg) for (n, _, _), lg in zip(running, out)], ks)
+        rows = _rows_for([(n, lg) for (n, _, _), lg in zip(running, out)], jobs, top_n)
         running = [step for (n, growth, _), r in zip(running, rows) for step in _advance(n, growth, r)]
     return [g.tree for g in growers]
 
@@ -272,11 +326,15 @@ def _advance(n: int, growth: Growth, rows) -> list[tuple[int, Growth, list[int]]
     return [(n, growth, nodes)]
 
 
-def _choose(logits: torch.Tensor | Ranked, n: int, params, top_n: int, gen):
+def _choose(logits: torch.Tensor | Ranked | Truncated, n: int, params, top_n: int, gen):
     """A node's n children and their confidences: the drafter's top n
     (greedy; no q), or n draws without replacement from its truncated q,
     returned with them (sampled). -> (ids, q or None, confidences).
-    logits: the row, or its ranking (greedy, batched: rank_rows)."""
+    logits: the row, or what the level made of it for all trees at once:
+    its ranking (greedy: rank_rows) or its truncated q (sampled: truncated_rows)."""
+    if isinstance(logits, Truncated):
+        chosen, conf = _sample_without_replacement(logits.ids, logits.probs, n, gen)
+        return chosen, (logits.ids.tolist(), logits.probs.tolist()), conf
     if isinstance(logits, Ranked):
         # A constraint's forbidden tokens (log-probability -inf) are no children.
         ranked = [(i, math.exp(lp)) for i, lp in zip(logits.ids[:n], logits.logps[:n]) if lp > -math.inf]
