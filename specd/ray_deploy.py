@@ -393,8 +393,10 @@ class RayLauncher:
         return ReplicaSpec(kind, name, address, node, metrics_address)
 
     async def stop(self, spec: ReplicaSpec) -> None:
-        with contextlib.suppress(ValueError):  # already gone
-            ray.kill(ray.get_actor(spec.name, namespace=NAMESPACE), no_restart=True)
+        # Off the event loop: ray.get_actor asks the cluster's control store and
+        # can block for seconds on a busy machine, which would stall every
+        # stream and RPC this orchestrator serves meanwhile.
+        await asyncio.to_thread(_kill, spec.name)
 
     async def locate(self, spec: ReplicaSpec) -> ReplicaSpec | None:
         """Ask a lost replica's actor where it serves: Ray restarts a dead actor
@@ -402,7 +404,7 @@ class RayLauncher:
         actor waits for it; a short wait here keeps the scaler's tick short, the
         next tick asks again."""
         try:
-            actor = ray.get_actor(spec.name, namespace=NAMESPACE)
+            actor = await asyncio.to_thread(ray.get_actor, spec.name, namespace=NAMESPACE)  # blocks: see stop
         except ValueError:
             raise ReplicaGone(f"no actor named {spec.name}") from None
         try:
@@ -651,3 +653,9 @@ def teardown() -> list[str]:
             ray.kill(ray.get_actor(info["name"], namespace=NAMESPACE), no_restart=True)
             killed.append(info["name"])
     return killed
+
+
+def _kill(name: str) -> None:
+    """Kill a replica's actor for good (nothing when it is gone already)."""
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
