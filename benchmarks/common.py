@@ -21,8 +21,9 @@ import json
 import platform
 import random
 import statistics
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -236,3 +237,29 @@ def cell(v: object) -> str:
     if v is None:
         return ""
     return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def all_at_once(job: Callable[[int], T], n: int, what: str = "streams") -> tuple[list[T], float]:
+    """job(0) .. job(n-1), each in a thread of its own, started together:
+    their results in order and the wall time from the first start to the last
+    end. Any that failed fail the whole (a round with a failed stream says
+    nothing of the system's speed), naming the first error."""
+    outs: list = [None] * n
+
+    def run(i: int) -> None:
+        try:
+            outs[i] = job(i)
+        except Exception as e:  # reported below: the round failed
+            outs[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    failed = [o for o in outs if isinstance(o, Exception)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {n} {what} failed: {type(failed[0]).__name__}: {failed[0]}")
+    return outs, wall

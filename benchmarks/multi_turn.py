@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import threading
 import time
 from pathlib import Path
 
 from specd.local_stack import Stack
 from specd_core.api.v1 import specdec_pb2 as pb
 
-from .common import RESULTS, alternating, machine, paired_ratio, pct, run_main, utc_now
+from .common import RESULTS, all_at_once, alternating, machine, paired_ratio, pct, run_main, utc_now
 from .versus import engine_pair
 
 SYSTEMS = ("caching on", "caching off")
@@ -61,29 +60,18 @@ def turn(stub, prompt: list[int], max_new: int) -> dict:
 
 def conversations(stack: Stack, users: list[list[list[int]]], max_new: int) -> dict:
     """Every conversation at once, turn after turn: their turns' records and the wall time."""
-    records: list[list[dict]] = [[] for _ in users]
-    errors: list[Exception] = []
 
-    def talk(c: int) -> None:
+    def talk(c: int) -> list[dict]:
         so_far: list[int] = []
-        try:
-            for message in users[c]:
-                so_far += message
-                t = turn(stack.stub, so_far, max_new)
-                so_far += t["ids"]
-                records[c].append(t)
-        except Exception as e:  # reported below: the round failed
-            errors.append(e)
+        records = []
+        for message in users[c]:
+            so_far += message
+            t = turn(stack.stub, so_far, max_new)
+            so_far += t["ids"]
+            records.append(t)
+        return records
 
-    threads = [threading.Thread(target=talk, args=(c,)) for c in range(len(users))]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    if errors:
-        raise RuntimeError(f"{len(errors)} conversations failed: {errors[0]}")
+    records, wall = all_at_once(talk, len(users), "conversations")
     turns = [t for conv in records for t in conv]
     return {
         "wall_s": round(wall, 3),

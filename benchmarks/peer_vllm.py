@@ -70,7 +70,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -82,6 +81,7 @@ from .common import (
     DEMO_DRAFTER,
     DEMO_TARGET,
     ROOT,
+    all_at_once,
     alternating,
     fmt_ratio,
     goal_check,
@@ -434,24 +434,7 @@ def stream_one(setting: Setting, prompt: list[int], max_new: int) -> tuple[str, 
 
 def one_round(setting: Setting, prompts: list[list[int]], max_new: int) -> dict:
     """All prompts at once, one stream each."""
-    outs: list = [None] * len(prompts)
-
-    def run(i: int) -> None:
-        try:
-            outs[i] = stream_one(setting, prompts[i], max_new)
-        except Exception as e:  # the round failed: reported below
-            outs[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    failed = [o for o in outs if isinstance(o, Exception)]
-    if failed:
-        raise RuntimeError(f"{len(failed)} of {len(prompts)} streams failed: {type(failed[0]).__name__}: {failed[0]}")
+    outs, wall = all_at_once(lambda i: stream_one(setting, prompts[i], max_new), len(prompts))
     return {
         "tokens_per_s": sum(o[1] for o in outs) / wall,
         "tokens": sum(o[1] for o in outs),

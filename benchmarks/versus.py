@@ -35,7 +35,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -49,6 +48,7 @@ from .common import (
     DEMO_DRAFTER,
     DEMO_TARGET,
     ROOT,
+    all_at_once,
     alternating,
     fmt_ratio,
     goal_check,
@@ -145,24 +145,10 @@ def generate(stub, prompt: list[int], max_new: int, k: int | None) -> list[int]:
 
 def one_round(host: Host, prompts: list[list[int]], max_new: int, k: int | None) -> tuple[float, list[list[int]]]:
     """All prompts at once, one stream each: (tokens/s, each stream's tokens)."""
-    outs: list = [[] for _ in prompts]  # each stream's tokens, or the error that ended it
-
-    def stream(i: int) -> None:
-        try:
-            outs[i] = generate(host.stub, prompts[i], max_new, k)
-        except Exception as e:  # reported below, the round failed
-            outs[i] = e
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    failed = [o for o in outs if isinstance(o, Exception)]
-    if failed:
-        raise RuntimeError(f"{host.name}: {len(failed)} of {len(prompts)} streams failed: {failed[0]}")
+    try:
+        outs, wall = all_at_once(lambda i: generate(host.stub, prompts[i], max_new, k), len(prompts))
+    except RuntimeError as e:
+        raise RuntimeError(f"{host.name}: {e}") from None
     return sum(len(o) for o in outs) / wall, outs
 
 
