@@ -128,6 +128,68 @@ target's features, level d the head's own features of d − 1 drafted positions)
 {table}"""
 
 
+def _published_rows(pair: Path) -> str:
+    rows = {"eagle3": "EAGLE-3 head in the published format (config.json, model.safetensors in fp16, train_info.json)",
+            "medusa": "Medusa heads in the Medusa authors' layout (config.json, medusa_lm_head.safetensors in fp16, "
+                      "train_info.json)"}
+    return "".join(f"\n| `{k}/` | {v}; see below |" for k, v in rows.items() if (pair / k / "train_info.json").exists())
+
+
+def _published_section(pair: Path) -> str:
+    """The EAGLE-3 and Medusa heads (training/eagle3.py, training/medusa.py):
+    their training and held-out agreement; the served comparison is in
+    benchmarks/README.md (benchmarks/heads.py)."""
+    e3, md = pair / "eagle3", pair / "medusa"
+    if not ((e3 / "train_info.json").exists() and (md / "train_info.json").exists()):
+        return ""
+    ei, mi = (json.loads((d / "train_info.json").read_text()) for d in (e3, md))
+    ec, mc = (json.loads((d / "config.json").read_text()) for d in (e3, md))
+    ef, mf = ei["final_heldout"], mi["final_heldout"]
+    levels = "\n".join(f"| {d} | {ef[f'top1_{d}']:.3f} | {ef[f'ce{d}']:.3f} |" for d in range(1, 4))
+    heads = "\n".join(f"| {i} | t + {i + 2} | {mf[f'top1_{i}']:.3f} | {mf[f'ce{i}']:.3f} |"
+                       for i in range(mc["medusa_num_heads"]))
+    aux = ec["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    return f"""
+## EAGLE-3 head (`eagle3/`) and Medusa heads (`medusa/`), in the published formats
+
+Both are saved as their authors publish them, so they load the way downloaded heads
+do (`specd up --method eagle3 --drafter models/demo/eagle3`, `--method medusa
+--drafter models/demo/medusa`). Trained on the train split above, random windows of
+{ei['args']['seq_len']} tokens, batch {ei['args']['batch']}, the frozen fp32 target's
+hidden states and next-token distributions on the fly (soft labels), AdamW, cosine to
+0.1x, one thread each, the two runs side by side on the 2-core machine.
+
+EAGLE-3 (`python -m training.eagle3`): `fc` over the target's layers {aux}
+(the published default (2, L // 2, L - 3)), one decoder layer reading
+[embedding; hidden state], `norm` and an LM head over a draft vocabulary of the
+{ec['draft_vocab_size']} most frequent training tokens of the target's {ec['vocab_size']}
+({ei['draft_vocab_coverage']:.1%} of the training tokens), `d2t` / `t2d` mapping it to
+target ids; no embedding shipped (the target's is read). Loss: cross-entropy to the
+target's distribution on the draft vocabulary, the draft unrolled
+{ei['args']['levels']} levels deep on the head's own outputs (EAGLE-3's training-time
+test). Peak LR {ei['args']['lr']:g}, {ei['steps']} steps in {ei['minutes']:.1f} min.
+Held-out (16 windows, tokens teacher-forced):
+
+| draft level | top-1 agreement with the target | CE to the target on the draft vocabulary (nats) |
+|---|---|---|
+{levels}
+
+Medusa (`python -m training.medusa`): {mc['medusa_num_heads']} heads of
+{mc['medusa_num_layers']} residual block each on the target's last hidden state after
+its final norm, blocks starting at the identity and LM heads at the target's (as
+Medusa does); loss: cross-entropy to the target's distribution at each head's offset,
+head i weighted 0.8^i. Peak LR {mi['args']['lr']:g}, {mi['steps']} steps in
+{mi['minutes']:.1f} min. Held-out:
+
+| head | predicts | top-1 agreement with the target | CE to the target (nats) |
+|---|---|---|---|
+{heads}
+
+Served against the distilled drafter and the EAGLE head above:
+`python -m benchmarks.heads` (benchmarks/README.md, "Draft heads trained here").
+"""
+
+
 def render(pair: Path, wall_minutes: float | None) -> str:
     info = json.loads((pair / "build_info.json").read_text())
     ev = json.loads((pair / "eval.json").read_text())
@@ -152,7 +214,7 @@ target), not useful code generation.
 | `drafter/` | drafter model (same layout, same tokenizer) |
 | `build_info.json` | raw training record (configs, arguments, loss history) |
 | `eval.json` | raw held-out acceptance figures |
-| `bench_prompts.jsonl` | `specd bench`'s default prompts: 16 held-out prompts of 96 tokens, ids and text |{_eagle_row(pair)}
+| `bench_prompts.jsonl` | `specd bench`'s default prompts: 16 held-out prompts of 96 tokens, ids and text |{_eagle_row(pair)}{_published_rows(pair)}
 
 Load with `AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32)` and
 `AutoTokenizer.from_pretrained(dir)`. Folder size: {_size_mb(pair):.1f} MB.
@@ -254,7 +316,7 @@ versus {s['distinct_4gram_fraction']:.2f} for the T = {s['temperature']} samples
 representative figure of how close the drafter is to the target. Also note the
 drafter's held-out CE is about the target's: the target is under-trained for its
 size, and distillation transfers most of what it learned.
-{_eagle_section(pair)}
+{_eagle_section(pair)}{_published_section(pair)}
 ## Reproduce
 
 Rebuild the pair (tokenizer → target → drafter → evaluation → this card):
@@ -282,6 +344,15 @@ EAGLE head (about 36 min on one thread), its benchmark, then this card:
 ```
 python -m training.eagle --target models/demo/target --out models/demo/eagle --minutes 36
 python -m benchmarks.eagle
+python -m training.model_card models/demo --wall-minutes 65
+```
+
+EAGLE-3 and Medusa heads (30 min each, one thread each, side by side), their
+benchmark, then this card:
+
+```
+python -m training.eagle3 --minutes 30 & python -m training.medusa --minutes 30; wait
+python -m benchmarks.heads
 python -m training.model_card models/demo --wall-minutes 65
 ```
 
