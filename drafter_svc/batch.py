@@ -1,15 +1,18 @@
 """The steps of one drafting batch after its sessions caught up with their
 verdicts and forwarded their committed tokens (drafter_svc/core.py,
 Drafter.propose_batch): guess the bonus of ahead calls (or grow their
-branches, lean engine), grow the trees, and make each job's Proposal."""
+branches, lean engine), grow the trees, and make each job's Proposal; and
+what happens when they run the device out of memory (refusing_oom)."""
 
 from __future__ import annotations
 
 import torch
 
 from drafter_svc.branches import Branch, BranchGroup, alternatives_that_fit, grow_branches, outcomes
-from drafter_svc.state import Proposal, ProposeJob
+from drafter_svc.state import Mark, Proposal, ProposeJob, undo_catch_up
 from drafter_svc.tree_builder import Chain, DraftTree, TreeJob, grow_chains, grow_trees_batched
+from specd_core.errors import CapacityExceeded
+from specd_core.runtime.jobs import device_oom, halves, oom_reason
 from specd_core.runtime.phases import Phases
 
 
@@ -111,3 +114,43 @@ def proposals(
         )
         for j in live
     }
+
+
+def refusing_oom(draft, live: list[ProposeJob], before: dict[int, Mark], drop) -> dict:
+    """{id(job): Proposal or error} of caught-up jobs drafted by draft(jobs).
+    A batch whose forwards run the device out of memory (the KV cache is
+    preallocated, so their activations did: a wide tree, a big batch) leaves
+    nothing of them: every session goes back to its mark, and the jobs run
+    again in halves. A job that does not fit even alone is refused
+    (CapacityExceeded) and its session goes back to what it was before the
+    call (before: its mark then), so that its client can go on without a
+    draft; where that cannot be done by truncation (undo_catch_up),
+    drop(job) closes the session and the refusal says so."""
+    marks = [Mark.of(j.session) for j in live]
+    reason = None
+    try:
+        return draft(live)
+    except torch.OutOfMemoryError as exc:
+        reason = oom_reason(exc)
+    # Outside the except: its traceback's frames hold the activations.
+    for j, m in zip(live, marks):
+        m.restore(j.session)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the allocator's cached blocks, for the retry and whatever else needs them
+    if len(live) > 1:
+        return {k: r for part in halves(live) for k, r in refusing_oom(draft, part, before, drop).items()}
+    j = live[0]
+    if undo_catch_up(j, before[id(j)]):
+        return {id(j): draft_oom(j, reason)}
+    drop(j)
+    gone = "; its session is closed (it had moved past what can be undone): open it again"
+    return {id(j): draft_oom(j, reason, gone)}
+
+
+def draft_oom(j: ProposeJob, reason: str, after: str = "") -> CapacityExceeded:
+    """The refusal of a draft whose forwards alone run the device out of memory."""
+    rows = max(j.shape.depth - 1, j.shape.forward_rows)
+    what = f"a draft tree of depth {j.shape.depth} ({rows} rows to forward)"
+    if j.ahead and j.alternatives:
+        what += f" and {j.alternatives} alternatives per level ahead"
+    return device_oom(j.session_id, what, "a smaller draft", reason, after)

@@ -29,11 +29,12 @@ import time
 
 import torch
 
-from drafter_svc.batch import grow_ahead, grow_trees, guess_bonus, proposals
+from drafter_svc.batch import grow_ahead, grow_trees, guess_bonus, proposals, refusing_oom
 from drafter_svc.config import DrafterConfig
 from drafter_svc.method import DraftMethod, DraftModel
 from drafter_svc.state import (
     DraftSession,
+    Mark,
     Proposal,
     ProposeJob,
     check_ahead,
@@ -46,7 +47,7 @@ from specd_core.errors import CapacityExceeded, InvalidRequest
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
 from specd_core.rules.validation import check_token_ids
-from specd_core.runtime.jobs import alone, in_order, still_valid
+from specd_core.runtime.jobs import alone, device_oom, in_order, oom_reason, still_valid
 from specd_core.runtime.model_core import ModelCore
 from specd_core.runtime.phases import Phases
 from specd_core.runtime.propose_call import ProposeCall
@@ -97,14 +98,11 @@ class Drafter(ModelCore):
             except torch.OutOfMemoryError as exc:
                 # This prompt's activations alone (the KV cache is preallocated):
                 # refused like a full budget, no other session touched.
-                reason = (str(exc).splitlines() or ["out of memory"])[0]
+                reason = oom_reason(exc)
             if reason is not None:  # outside the except: its traceback holds the activations
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                raise CapacityExceeded(
-                    f"session {session_id!r}: the device ran out of memory for a prefill of "
-                    f"{len(prompt_ids)} tokens ({reason}); retry with a shorter prompt or later"
-                )
+                raise device_oom(session_id, f"a prefill of {len(prompt_ids)} tokens", "a shorter prompt", reason)
             s.base = s.cache.length
             self.sessions.add(session_id, s, owner)  # idle (and owner) expiry count from now
 
@@ -193,7 +191,9 @@ class Drafter(ModelCore):
             rewind=call.rewind,
             alternatives=call.alternatives,
             branch=call.branch,
-            forced_room=self._forced_room(s, call.forced_room, shape, known),
+            forced_room=forced_room(
+                s, call.forced_room, shape, known, self.config.max_draft_tokens, self.context_length
+            ),
         )
         self._check_state(job)
         return self.method.ready(job, asked)
@@ -209,19 +209,6 @@ class Drafter(ModelCore):
                 f"tree top_k {shape.top_k} is over the limit of {min(s.logits_width, self.config.max_tree_nodes)}"
             )
         return shape
-
-    def _forced_room(self, s: DraftSession, asked: int, shape: DraftShape, tokens: int) -> int:
-        """The forced nodes a chain may take: as asked, within this drafter's
-        depth limit and context (the rows it forwards)."""
-        if asked < 0:
-            raise InvalidRequest(f"forced_room must be >= 0, got {asked}")
-        if asked and s.constraint is None:
-            raise InvalidRequest("forced_room is for sessions with structured output")
-        if not asked or not shape.is_chain:
-            return 0
-        return max(
-            0, min(asked, self.config.max_draft_tokens - shape.depth, self.context_length - tokens - shape.depth)
-        )
 
     def _check_state(self, j: ProposeJob) -> None:
         """The checks that depend on the session's state. Run in prepare AND again
@@ -249,35 +236,48 @@ class Drafter(ModelCore):
     def propose_batch(self, jobs: list[ProposeJob]) -> list[Proposal | Exception]:
         """Draft for several sessions at once: the newly committed tokens of all of
         them in ONE forward, then chains and trees level by level, one forward
-        per level for all the sessions still drafting (lean engine)."""
+        per level for all the sessions still drafting (lean engine). A job that
+        runs the device out of memory even alone is refused, and the others
+        get their drafts (refusing_oom)."""
         with self.sessions.lock:
-            start, phases = time.perf_counter(), Phases()
+            start = time.perf_counter()
             live, refused = still_valid(self.sessions.live(jobs), self._check_state)
             live, full = still_valid(live, self._reserve_propose, (CapacityExceeded,))
             refused |= full
+            before = {id(j): Mark.of(j.session) for j in live}
             for j in live:
                 self.method.catch_up(j)
-            roots = self.method.root_logits(self._forwards, live)
-            # Lean engine: ahead calls grow branches (all outcomes at once, tree
-            # attention); the HF engine guesses the bonus and drafts one chain.
-            batched = self.runner.lean is not None
-            ahead = [(j, r) for j, r in zip(live, roots) if j.ahead]
-            branched = grow_ahead(self._forwards, ahead, self.context_length, *self._top_n) if batched else {}
-            guesses = {} if batched else guess_bonus(self._forwards, live, roots)
-            rest = [(j, r) for j, r in zip(live, roots) if id(j) not in branched]
-            for j, _ in rest:
-                j.session.base = j.session.cache.length  # the root's row is cached
-            phases.mark("forward")
-            trees = grow_trees(self._forwards, rest, batched, *self._top_n)
-            for j in live:
-                if id(j) in branched:
-                    main = branched[id(j)][0]
-                    trees[id(j)], guesses[id(j)] = main.tree, main.token
-                j.session.last = trees[id(j)]
-            phases.mark("tree")
-            ms = (time.perf_counter() - start) * 1e3
-            done = proposals(live, trees, branched, guesses, ms, phases)
+            done = refusing_oom(lambda part: self._draft(part, start), live, before, self._drop)
             return in_order(jobs, done | refused, "Propose")
+
+    def _draft(self, live: list[ProposeJob], start: float) -> dict[int, Proposal]:
+        """The caught-up jobs' forwards and drafts: what an out-of-memory error
+        undoes (every change past their catch-up is a longer cache or list, or
+        a field replaced: drafter_svc/state.py, Mark)."""
+        phases = Phases()
+        roots = self.method.root_logits(self._forwards, live)
+        # Lean engine: ahead calls grow branches (all outcomes at once, tree
+        # attention); the HF engine guesses the bonus and drafts one chain.
+        batched = self.runner.lean is not None
+        ahead = [(j, r) for j, r in zip(live, roots) if j.ahead]
+        branched = grow_ahead(self._forwards, ahead, self.context_length, *self._top_n) if batched else {}
+        guesses = {} if batched else guess_bonus(self._forwards, live, roots)
+        rest = [(j, r) for j, r in zip(live, roots) if id(j) not in branched]
+        for j, _ in rest:
+            j.session.base = j.session.cache.length  # the root's row is cached
+        phases.mark("forward")
+        trees = grow_trees(self._forwards, rest, batched, *self._top_n)
+        for j in live:
+            if id(j) in branched:
+                main = branched[id(j)][0]
+                trees[id(j)], guesses[id(j)] = main.tree, main.token
+            j.session.last = trees[id(j)]
+        phases.mark("tree")
+        return proposals(live, trees, branched, guesses, (time.perf_counter() - start) * 1e3, phases)
+
+    def _drop(self, j: ProposeJob) -> None:
+        """Under the lock: close a session refused in a state it cannot be put back from."""
+        self.sessions.drop(j.session_id, "the device ran out of memory for its draft")
 
     def _reserve_propose(self, j: ProposeJob) -> None:
         """The KV blocks of the rows the call may forward (an upper bound),
@@ -300,3 +300,15 @@ class Drafter(ModelCore):
         per chain node: an ahead call's alternatives plus the drafted token
         itself, which need not be the top one when sampled)."""
         return self.config.draft_top_n, self.config.max_ahead_alternatives + 1
+
+
+def forced_room(s: DraftSession, asked: int, shape: DraftShape, tokens: int, max_depth: int, context: int) -> int:
+    """The forced nodes a chain may take: as asked, within the drafter's
+    depth limit and context (the rows it forwards)."""
+    if asked < 0:
+        raise InvalidRequest(f"forced_room must be >= 0, got {asked}")
+    if asked and s.constraint is None:
+        raise InvalidRequest("forced_room is for sessions with structured output")
+    if not asked or not shape.is_chain:
+        return 0
+    return max(0, min(asked, max_depth - shape.depth, context - tokens - shape.depth))

@@ -12,7 +12,7 @@ checkpoint until the next call names the branch taken (drafter_svc/branches.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -183,3 +183,65 @@ def take_branch(s: DraftSession, index: int) -> None:
     s.tokens.append(b.token)
     s.cache.compact(b.visible, [r - b.visible for r in b.rows])
     s.base, s.last, s.branches = b.visible + 1, b.tree, None
+
+
+# Fields some methods' caches keep beside their length (Medusa's MedusaSession:
+# the verdict's length and the feature the heads read), set by a forward.
+CACHE_FIELDS = ("committed", "feature")
+
+
+@dataclass
+class Mark:
+    """What a drafting batch may change of a session, to put back in place
+    when its forwards run the device out of memory: integers and references
+    (the trees, checkpoint and branches are replaced, never edited), no
+    tensor copied but a sampled session's generator state (a few KB on the
+    host: its draws must repeat on the retry)."""
+
+    tokens: int
+    rows: int
+    base: int
+    last: DraftTree
+    checkpoint: Checkpoint | None
+    branches: list[Branch] | None
+    rng: torch.Tensor | None
+    fields: dict
+
+    @classmethod
+    def of(cls, s: DraftSession) -> Mark:
+        rng = None if s.params.greedy else s.generator.get_state()
+        fields = {f: getattr(s.cache, f) for f in CACHE_FIELDS if hasattr(s.cache, f)}
+        return cls(len(s.tokens), s.cache.length, s.base, s.last, s.checkpoint, s.branches, rng, fields)
+
+    def restore(self, s: DraftSession) -> None:
+        """The session as marked; its cache only ever grew since (rows past the
+        mark are dropped, as after any forward that failed part-way)."""
+        del s.tokens[self.tokens :]
+        s.cache.rollback(self.rows)
+        s.base, s.last, s.checkpoint, s.branches = self.base, self.last, self.checkpoint, self.branches
+        if self.rng is not None:
+            s.generator.set_state(self.rng)
+        for f, v in self.fields.items():
+            setattr(s.cache, f, v)
+
+
+def undo_catch_up(j: ProposeJob, before: Mark) -> bool:
+    """A caught-up session (keep_accepted or a method's catch_up, nothing
+    forwarded since) back to what its client saw before the call: the tokens,
+    the last tree and checkpoint as they were. The rows the catch-up dropped
+    are not recomputed: the last tree says it forwarded only the kept path's
+    nodes, whose rows the cache holds (any later verdict keeps those of them
+    on its own path, the others are forwarded again). False, nothing changed,
+    where truncation cannot undo it: a rewind or a branch taken dropped or
+    moved the rows of an ahead call, or a constraint moved on committed tokens."""
+    s = j.session
+    if j.rewind or before.branches or (s.constraint is not None and j.committed):
+        return False
+    on_path = set(j.accepted_path)
+    kept = [n for n in before.last.forwarded if n in on_path][: max(0, s.cache.length - before.base)]
+    del s.tokens[before.tokens :]
+    s.base, s.checkpoint, s.branches = before.base, before.checkpoint, before.branches
+    s.last = replace(before.last, forwarded=kept)
+    for f, v in before.fields.items():
+        setattr(s.cache, f, v)
+    return True

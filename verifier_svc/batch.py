@@ -16,6 +16,7 @@ from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample
 from specd_core.rules.tree import TokenTree, accept_tree_argmax, compaction_indices
 from specd_core.runtime.features import HiddenStates
 from specd_core.runtime.grammar import Constraint, apply_masks
+from specd_core.runtime.jobs import device_oom, halves
 from specd_core.runtime.models import ModelSession
 from specd_core.runtime.prefix_cache import publish_rows
 
@@ -209,18 +210,14 @@ def oom_parts(jobs: list) -> list[list]:
     running sessions their step), then halves."""
     opens = [j for j in jobs if isinstance(j, OpenJob)]
     verifies = [j for j in jobs if not isinstance(j, OpenJob)]
-    return [verifies, opens] if verifies and opens else [jobs[: len(jobs) // 2], jobs[len(jobs) // 2 :]]
+    return [verifies, opens] if verifies and opens else halves(jobs)
 
 
 def out_of_memory(j, reason: str) -> CapacityExceeded:
     """The refusal of a job whose forward alone runs the device out of memory."""
     if isinstance(j, OpenJob):
-        what, smaller = f"a prefill of {len(j.prompt_ids)} tokens", "a shorter prompt"
-    else:
-        what, smaller = f"a verify of {len(j.tree.tokens)} draft tokens", "a smaller draft"
-    return CapacityExceeded(
-        f"session {j.session_id!r}: the device ran out of memory for {what} ({reason}); retry with {smaller} or later"
-    )
+        return device_oom(j.session_id, f"a prefill of {len(j.prompt_ids)} tokens", "a shorter prompt", reason)
+    return device_oom(j.session_id, f"a verify of {len(j.tree.tokens)} draft tokens", "a smaller draft", reason)
 
 
 def first_token(j: OpenJob, s: VerifySession, logits: torch.Tensor, states, hidden_dtype: str) -> object:

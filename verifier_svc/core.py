@@ -20,7 +20,7 @@ import torch
 from specd_core.errors import CapacityExceeded, InvalidRequest
 from specd_core.rules.sampling import SamplingParams
 from specd_core.rules.tree import depth, validate_tree
-from specd_core.runtime.jobs import alone, in_order, still_valid
+from specd_core.runtime.jobs import alone, in_order, oom_reason, still_valid
 from specd_core.runtime.model_core import ModelCore
 from specd_core.runtime.models import Runner
 from specd_core.runtime.phases import Phases
@@ -189,7 +189,7 @@ class Verifier(ModelCore):
         except torch.OutOfMemoryError as exc:
             # Keep only the message: the traceback's frames hold the activations
             # that filled the device, freed when this block ends, before the retry.
-            oom = (str(exc).splitlines() or ["out of memory"])[0]
+            oom = oom_reason(exc)
         if oom is not None:
             retried = self._after_oom(live + [o for o, _ in admitted], oom)
             return in_order(jobs, retried | refused, "verify")

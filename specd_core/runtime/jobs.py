@@ -3,7 +3,7 @@ the lock, and each one's result or error in the order they came."""
 
 from __future__ import annotations
 
-from specd_core.errors import InvalidRequest, UnknownSession
+from specd_core.errors import CapacityExceeded, InvalidRequest, UnknownSession
 
 
 def still_valid(jobs: list, check, errors: tuple[type[Exception], ...] = (InvalidRequest,)) -> tuple[list, dict]:
@@ -35,3 +35,25 @@ def in_order(jobs: list, done: dict, call: str) -> list:
         done[id(j)] if id(j) in done else UnknownSession(f"session {j.session_id!r} was closed during its {call} call")
         for j in jobs
     ]
+
+
+def halves(jobs: list) -> list[list]:
+    """A batch split in two, to run again apart after its forward ran the
+    device out of memory (the smaller batches' activations may fit)."""
+    return [jobs[: len(jobs) // 2], jobs[len(jobs) // 2 :]]
+
+
+def oom_reason(exc: BaseException) -> str:
+    """The first line of an out-of-memory error: all a refusal keeps of it
+    (its traceback's frames hold the activations that filled the device)."""
+    return (str(exc).splitlines() or ["out of memory"])[0]
+
+
+def device_oom(session_id: str, what: str, smaller: str, reason: str, after: str = "") -> CapacityExceeded:
+    """The refusal of a job whose forward alone runs the device out of memory:
+    `what` it asked, the `smaller` request that may fit; `after`: what became
+    of its session, when it is not left as it was."""
+    return CapacityExceeded(
+        f"session {session_id!r}: the device ran out of memory for {what} ({reason}); "
+        f"retry with {smaller} or later{after}"
+    )

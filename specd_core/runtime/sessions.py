@@ -200,6 +200,10 @@ class SessionTable:
         self._count("owner", len(stale))
         return [sid for sid, _ in stale]
 
+    def drop(self, session_id: str, why: str) -> None:
+        """Under the lock: close a session its core cannot keep, noting why for its late calls."""
+        self._drop(session_id, why)
+
     def _drop(self, session_id: str, why: str) -> None:
         """Under the lock: close a session the table expires itself, noting why
         for its late calls."""
