@@ -26,6 +26,7 @@ must be equal). Writes benchmarks/results/heads.json.
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 from specd.local_stack import Stack
@@ -96,9 +97,11 @@ def one_cell(stack: Stack, method: str, prompts: list[list[int]], streams: int, 
             assert last.stats.method == method, f"{method} stack reports {last.stats.method!r}"
         return ids, last.stats
 
-    outs, seconds = [], 0.0
+    outs: list = []
+    seconds = 0.0
     for start in range(0, len(prompts), streams):
-        got, wall = all_at_once(lambda i, s=start: job(s + i), min(streams, len(prompts) - start))
+        group = prompts[start : start + streams]
+        got, wall = all_at_once(functools.partial(_offset, job, start), len(group))
         outs += got
         seconds += wall
     tokens = sum(len(ids) for ids, _ in outs)
@@ -111,6 +114,10 @@ def one_cell(stack: Stack, method: str, prompts: list[list[int]], streams: int, 
         "accepted": sum(s.accepted_tokens for _, s in outs),
         "outputs": [ids for ids, _ in outs],
     }
+
+
+def _offset(job, start: int, i: int):
+    return job(start + i)
 
 
 def start_stacks(a: argparse.Namespace) -> dict[str, Stack]:
