@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from . import corpus, models, train
+from . import corpus, model_card, models, train
 
 HERE = Path(__file__).resolve().parent
 
@@ -104,6 +104,7 @@ def main(argv=None):
     info = json.loads(info_path.read_text()) if (a.skip_target and info_path.exists()) else {}
     info.update(corpus=corpus_stats, python=platform.python_version(),
                 machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+                cpu=model_card.cpu(),
                 torch_threads=a.threads, torch=torch.__version__)
 
     def targs(steps, minutes, lr, **kw):

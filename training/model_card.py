@@ -13,7 +13,9 @@ from pathlib import Path
 BARS = {"greedy_tokens_per_cycle": 3.0, "greedy_acceptance": 0.6, "sampling_acceptance": 0.5}
 
 
-def _cpu() -> str:
+def cpu() -> str:
+    """This machine's processor (build_demo_pair records it with the training run:
+    the card names the machine the pair was trained on, not the one rendering it)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -276,7 +278,7 @@ Cross-entropies are nats/token on 128 fixed windows of 256 held-out tokens.
 The drafter is distilled from the *saved* (fp16-rounded) target, i.e. the model
 that is served.
 
-Machine: {info['machine']}, {_cpu()}, {info['torch_threads']} torch threads,
+Machine: {info['machine']}, {info.get('cpu') or cpu()}, {info['torch_threads']} torch threads,
 torch {info['torch']}, shared with other jobs while training. Training took
 {train_minutes:.0f} min; the whole pipeline (tokenizer, training, evaluation,
 card) {wall}.
