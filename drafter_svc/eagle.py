@@ -113,40 +113,38 @@ def build_any_head(head_dir: str, target_dir: str, device: str = "auto", dtype: 
 
 
 class HeadSession:
-    """The head's KV rows (a LeanSession) plus each row's output feature."""
+    """The head's KV rows (a LeanSession) and, in the runner's feature store at
+    the same storage slots, each row's output feature."""
 
     def __init__(self, runner: HeadRunner, kv):
         self.runner, self.kv = runner, kv
-        self.feats = torch.zeros(kv.capacity, runner.hidden_size, dtype=runner.lean.dtype, device=runner.lean.device)
 
     @property
     def length(self) -> int:
         return self.kv.length
 
-    def store(self, start: int, states: torch.Tensor) -> None:
-        end = start + states.shape[0]
-        if end > self.feats.shape[0]:
-            # As many rows as the KV cache holds (its capacity is in the budget).
-            grown = torch.zeros(
-                max(end, self.kv.capacity), self.feats.shape[1], dtype=self.feats.dtype, device=self.feats.device
-            )
-            grown[:start] = self.feats[:start]
-            self.feats = grown
-        self.feats[start:end] = states
+    @property
+    def feats(self) -> torch.Tensor:
+        """A copy of the rows' features in row order, (length, C) (tests, tools)."""
+        store = self.runner.features(self.kv.store)
+        return store[torch.tensor(self.kv.slots(0, self.length), dtype=torch.long, device=store.device)]
 
-    def parent_features(self, n: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """(n, C): the predicted feature each new drafted row reads - its
-        parent's output, the latest cached row it attends to."""
+    def parent_slots(self, n: int, mask) -> list[int] | torch.Tensor:
+        """The storage slot of the feature each of n new drafted rows reads: its
+        parent's output, the latest cached row it attends to. Host integers for
+        a chain row and a tree level (all sessions' go to the device at once);
+        a dense mask (ahead branches) is read on the device."""
         start = self.length
         if mask is None:
             if n != 1:
                 raise ValueError("drafted rows go through the head one tree level at a time")
-            return self.feats[start - 1 : start]
+            return [self.kv.slot(start - 1)]
         if isinstance(mask, TreeLevel):
-            return self.feats[mask.parents()]
+            return [self.kv.slot(r) for r in mask.parents()]
         seen = mask[:, :start] == 0  # (n, start)
         order = torch.arange(1, start + 1, device=seen.device)
-        return self.feats[(seen * order).argmax(-1)]
+        slots = torch.tensor(self.kv.slots(0, start), dtype=torch.long, device=seen.device)
+        return slots[(seen * order).argmax(-1)]
 
     def forward(self, token_ids: list[int], last_only: bool = False, positions=None, mask=None) -> torch.Tensor:
         return self.runner.forward_batch([(self, token_ids, positions, mask)], last_only)[0]
@@ -159,11 +157,14 @@ class HeadSession:
 
     def release(self) -> None:
         self.kv.release()
-        self.feats = self.feats[:0]
 
+    @torch.inference_mode()
     def compact(self, start: int, keep: list[int]) -> None:
-        idx = torch.tensor(keep, dtype=torch.long) + start
-        self.feats[start : start + len(keep)] = self.feats[idx]
+        moved = [(self.kv.slot(start + k), self.kv.slot(start + j)) for j, k in enumerate(keep) if k != j]
+        if moved:
+            store = self.runner.features(self.kv.store)
+            pairs = torch.tensor(moved, dtype=torch.long, device=store.device)
+            store[pairs[:, 1]] = store[pairs[:, 0]]
         self.kv.compact(start, keep)
 
 
@@ -182,9 +183,40 @@ class HeadRunner:
         self.kv_dtype = lean.kv_dtype
         # A session's rows hold K and V and, beside them, each row's output feature.
         self.kv_row_bytes = lean.kv_row_bytes + self.hidden_size * lean.embed.element_size()
+        # Each row's output feature, at the row's slot in the KV pool's storage:
+        # a tree level reads all sessions' parents and stores all their rows
+        # with one indexed read and one indexed write.
+        self._features: torch.Tensor | None = None
 
     def new_session(self) -> HeadSession:
         return HeadSession(self, self.lean.new_session(pool=self.kv_pool))
+
+    @torch.inference_mode()
+    def features(self, store) -> torch.Tensor:
+        """The feature store, as many rows as the KV storage `store` (grown with it)."""
+        rows = store.data.shape[1]
+        have = self._features
+        if have is None or have.shape[0] < rows:
+            # Not zeroed: like the KV storage, its pages are touched only as
+            # rows are written, and a row is read only after its forward wrote it.
+            grown = torch.empty(rows, self.hidden_size, dtype=self.lean.dtype, device=self.lean.device)
+            if have is not None:
+                grown[: have.shape[0]] = have
+            self._features = have = grown
+        return have
+
+    def _slots(self, lists: list) -> slice | torch.Tensor:
+        """Per-session slots (host lists or device tensors) as one index of the
+        store: a slice when they are one run of consecutive slots (a lone
+        session's chain row, its rows within a block: no upload), else one
+        device tensor."""
+        dev = self.lean.device
+        if all(isinstance(x, list) for x in lists):
+            flat = [i for x in lists for i in x]
+            if flat and flat[-1] - flat[0] == len(flat) - 1 and all(b == a + 1 for a, b in zip(flat, flat[1:])):
+                return slice(flat[0], flat[-1] + 1)
+            return torch.tensor(flat, dtype=torch.long, device=dev)
+        return torch.cat([torch.as_tensor(x, dtype=torch.long, device=dev) for x in lists])
 
     @torch.inference_mode()
     def _run(self, items: list, feats: torch.Tensor, last_only: bool) -> list[torch.Tensor]:
@@ -194,15 +226,18 @@ class HeadRunner:
         logits, states = self.lean.forward_embeds(
             [(s.kv, toks, p, m) for s, toks, p, m in items], x, last_only, hidden=True
         )
-        for (s, *_), start, st in zip(items, starts, states):
-            s.store(start, st)
+        # The rows the forward just appended (their blocks taken by its plan).
+        writes = [s.kv.slots(start, s.length) for (s, *_), start in zip(items, starts)]
+        store = self.features(items[0][0].kv.store)
+        store[self._slots(writes)] = torch.cat(states).to(store.dtype)
         return self.rule.to_target(logits)
 
     def forward_batch(self, items: list, last_only: bool = False) -> list[torch.Tensor]:
         """Drafted rows: items (HeadSession, token_ids, positions | None, mask | None)."""
         if not items:
             return []
-        feats = torch.cat([s.parent_features(len(toks), m) for s, toks, _, m in items])
+        store = self.features(items[0][0].kv.store)
+        feats = store[self._slots([s.parent_slots(len(toks), m) for s, toks, _, m in items])]
         return self._run(items, feats, last_only)
 
     def feed_batch(self, items: list) -> list[torch.Tensor]:
