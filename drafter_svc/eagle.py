@@ -10,8 +10,9 @@ children, batching are the draft_model code, drafter_svc/tree_builder.py):
   so after each Propose the head holds exactly one row per known feature and
   its last row's output predicts the token after the last committed one.
 * Draft rows are fed the head's OWN predicted feature of their parent (EAGLE's
-  autoregression on features): `HeadSession` keeps each row's output feature,
-  and a drafted row's parent is the latest earlier row it attends to (the tree
+  autoregression on features): each row's output feature is kept in the
+  runner's feature store at the row's KV slot (`HeadRunner.features`), and a
+  drafted row's parent is the latest earlier row it attends to (the tree
   builders forward a node only after its ancestors; a chain level has one row).
 * The rows of the last tree were computed from predicted features, so the next
   Propose drops them all and re-forwards the kept path with the true features
