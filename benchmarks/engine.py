@@ -149,11 +149,12 @@ def summarize(ops: Counter, reads: Counter) -> dict[str, int]:
     return {"ops": total, "kernel_like": kernel_like, "syncs": syncs, "uploads": ops["lift_fresh"]}
 
 
-def build_pair(root: Path, drafter_layers: int, vocab: int = 4096) -> tuple[Path, Path]:
-    """The 32-layer target and its first-layers drafter, saved as bf16 checkpoints."""
+def build_pair(root: Path, drafter_layers: int, vocab: int = 4096, **shape: Any) -> tuple[Path, Path]:
+    """The 32-layer target and its first-layers drafter, saved as bf16
+    checkpoints; `shape` overrides TARGET_SHAPE's fields."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        **TARGET_SHAPE,
+        **{**TARGET_SHAPE, **shape},
         vocab_size=vocab,
         rope_parameters=LLAMA3_ROPE,
         max_position_embeddings=16384,

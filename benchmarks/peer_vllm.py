@@ -452,6 +452,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument(
+        "--pair",
+        choices=("demo", "engine"),
+        default="demo",
+        help="engine: benchmarks/engine.py's 32-layer pair with 8 query / 2 KV heads (head dim 32: "
+        "vLLM's CPU attention refuses the engine benchmark's head dim of 8); overrides --target/--drafter",
+    )
     ap.add_argument("--target", type=Path, default=DEMO_TARGET)
     ap.add_argument("--drafter", type=Path, default=DEMO_DRAFTER)
     ap.add_argument("--vllm-venv", type=Path, default=VLLM_VENV, help="vLLM's own virtualenv (made if missing)")
@@ -464,6 +471,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.streams, args.rounds, args.max_new_tokens = [1, 4], 2, 16
     name = "peer_vllm_quick.json" if args.quick else "peer_vllm.json"  # a smoke never overwrites a full run
     args.out = args.out or ROOT / "benchmarks" / "results" / name
+    if args.pair == "engine":
+        from .versus import engine_pair
+
+        args.target, args.drafter = engine_pair("engine_pair_hd32", num_attention_heads=8, num_key_value_heads=2)
     args.target, args.drafter = args.target.resolve(), args.drafter.resolve()
     return args
 

@@ -152,14 +152,15 @@ def one_round(host: Host, prompts: list[list[int]], max_new: int, k: int | None)
     return sum(len(o) for o in outs) / wall, outs
 
 
-def engine_pair() -> tuple[Path, Path]:
-    """benchmarks/engine.py's pair with the demo tokenizer (built once, cached)."""
+def engine_pair(name: str = "engine_pair", **shape) -> tuple[Path, Path]:
+    """benchmarks/engine.py's pair (its shape overridden by `shape`) with the
+    demo tokenizer, built once and cached under `name`."""
     from .engine import build_pair
     from .prefix_cache import with_tokenizer
 
-    root = CACHE / "engine_pair"
+    root = CACHE / name
     if not (root / "drafter" / "config.json").exists():
-        target, drafter = build_pair(root, 4)
+        target, drafter = build_pair(root, 4, **shape)
         for d in (target, drafter):
             with_tokenizer(d)
     return root / "target", root / "drafter"
