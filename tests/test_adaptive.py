@@ -9,6 +9,7 @@ from orchestrator.cycle.adaptive import (
     SessionDepth,
     best_depth,
     expected_tokens,
+    round_ms,
 )
 
 pytestmark = pytest.mark.unit
@@ -79,6 +80,28 @@ def test_session_acceptance_and_probing():
     costs.observe_draft(1, 30.0)          # drafting costs nearly a verify step
     picks = [s.choose(costs, rest_rows=0, rest_sessions=0) for _ in range(16)]
     assert picks.count(0) == 14 and picks.count(1) == 2   # a probe every 8th cycle keeps alpha fresh
+
+
+def test_the_hold_margin_is_on_this_sessions_share():
+    """In a forward of 24 sessions one session's depth moves the whole
+    forward's goodput by a few percent at most, so a margin on the whole would
+    hold any depth: a session that started at K = 4 with drafts nobody keeps
+    (the others drafting 4 too) must still drop to 0. At batch 1 the same
+    margin keeps a depth within 5 % of the best."""
+    costs = RoundCosts(a=25.0, b=0.35, c=0.38, d=0.4, o=17.0)
+    busy = Load(rows=34, sessions=23, tokens=23.0, levels=11)
+    rates = [0.0] + [0.014] * 7
+    assert best_depth(rates, 4, costs, busy) == 0
+    assert best_depth(rates, 4, costs, busy, hold=4, margin=0.05) == 0
+    # Batch 1: depths 2 and 3 within 1 % of each other; the running one is kept.
+    flat = [0.7] * 8
+    alone = RoundCosts(a=25.0, b=1.0, c=0.0, d=3.0, o=5.0)
+    best = best_depth(flat, 8, alone)
+    other = best + 1 if best < 8 else best - 1
+    near = (expected_tokens(flat, other)) / round_ms(other, alone, Load())
+    top = (expected_tokens(flat, best)) / round_ms(best, alone, Load())
+    assert near >= top / 1.05, (best, other, near, top)
+    assert best_depth(flat, 8, alone, hold=other, margin=0.05) == other
 
 
 def test_fixed_cycle_overhead_makes_depth_pay():

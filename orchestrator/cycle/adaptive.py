@@ -88,13 +88,18 @@ def best_depth(
     margin: float = 0.0,
 ) -> int:
     """hold: the depth running now, kept unless another's goodput beats it by
-    more than `margin` (a fraction)."""
+    more than `margin` (a fraction) of this session's share of it. The goodput
+    is the whole forward's, of which one session among n is about 1/n: a
+    margin on the whole would hold any depth at a large batch (32 sessions
+    each drafting 4 tokens nobody keeps cost a few % of the goodput each, and
+    together a third of it)."""
 
     def goodput(k: int) -> float:
         return (expected_tokens(rates, k) + load.tokens) / round_ms(k, costs, load)
 
     best = max(range(k_max + 1), key=lambda k: (goodput(k), -k))
-    if hold is not None and hold <= k_max and goodput(best) <= (1.0 + margin) * goodput(hold):
+    share = 1.0 / (load.sessions + 1)
+    if hold is not None and hold <= k_max and goodput(best) <= (1.0 + margin * share) * goodput(hold):
         return hold
     return best
 
@@ -317,7 +322,7 @@ class SessionDepth:
     first: float | None = None  # level 1 kept; None: take all sessions' rate
     probe_every: int = 8
     # Hysteresis: the depth changes only for a goodput over (1 + hold_margin) x
-    # the current one's. Near a tie the estimates' noise (a few cycles' draws of
+    # the current one's (the margin taken on this session's share: best_depth). Near a tie the estimates' noise (a few cycles' draws of
     # acceptance, timings on a busy host) would flip the choice back and forth,
     # and a flip to a shallower depth also stops the deeper levels' learning.
     hold_margin: float = 0.05
