@@ -322,9 +322,10 @@ class SessionDepth:
     first: float | None = None  # level 1 kept; None: take all sessions' rate
     probe_every: int = 8
     # Hysteresis: the depth changes only for a goodput over (1 + hold_margin) x
-    # the current one's (the margin taken on this session's share: best_depth). Near a tie the estimates' noise (a few cycles' draws of
-    # acceptance, timings on a busy host) would flip the choice back and forth,
-    # and a flip to a shallower depth also stops the deeper levels' learning.
+    # the current one's (the margin taken on this session's share: best_depth).
+    # Near a tie the estimates' noise (a few cycles' draws of acceptance,
+    # timings on a busy host) would flip the choice back and forth, and a flip
+    # to a shallower depth also stops the deeper levels' learning.
     hold_margin: float = 0.05
     _zeros: int = 0
     _last: int | None = None  # the depth chosen last (not a probe)
