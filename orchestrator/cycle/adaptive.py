@@ -88,18 +88,20 @@ def best_depth(
     margin: float = 0.0,
 ) -> int:
     """hold: the depth running now, kept unless another's goodput beats it by
-    more than `margin` (a fraction) of this session's share of it. The goodput
-    is the whole forward's, of which one session among n is about 1/n: a
-    margin on the whole would hold any depth at a large batch (32 sessions
-    each drafting 4 tokens nobody keeps cost a few % of the goodput each, and
-    together a third of it)."""
+    more than `margin` (a fraction). For a move to plain decoding the margin
+    is on this session's share of the goodput: the goodput is the whole
+    forward's, of which one session among n is about 1/n, so a margin on the
+    whole would keep a session drafting tokens nobody keeps at a large batch
+    (32 sessions drafting 4 such tokens each cost a few % of the goodput
+    each, and together a third of it); between two depths that both draft,
+    the whole margin still damps the estimates' noise."""
 
     def goodput(k: int) -> float:
         return (expected_tokens(rates, k) + load.tokens) / round_ms(k, costs, load)
 
     best = max(range(k_max + 1), key=lambda k: (goodput(k), -k))
-    share = 1.0 / (load.sessions + 1)
-    if hold is not None and hold <= k_max and goodput(best) <= (1.0 + margin * share) * goodput(hold):
+    m = margin / (load.sessions + 1) if best == 0 else margin
+    if hold is not None and hold <= k_max and goodput(best) <= (1.0 + m) * goodput(hold):
         return hold
     return best
 
@@ -322,7 +324,7 @@ class SessionDepth:
     first: float | None = None  # level 1 kept; None: take all sessions' rate
     probe_every: int = 8
     # Hysteresis: the depth changes only for a goodput over (1 + hold_margin) x
-    # the current one's (the margin taken on this session's share: best_depth).
+    # the current one's (a move to depth 0: on this session's share, best_depth).
     # Near a tie the estimates' noise (a few cycles' draws of acceptance,
     # timings on a busy host) would flip the choice back and forth, and a flip
     # to a shallower depth also stops the deeper levels' learning.
