@@ -178,9 +178,14 @@ def test_a_popular_prefix_spreads_within_the_bound(stack):
         done.set()
         watcher.join()
     _, hits = delta(before, counters(stack))
-    worst = max(samples, key=lambda s: max(s) - (BOUND * min(s) + SLACK))
+    # The bound holds when a session is routed; between two samples sessions
+    # also end (several, at 12 streams of 24 tokens), so the lighter side is
+    # taken as the larger of its counts in this sample and the one before.
+    lighter = [max(min(a), min(b)) for a, b in zip([samples[0]] + samples, samples)]
+    over = [max(s) - (BOUND * low + SLACK) for s, low in zip(samples, lighter)]
+    worst = samples[over.index(max(over))]
     print(f"skewed: {len(samples)} samples, worst (sessions on verifiers 0, 1) {worst}; hits added {hits}")
     assert max(max(s) for s in samples) >= 4  # the load was there
-    for s in samples:
-        assert max(s) <= BOUND * min(s) + SLACK + 1, s
+    for s, low in zip(samples, lighter):
+        assert max(s) <= BOUND * low + SLACK + 1, (s, low)
     assert all(h >= PREFIX for h in hits), hits  # the popular prefix was reused on both
