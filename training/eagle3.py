@@ -23,7 +23,6 @@ they see when serving.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -36,7 +35,17 @@ from specd_core.runtime.eagle_head import _MLP, HeadConfig, _Attention, rms_norm
 from specd_core.runtime.head_formats import EAGLE3_ARCH, aux_layer_ids
 
 from .eagle import unroll_masks
-from .head_training import Budget, Frozen, Setup, relative_target, setup, soft_ce, train_loop
+from .head_training import (
+    Budget,
+    Frozen,
+    Setup,
+    head_parser,
+    parse_and_seed,
+    relative_target,
+    setup,
+    soft_ce,
+    train_loop,
+)
 
 
 class Eagle3Head(nn.Module):
@@ -124,21 +133,10 @@ def save(head: Eagle3Head, out: Path, draft_ids: torch.Tensor, vocab: int, aux: 
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", type=Path, default=Path("models/demo/target"))
-    ap.add_argument("--out", type=Path, default=Path("models/demo/eagle3"))
-    ap.add_argument("--minutes", type=float, default=30.0)
-    ap.add_argument("--steps", type=int, default=0, help="fixed steps instead of --minutes (smoke runs)")
+    ap = head_parser(__doc__, "models/demo/eagle3", 3e-3)
     ap.add_argument("--draft-vocab", type=int, default=3072)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--levels", type=int, default=3, help="unrolled draft depths trained (training-time test)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
+    a = parse_and_seed(ap, argv)
     s: Setup = setup(a.target, a.seq_len, "eagle3")
     tc = s.target.config
     vocab, aux = tc.vocab_size, list(aux_layer_ids({}, tc.num_hidden_layers))

@@ -11,6 +11,7 @@ match for drafts to be accepted), never the corpus' tokens.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -124,6 +125,29 @@ def train_loop(
     print(f"[{tag} final] " + json.dumps(final), flush=True)
     return {"steps": step, "minutes": (time.time() - start) / 60, "train_loss_ema": ema,
             "final_heldout": final, "history": history, "torch": torch.__version__}
+
+
+def head_parser(doc: str, out: str, lr: float) -> argparse.ArgumentParser:
+    """The flags every head trainer takes (the data, the budget, the
+    optimiser, the machine); a trainer adds its own."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, default=Path("models/demo/target"))
+    ap.add_argument("--out", type=Path, default=Path(out))
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--steps", type=int, default=0, help="fixed steps instead of --minutes (smoke runs)")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def parse_and_seed(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    return a
 
 
 def relative_target(target_dir: Path, out: Path) -> str:

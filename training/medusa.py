@@ -16,7 +16,6 @@ Medusa authors' recipe.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -26,7 +25,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from .head_training import Budget, Frozen, Setup, relative_target, setup, soft_ce, train_loop
+from .head_training import (
+    Budget,
+    Frozen,
+    Setup,
+    head_parser,
+    parse_and_seed,
+    relative_target,
+    setup,
+    soft_ce,
+    train_loop,
+)
 
 DECAY = 0.8
 
@@ -84,21 +93,10 @@ def save(m: MedusaHeads, out: Path, hidden: int, vocab: int, extra: dict) -> Non
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", type=Path, default=Path("models/demo/target"))
-    ap.add_argument("--out", type=Path, default=Path("models/demo/medusa"))
-    ap.add_argument("--minutes", type=float, default=30.0)
-    ap.add_argument("--steps", type=int, default=0, help="fixed steps instead of --minutes (smoke runs)")
+    ap = head_parser(__doc__, "models/demo/medusa", 1e-3)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
+    a = parse_and_seed(ap, argv)
     s: Setup = setup(a.target, a.seq_len, "medusa")
     tc = s.target.config
     heads = MedusaHeads(tc.hidden_size, s.target.lm_head.weight.detach(), a.heads, a.layers)
