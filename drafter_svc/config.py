@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specd_core.net.flags import flag, not_flag
-from specd_core.net.service_config import MAX_SESSIONS_HELP, PORT_HELP, ModelServiceConfig
+from specd_core.net.service_config import BATCH_WAIT_HELP, MAX_SESSIONS_HELP, PORT_HELP, ModelServiceConfig
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,11 @@ class DrafterConfig(ModelServiceConfig):
 
     port: int = field(default=50071, metadata=flag(PORT_HELP))
     max_sessions: int = field(default=1024, metadata=flag(MAX_SESSIONS_HELP))
+    # No gather window by default: a session's next Propose comes after its
+    # verify, so waiting for it holds this service idle while the verifier
+    # works; without waiting the sessions form groups that draft while others
+    # verify (measured: docs/architecture.md, "The gather window").
+    batch_wait_fraction: float = field(default=0.0, metadata=flag(BATCH_WAIT_HELP))
     # Methods eagle, eagle3 and medusa (model_dir is a head): the target directory
     # whose embedding (and final norm and LM head, but for EAGLE-3's; Medusa heads
     # take only its final norm) the head shares ("" = specd's own head's config

@@ -276,16 +276,23 @@ def test_prefills_share_a_forward_and_admission_counts_the_batch(pairs):
     assert isinstance(got[3], CapacityExceeded) and "limit of 3 sessions" in str(got[3])
     assert v.num_sessions == 3
     # The gather window's count: sessions with a call within 3 typical call
-    # intervals. All three call every ~20 ms; then a falls quiet and drops out.
+    # intervals, whose next call comes straight back (plain decoding: no
+    # draft). All three call every ~20 ms; then a falls quiet and drops out.
     for _ in range(20):
         for sid in "abc":
-            v.verify(sid, [1])
+            v.verify(sid, [])
         time.sleep(0.02)
     assert v.active_sessions() == 3
     quiet_since = time.monotonic()
     while time.monotonic() - quiet_since < 1.0:
         for sid in "bc":
-            v.verify(sid, [1])
+            v.verify(sid, [])
         time.sleep(0.02)
     assert v.sessions.call_interval_s < 0.3, v.sessions.call_interval_s
+    assert v.active_sessions() == 2
+    # A session whose last verify carried a draft calls next after the
+    # drafter: not waited for; back to plain decoding, it counts again.
+    v.verify("b", [1])
+    assert v.active_sessions() == 1
+    v.verify("b", [])
     assert v.active_sessions() == 2

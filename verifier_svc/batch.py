@@ -49,6 +49,9 @@ class VerifySession:
     # Structured output: the target's logits are masked to what it allows at
     # every row before the rule, and it advances only on committed tokens.
     constraint: Constraint | None = None
+    # Its last verify carried a draft: its next call comes after the
+    # drafter's, so the gather window does not wait for it (active_sessions).
+    drafting: bool = False
 
     def keep_rows(self) -> None:
         """As it ends: its committed rows (every token but the pending last,

@@ -18,6 +18,10 @@ DTYPES = ("float32", "float16", "bfloat16", "auto", "default")
 ENGINES = ("auto", "lean", "hf")
 PORT_HELP = "0 = any free port"
 MAX_SESSIONS_HELP = "open sessions at once; past it OpenSession is RESOURCE_EXHAUSTED"
+BATCH_WAIT_HELP = (
+    "wait for other open sessions' calls before a batch, at most this fraction "
+    "of the last batch's run time (0 = no waiting)"
+)
 
 
 def kv_memory_arg(text: str) -> str:
@@ -81,17 +85,12 @@ class ModelServiceConfig:
     max_batch_sessions: int = field(
         default=32, metadata=flag("sessions whose verify calls may share one forward (1 = no batching)")
     )
-    # Before a batch runs, wait for the calls of the other open sessions, at
-    # most this fraction of the last batch's run time (specd_core/runtime/batcher.py:
-    # the gather window; without it sessions split into groups that take turns).
-    # 0 = run at once with what is queued.
-    batch_wait_fraction: float = field(
-        default=0.5,
-        metadata=flag(
-            "wait for other open sessions' calls before a batch, at most this fraction "
-            "of the last batch's run time (0 = no waiting)"
-        ),
-    )
+    # Before a batch runs, wait for the calls of the other open sessions that
+    # are expected straight back, at most this fraction of the last batch's run
+    # time (specd_core/runtime/batcher.py: the gather window; without it plain
+    # decoding sessions split into groups that take turns). 0 = run at once
+    # with what is queued. The drafter's default is 0 (drafter_svc/config.py).
+    batch_wait_fraction: float = field(default=0.5, metadata=flag(BATCH_WAIT_HELP))
     max_sessions: int = field(default=1024, metadata=flag(MAX_SESSIONS_HELP))  # each service its own default
     # The KV cache budget, a pool of blocks (specd_core/runtime/kv_budget.py): bytes
     # ("512MiB", "4GiB") or a fraction in (0, 1] of the memory free once the

@@ -68,13 +68,20 @@ class SessionTable:
         # A copy: a metrics scrape reads this from another thread while sessions open.
         return list(self._sessions.values())
 
-    def active(self) -> int:
+    def active(self, coming: Callable[[object], bool] | None = None) -> int:
         """Open sessions expected to call soon: those with a call within the last
         ACTIVE_INTERVALS typical intervals between a session's calls (the
         batcher's gather window waits for these; specd_core/runtime/batcher.py). A session
-        stalled by a slow client drops out, so it makes no batch wait."""
+        stalled by a slow client drops out, so it makes no batch wait.
+        coming(session): whether its next call comes straight back (not after
+        a call to another service); None = every session's does."""
         since = time.monotonic() - ACTIVE_INTERVALS * self.call_interval_s
-        return sum(1 for sid, t in list(self._touched.items()) if t >= since and sid in self._sessions)
+        sessions = self._sessions
+        return sum(
+            1
+            for sid, t in list(self._touched.items())
+            if t >= since and (s := sessions.get(sid)) is not None and (coming is None or coming(s))
+        )
 
     def check_room(self, session_id: str, pending: int = 0) -> None:
         """Under the lock: the id is new and the table has room (beside
