@@ -49,9 +49,10 @@ class VerifySession:
     # Structured output: the target's logits are masked to what it allows at
     # every row before the rule, and it advances only on committed tokens.
     constraint: Constraint | None = None
-    # Its last verify carried a draft: its next call comes after the
-    # drafter's, so the gather window does not wait for it (active_sessions).
-    drafting: bool = False
+    # Its next call comes straight back: its last verify carried no draft. A
+    # drafting session's next verify follows the drafter's work, and the
+    # gather window does not wait for it (SessionTable.active).
+    comes_back: bool = True
 
     def keep_rows(self) -> None:
         """As it ends: its committed rows (every token but the pending last,
@@ -67,6 +68,9 @@ class VerifyJob:
     session: VerifySession
     tree: TokenTree
     q: torch.Tensor | None  # dense per-row q when children were sampled
+
+    def __post_init__(self) -> None:
+        self.session.comes_back = len(self.tree.tokens) == 0  # a drafting session's next verify follows the drafter
 
 
 @dataclass

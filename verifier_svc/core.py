@@ -151,16 +151,7 @@ class Verifier(ModelCore):
         q = dense_draft_q(tree, row_dists, self.vocab_size) if row_dists else None
         job = VerifyJob(session_id, s, tree, q)
         self._check_room_left(job)
-        s.drafting = n > 0
         return job
-
-    def active_sessions(self) -> int:
-        """Sessions expected to call soon (SessionTable.active) whose next call
-        comes straight back: not those drafting, whose next verify waits for
-        the drafter. Waiting for those would hold this service idle while the
-        drafter works, where without waiting the sessions fall into groups
-        that verify while others draft (docs/architecture.md, "The gather window")."""
-        return self.sessions.active(lambda s: not s.drafting)
 
     def _check_room_left(self, j: VerifyJob) -> None:
         """The context check, in prepare AND again under the lock before the job

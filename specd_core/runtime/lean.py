@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from specd_core.runtime.arch import Arch, describe
+from specd_core.runtime.dense import Dense
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, kv_row_bytes
 from specd_core.runtime.lean_attention import capped_attention
 from specd_core.runtime.lean_step import Group, Step, plan
@@ -79,13 +80,46 @@ def unsupported_reason(config) -> str | None:
     return None if isinstance(arch, Arch) else arch
 
 
-def _fused(module, fused: str, parts: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a module's projections concatenated along the output rows."""
+def _fused(module, fused: str, parts: tuple[str, ...]) -> Dense:
+    """A module's projections concatenated along the output rows, as one Dense."""
     if hasattr(module, fused):
-        return getattr(module, fused).weight, getattr(module, fused).bias
+        return _dense(getattr(module, fused))
     linears = [getattr(module, p) for p in parts]
     bias = torch.cat([x.bias for x in linears]) if linears[0].bias is not None else None
-    return torch.cat([x.weight for x in linears]), bias
+    dense = Dense(torch.cat([x.weight for x in linears]), bias)
+    rows = 0
+    for x in linears:
+        n = x.weight.shape[0]
+        _point_at(x, dense.weight[rows : rows + n])
+        rows += n
+    return dense
+
+
+def _dense(linear) -> Dense:
+    dense = Dense(linear.weight, linear.bias)
+    _point_at(linear, dense.weight)
+    return dense
+
+
+def _output_layer(hf_model) -> tuple[Dense, torch.Tensor]:
+    """The output layer and the embeddings. Tied, one tensor serves both
+    (looked up through the view where the head is stored transposed)."""
+    embed = hf_model.model.embed_tokens
+    tied = hf_model.lm_head.weight is embed.weight
+    head = _dense(hf_model.lm_head)
+    if tied:
+        _point_at(embed, head.weight)
+        return head, head.weight
+    return head, embed.weight
+
+
+def _point_at(holder, weight: torch.Tensor) -> None:
+    """The checkpoint's holder of a weight (lean_load's plain objects, kept
+    by the Runner) points at the same values in the lean engine's storage,
+    so that a fused or transposed weight is not held twice. An nn.Module's
+    parameters are left as they are: its owner may still train or save it."""
+    if not isinstance(holder, torch.nn.Module):
+        holder.weight = weight
 
 
 def _side_by_side(tapped: dict[int, torch.Tensor], taps: tuple[int, ...], sizes: list[int]) -> list[torch.Tensor]:
@@ -123,13 +157,13 @@ class LeanModel:
         self._rope_keys = list(dict.fromkeys(arch.rope_keys))
         rotary_cls = type(m.rotary_emb)
         self.ropes = [Rope(cfg, rotary_cls, key, self.device, self.dtype) for key in self._rope_keys]
-        self.embed = m.embed_tokens.weight
         # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as HF does.
         self.embed_scale = (
             torch.tensor(arch.embed_scale).to(self.device, self.dtype) if arch.embed_scale is not None else None
         )
         self.norm = self._norm_weight(m.norm)
-        self.lm_head = hf_model.lm_head.weight
+        self.head, self.embed = _output_layer(hf_model)
+        self.lm_head = self.head.weight
         self.layers = [self._layer(i, layer) for i, layer in enumerate(m.layers)]
         self.vocab_size = self.lm_head.shape[0]
         # Sessions made without a pool (tests, tools) share this one, which grows.
@@ -140,8 +174,8 @@ class LeanModel:
         a, mlp, arch = layer.self_attn, layer.mlp, self.arch
         # One fused QKV matmul: fewer kernel launches is what matters at this size.
         # Phi-3 stores QKV and gate/up fused already.
-        qkv_w, qkv_b = _fused(a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-        gate_up, gate_up_b = _fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        qkv = _fused(a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        gate_up = _fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
         # The norm before the MLP: Gemma's pre_feedforward, the others' post_attention.
         ln2 = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
         return {
@@ -151,14 +185,10 @@ class LeanModel:
             "post_ff": self._norm_weight(layer.post_feedforward_layernorm) if arch.sandwich else None,
             "q_norm": self._norm_weight(a.q_norm) if hasattr(a, "q_norm") else None,
             "k_norm": self._norm_weight(a.k_norm) if hasattr(a, "k_norm") else None,
-            "qkv_w": qkv_w,
-            "qkv_b": qkv_b,
-            "o": a.o_proj.weight,
-            "o_b": a.o_proj.bias,
+            "qkv": qkv,
+            "o": _dense(a.o_proj),
             "gate_up": gate_up,
-            "gate_up_b": gate_up_b,
-            "down": mlp.down_proj.weight,
-            "down_b": mlp.down_proj.bias,
+            "down": _dense(mlp.down_proj),
             "kind": self.windows.index(arch.windows[i]),
             "rope": self._rope_keys.index(arch.rope_keys[i]),
         }
@@ -269,7 +299,7 @@ class LeanModel:
         hd, nh, nkv, kvt = self.head_dim, self.n_heads, self.n_kv, self.kv_dtype
         rows = x.shape[0]
         h = self._attn_input(L, x)
-        qkv = F.linear(h, L["qkv_w"], L["qkv_b"])  # (R, (nh+2nkv)*hd)
+        qkv = L["qkv"](h)  # (R, (nh+2nkv)*hd)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k = q.view(rows, nh, hd), k.view(rows, nkv, hd)
         if L["q_norm"] is not None:  # per-head norms before RoPE (Qwen3, Gemma-3)
@@ -285,7 +315,7 @@ class LeanModel:
         y = ys[0] if len(ys) == 1 else torch.cat(ys)  # (padded rows, nh * hd)
         if step.order is not None:
             y = y[step.order]
-        out = F.linear(y.to(x.dtype), L["o"], L["o_b"])
+        out = L["o"](y.to(x.dtype))
         return out if L["post_attn"] is None else self._rms(out, L["post_attn"])
 
     def _attn_input(self, L: dict, x: torch.Tensor) -> torch.Tensor:
@@ -324,8 +354,8 @@ class LeanModel:
     def _mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         """The layer's MLP block (SwiGLU / GeGLU), (R, C)."""
         h = self._rms(x, L["ln2"])
-        gate, up = F.linear(h, L["gate_up"], L["gate_up_b"]).chunk(2, dim=-1)
-        out = F.linear(self._act(gate) * up, L["down"], L["down_b"])
+        gate, up = L["gate_up"](h).chunk(2, dim=-1)
+        out = L["down"](self._act(gate) * up)
         return out if L["post_ff"] is None else self._rms(out, L["post_ff"])
 
     def _logits(
@@ -338,7 +368,7 @@ class LeanModel:
             flags = last_only if isinstance(last_only, list) else [True] * len(sizes)
             x = x[keep]
             sizes = [1 if last else n for n, last in zip(sizes, flags)]
-        logits = F.linear(self._rms(x, self.norm), self.lm_head)
+        logits = self.head(self._rms(x, self.norm))
         if self.final_softcap is not None:  # Gemma: in the model dtype, before the cast, as HF
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return list(logits.float().split(sizes))

@@ -2,8 +2,8 @@
 sessions, the lock their forwards run under, admission of a new id, idle
 expiry, the expiry of a vanished owner's sessions, and what a late or unknown
 id is told. What a session is (its cache,
-its tokens) is the core's; the table only needs `session.cache.release()` and
-an optional `session.constraint`."""
+its tokens) is the core's; the table only needs `session.cache.release()`,
+an optional `session.constraint` and an optional `session.comes_back`."""
 
 from __future__ import annotations
 
@@ -68,19 +68,19 @@ class SessionTable:
         # A copy: a metrics scrape reads this from another thread while sessions open.
         return list(self._sessions.values())
 
-    def active(self, coming: Callable[[object], bool] | None = None) -> int:
+    def active(self) -> int:
         """Open sessions expected to call soon: those with a call within the last
         ACTIVE_INTERVALS typical intervals between a session's calls (the
         batcher's gather window waits for these; specd_core/runtime/batcher.py). A session
-        stalled by a slow client drops out, so it makes no batch wait.
-        coming(session): whether its next call comes straight back (not after
-        a call to another service); None = every session's does."""
+        stalled by a slow client drops out, so it makes no batch wait; so does
+        one whose `comes_back` is False (its next call follows another
+        service's work: docs/architecture.md, "The gather window")."""
         since = time.monotonic() - ACTIVE_INTERVALS * self.call_interval_s
         sessions = self._sessions
         return sum(
             1
             for sid, t in list(self._touched.items())
-            if t >= since and (s := sessions.get(sid)) is not None and (coming is None or coming(s))
+            if t >= since and (s := sessions.get(sid)) is not None and getattr(s, "comes_back", True)
         )
 
     def check_room(self, session_id: str, pending: int = 0) -> None:
