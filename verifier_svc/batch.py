@@ -7,6 +7,7 @@ No grpc, no lock here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +50,9 @@ class VerifySession:
     # Structured output: the target's logits are masked to what it allows at
     # every row before the rule, and it advances only on committed tokens.
     constraint: Constraint | None = None
+    # Logits and features of its pending token's row, computed before its
+    # next call (verifier_svc/ahead.py); None = not run ahead.
+    ahead: tuple[torch.Tensor, Any] | None = None
     # Its next call comes straight back: its last verify carried no draft. A
     # drafting session's next verify follows the drafter's work, and the
     # gather window does not wait for it (SessionTable.active).
@@ -68,6 +72,7 @@ class VerifyJob:
     session: VerifySession
     tree: TokenTree
     q: torch.Tensor | None  # dense per-row q when children were sampled
+    ahead: tuple[torch.Tensor, Any] | None = None  # its rows computed ahead (verifier_svc/ahead.py)
 
     def __post_init__(self) -> None:
         self.session.comes_back = len(self.tree.tokens) == 0  # a drafting session's next verify follows the drafter
@@ -241,3 +246,15 @@ def first_token(j: OpenJob, s: VerifySession, logits: torch.Tensor, states, hidd
     if s.constraint is not None:
         s.constraint.commit([first])
     return (first, HiddenStates.encode(states, hidden_dtype)) if j.hidden else first
+
+
+def reserve_verify(j: VerifyJob) -> None:
+    """Under the lock, before the forward: the KV blocks of the verify's rows
+    (the pending token, unless its row was computed ahead, and every node),
+    so that a session past the budget fails alone (CapacityExceeded),
+    unchanged, and not the batch's forward."""
+    nodes, committed = len(j.tree.tokens), len(j.session.tokens)
+    j.session.cache.reserve(
+        j.session.cache.length + (j.ahead is None) + nodes,
+        f"session {j.session_id!r} (a draft of {nodes} tokens after {committed} committed)",
+    )

@@ -17,3 +17,12 @@ class VerifierConfig(ModelServiceConfig):
     # Dtype of the hidden states (EAGLE features) sent to sessions that ask:
     # float16 | bfloat16 (2 bytes per value either way).
     hidden_dtype: str = field(default="float16", metadata=not_flag("fixed: the features' wire dtype"))
+    # Plain decoding's next forward runs as soon as a batch is answered and no
+    # call waits, before the sessions' calls arrive (verifier_svc/ahead.py).
+    decode_ahead: bool = field(
+        default=True,
+        metadata=flag(
+            "run plain (K = 0) sessions' next forward when their calls arrive, not as soon as the verifier is idle",
+            name="--no-decode-ahead",
+        ),
+    )

@@ -26,6 +26,7 @@ from specd_core.runtime.models import Runner
 from specd_core.runtime.phases import Phases
 from specd_core.runtime.prefix_cache import publish_prefix, reuse_prefix
 from specd_core.runtime.warmup import timed, warm_up
+from verifier_svc.ahead import merge, release, settle
 from verifier_svc.batch import (
     OpenJob,
     VerifyJob,
@@ -39,6 +40,7 @@ from verifier_svc.batch import (
     out_of_memory,
     own_layers,
     plan_rows,
+    reserve_verify,
     stamp,
 )
 from verifier_svc.checks import check_resume, dense_draft_q, feature_layers
@@ -52,6 +54,7 @@ class Verifier(ModelCore):
         super().__init__(config, "verifier", model)
         # Forward ids from a random start: ids of two replicas do not meet.
         self._batch_ids = itertools.count(random.getrandbits(62) + 1)
+        self.plain_verifies: list[VerifyJob] = []  # the last batch's verifies without a draft
 
     def warm_up(self) -> dict[str, float]:
         """Run the calls clients make before serving (specd_core/runtime/warmup.py)."""
@@ -182,10 +185,12 @@ class Verifier(ModelCore):
         (the lock is not reentrant)."""
         start, phases = time.perf_counter(), Phases()
         live, admitted, refused = self._admit_batch(jobs)
-        items, last_only = plan_rows(live, admitted)
-        oom = None
+        fresh = [j for j in live if j.ahead is None]
+        items, last_only = plan_rows(fresh, admitted)
+        oom, logits, states = None, [], []  # type: ignore[var-annotated]
         try:
-            logits, states = self._forward(items, last_only, live, admitted)
+            if items:
+                logits, states = self._forward(items, last_only, fresh, admitted)
         except torch.OutOfMemoryError as exc:
             # Keep only the message: the traceback's frames hold the activations
             # that filled the device, freed when this block ends, before the retry.
@@ -194,14 +199,16 @@ class Verifier(ModelCore):
             retried = self._after_oom(live + [o for o, _ in admitted], oom)
             return in_order(jobs, retried | refused, "verify")
         phases.mark("forward")
-        done = self._open_sessions(admitted, logits[len(live) :], states[len(live) :])
-        accepted = accept_all(live, logits[: len(live)])
+        done = self._open_sessions(admitted, logits[len(fresh) :], states[len(fresh) :])
+        logits, states = merge(live, logits[: len(fresh)], states[: len(fresh)])
+        accepted = accept_all(live, logits)
         phases.mark("accept")
         attach_features(live, accepted, states, self.config.hidden_dtype)
         compact(live, accepted)
         phases.mark("compact")
         stamp(accepted, (time.perf_counter() - start) * 1e3, phases.spans, items, next(self._batch_ids))
         done |= {id(j): r for j, r in zip(live, accepted)}
+        self.plain_verifies = [j for j in live if not j.tree.tokens]  # for verifier_svc/ahead.py
         return in_order(jobs, done | refused, "verify")
 
     def _after_oom(self, jobs: list, reason: str) -> dict:
@@ -222,10 +229,12 @@ class Verifier(ModelCore):
         blocks taken; the prefills admitted, each its new session; {id(job):
         the error of each refused})."""
         verifies = self.sessions.live([j for j in jobs if not isinstance(j, OpenJob)])
+        settle(verifies)  # the rows computed ahead: a plain verify's, or dropped
         live, refused = still_valid(verifies, self._check_room_left)
         # Verifies first: running sessions take KV blocks before new ones.
-        live, full = still_valid(live, self._reserve_verify, (CapacityExceeded,))
+        live, full = still_valid(live, reserve_verify, (CapacityExceeded,))
         refused |= full
+        release([j for j in verifies if id(j) in refused])
         admitted: list[tuple[OpenJob, VerifySession]] = []
         for j in jobs:
             if isinstance(j, OpenJob):
@@ -285,13 +294,3 @@ class Verifier(ModelCore):
             done[id(j)] = first_token(j, s, lg[0], h, self.config.hidden_dtype)
             self.sessions.add(j.session_id, s, j.owner)
         return done
-
-    def _reserve_verify(self, j: VerifyJob) -> None:
-        """Under the lock, before the forward: the KV blocks of the verify's rows
-        (the pending token and every node), so that a session past the budget
-        fails alone (CapacityExceeded), unchanged, and not the batch's forward."""
-        nodes, committed = len(j.tree.tokens), len(j.session.tokens)
-        j.session.cache.reserve(
-            j.session.cache.length + 1 + nodes,
-            f"session {j.session_id!r} (a draft of {nodes} tokens after {committed} committed)",
-        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future
 
 from specd_core.api.v1 import specdec_pb2 as pb
@@ -11,6 +12,7 @@ from specd_core.net.wire import dists_from_proto, hidden_to_proto, sampling_from
 from specd_core.runtime.batcher import Batcher
 from specd_core.telemetry import tracing
 from specd_core.telemetry.probe import probed
+from verifier_svc.ahead import run_ahead
 from verifier_svc.core import Verifier
 from verifier_svc.metrics import VerifierMetrics
 
@@ -42,6 +44,7 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
             core.config.max_queued_calls,
             core.active_sessions,
             core.config.batch_wait_fraction,
+            functools.partial(run_ahead, core),
         )
 
     @grpc_errors

@@ -15,6 +15,9 @@ misses the batch costs a whole forward of its own later. Expected are the open
 sessions that called lately (`active_sessions()`, see SessionTable.active in sessions.py): a session
 stalled by a slow client must not make every batch wait. A lone session, or a
 full batch, never waits.
+
+After a batch, when no call is queued, the worker runs `idle` (the verifier:
+plain sessions' next forward, before their calls arrive; verifier_svc/ahead.py).
 """
 
 from __future__ import annotations
@@ -51,10 +54,12 @@ class Batcher:
         max_queued: int = 1024,
         active_sessions: Callable[[], int] | None = None,
         wait_fraction: float = 0.0,
+        idle: Callable[[], object] | None = None,
     ):
         self.run_batch, self.max_sessions, self.on_batch = run_batch, max_sessions, on_batch
         self.name, self.max_queued = name, max_queued
         self.active_sessions, self.wait_fraction = active_sessions, wait_fraction
+        self.idle = idle  # run after a batch when no call waits (the verifier's forward ahead)
         self._last_run_s = 0.0  # the last batch's run time: what the window is a fraction of
         self._queue: collections.deque[tuple[Job, Future]] = collections.deque()
         self._ready = threading.Condition()
@@ -121,6 +126,11 @@ class Batcher:
             # Not held while the next _take waits: a closed session's jobs
             # (its matcher, its results) must go with it, not with the next batch.
             del batch
+            if self.idle is not None and not self._queue and not self._stopped:
+                try:
+                    self.idle()
+                except Exception:  # noqa: BLE001 - work ahead is optional; the calls do their own
+                    log.exception("%s: work ahead failed", self.name)
 
     def _run_one(self, batch: list[tuple[Job, Future]]) -> None:
         started = time.monotonic()

@@ -1,0 +1,113 @@
+"""Plain decoding's next forward run ahead (verifier_svc/ahead.py): a verifier
+that runs it answers every call exactly as one that does not (greedy, sampled,
+with features, plain calls and calls with drafts in any order), answers plain
+calls without a forward of their own, and leaves no KV rows behind."""
+
+import pytest
+import torch
+
+from specd_core.rules.sampling import SamplingParams
+from verifier_svc.ahead import release, run_ahead
+from verifier_svc.config import VerifierConfig
+from verifier_svc.core import Verifier
+
+pytestmark = pytest.mark.unit
+
+SESSIONS = {
+    "greedy": (SamplingParams(), False),
+    "sampled": (SamplingParams(temperature=1.0, top_k=20, seed=11), False),
+    "features": (SamplingParams(), True),
+}
+PROMPT = [5, 9, 13, 17, 21, 25]
+# Per cycle, the draft every session sends (empty: plain decoding): plain
+# calls, a draft after a plain call (the row run ahead is dropped), plain again.
+DRAFTS = [[], [], [40, 41], [], [], [42], [43, 44, 45], [], []]
+
+
+class Counting:
+    """The runner's forwards, counted."""
+
+    def __init__(self, runner):
+        self.runner, self.calls = runner, 0
+        self._forward = runner.forward_batch
+        runner.forward_batch = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._forward(*args, **kwargs)
+
+
+def sessions_of(v: Verifier) -> dict:
+    """The HF engine returns no features: no such session there."""
+    return {k: x for k, x in SESSIONS.items() if v.runner.lean is not None or not x[1]}
+
+
+def play(v: Verifier, ahead: bool) -> tuple[list, list[int]]:
+    """Every session's results through DRAFTS (one batch per cycle, the
+    batcher's idle work after it when `ahead`), and the forwards per cycle."""
+    sessions = sessions_of(v)
+    for sid, (params, hidden) in sessions.items():
+        v.open_session(sid, PROMPT, params, hidden=hidden)
+    counter = Counting(v.runner)
+    out, forwards = [], []
+    for draft in DRAFTS:
+        before = counter.calls
+        results = v.verify_batch([v.prepare(sid, draft) for sid in sessions])
+        assert not any(isinstance(r, Exception) for r in results), results
+        forwards.append(counter.calls - before)
+        out.append([(r.tokens, None if r.hidden is None else r.hidden.data) for r in results])
+        if ahead:
+            assert run_ahead(v) == (len(sessions) if not draft else 0)
+    return out, forwards
+
+
+@pytest.mark.parametrize("engine", ["lean", "hf"])
+def test_answers_equal_a_verifier_without_it(pairs, engine):
+    target, _ = pairs["llama"]
+    on = Verifier(VerifierConfig(target, device="cpu", engine=engine))
+    off = Verifier(VerifierConfig(target, device="cpu", engine=engine, decode_ahead=False))
+    got, forwards = play(on, ahead=True)
+    want, plain_forwards = play(off, ahead=False)
+    assert got == want
+    # A plain call after a plain call was answered from the row run ahead.
+    for i, draft in enumerate(DRAFTS):
+        expect = 0 if i > 0 and not draft and not DRAFTS[i - 1] else 1
+        assert forwards[i] == expect, (i, forwards)
+    assert plain_forwards == [1] * len(DRAFTS)
+    # The rows run ahead are the sessions' only extra rows, and go with them.
+    assert on.kv_tokens == off.kv_tokens + len(sessions_of(on))  # the last cycle was plain: run ahead
+    for v in (on, off):
+        for sid in sessions_of(v):
+            v.close_session(sid)
+        assert v.kv_pool.describe()["kv_used_blocks"] == 0
+
+
+def test_decode_ahead_off_runs_nothing(pairs):
+    target, _ = pairs["llama"]
+    v = Verifier(VerifierConfig(target, device="cpu", decode_ahead=False))
+    v.open_session("a", PROMPT, SamplingParams())
+    v.verify("a", [])
+    assert run_ahead(v) == 0 and v.sessions["a"].ahead is None
+
+
+def test_a_refused_job_gives_its_row_back(pairs):
+    target, _ = pairs["llama"]
+    v = Verifier(VerifierConfig(target, device="cpu"))
+    v.open_session("a", PROMPT, SamplingParams())
+    v.verify("a", [])
+    length = v.sessions["a"].cache.length
+    assert run_ahead(v) == 1 and v.sessions["a"].cache.length == length + 1
+    job = v.prepare("a", [])
+    with v.sessions.lock:
+        from verifier_svc.ahead import settle
+
+        settle([job])
+        assert job.ahead is not None and v.sessions["a"].ahead is None
+        release([job])
+    assert job.ahead is None and v.sessions["a"].cache.length == length
+    # The session goes on as if nothing had run ahead.
+    alone = Verifier(VerifierConfig(target, device="cpu", decode_ahead=False))
+    alone.open_session("a", PROMPT, SamplingParams())
+    alone.verify("a", [])
+    assert v.verify("a", [7, 8]).tokens == alone.verify("a", [7, 8]).tokens
+    assert torch.equal(torch.tensor(v.sessions["a"].tokens), torch.tensor(alone.sessions["a"].tokens))

@@ -1,0 +1,90 @@
+"""Plain decoding's next forward, run before its call arrives.
+
+A session decoding without a draft (K = 0) sends, after each verdict, a verify
+whose forward is known in advance: its pending token, one row. Between the
+verdict and that call the orchestrator streams the token, keeps its books and
+sends the call back; meanwhile the verifier would sit idle, and under the
+gather window a whole step waits for the slowest session's round trip. So
+when a batch is answered and no call is waiting, the verifier runs that
+forward for the batch's plain sessions at once and keeps each one's logits
+(and features) on the session. The call that comes is then answered without
+a forward when it is plain; a call with a draft drops the row computed ahead
+(rollback = set the length) and runs as before. The lossless rule, the
+constraint's mask and any draw still happen when the call is answered, on
+the same logits, so what a session commits is what it would have been. A
+forward ahead that cannot run (its KV blocks refused, an error) leaves
+nothing behind; the call then runs the forward itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specd_core.errors import CapacityExceeded
+from specd_core.rules.tree import TokenTree
+from verifier_svc.batch import VerifyJob, plan_rows
+
+NO_DRAFT = TokenTree((), ())
+
+
+def settle(live: list[VerifyJob]) -> None:
+    """Under the lock, as a batch starts: each job takes its session's rows
+    computed ahead (a plain verify) or drops them (a verify with a draft)."""
+    for j in live:
+        ahead, j.session.ahead = j.session.ahead, None
+        if ahead is None:
+            continue
+        if j.tree.tokens:
+            j.session.cache.rollback(j.session.cache.length - 1)
+        else:
+            j.ahead = ahead
+
+
+def release(jobs: list[VerifyJob]) -> None:
+    """Jobs refused after settle: their sessions drop the row computed ahead,
+    as if it had never run."""
+    for j in jobs:
+        if j.ahead is not None:
+            j.session.cache.rollback(j.session.cache.length - 1)
+            j.ahead = None
+
+
+def merge(live: list[VerifyJob], logits: list, states: list) -> tuple[list, list]:
+    """Every live job's logits and states in order: the forward's for those
+    that ran in it, the ones computed ahead for the others."""
+    ran = iter(zip(logits, states))
+    both = [j.ahead if j.ahead is not None else next(ran) for j in live]
+    return [lg for lg, _ in both], [h for _, h in both]
+
+
+def run_ahead(core: Any) -> int:
+    """The batcher's idle work: the next forward of the last batch's plain
+    sessions (core.plain_verifies) still open and without one, their logits
+    and features kept on each session. The number of sessions run ahead."""
+    plain, core.plain_verifies = core.plain_verifies, []
+    if not plain or not core.config.decode_ahead:
+        return 0
+    with core.sessions.lock:
+        return _forward_ahead(core, plain)
+
+
+def _forward_ahead(core: Any, plain: list[VerifyJob]) -> int:
+    jobs = []
+    for j in core.sessions.live(plain):
+        s = j.session
+        if s.ahead is not None or s.cache.length != len(s.tokens) - 1:
+            continue
+        try:
+            s.cache.reserve(s.cache.length + 1, f"session {j.session_id!r}")
+        except CapacityExceeded:
+            continue  # its call reserves, or is refused, itself
+        jobs.append(VerifyJob(j.session_id, s, NO_DRAFT, None))
+    if not jobs:
+        return 0
+    items, last_only = plan_rows(jobs, [])
+    try:
+        logits, states = core._forward(items, last_only, jobs, [])
+    except Exception:  # noqa: BLE001 - _forward left nothing of it; the calls run their own forwards
+        return 0
+    for j, lg, h in zip(jobs, logits, states):
+        j.session.ahead = (lg, h)
+    return len(jobs)
