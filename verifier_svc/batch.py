@@ -74,9 +74,6 @@ class VerifyJob:
     q: torch.Tensor | None  # dense per-row q when children were sampled
     ahead: tuple[torch.Tensor, Any] | None = None  # its rows computed ahead (verifier_svc/ahead.py)
 
-    def __post_init__(self) -> None:
-        self.session.comes_back = len(self.tree.tokens) == 0  # a drafting session's next verify follows the drafter
-
 
 @dataclass
 class OpenJob:
@@ -188,10 +185,11 @@ def attach_features(live: list[VerifyJob], accepted: list[VerifyResult], states:
 
 def compact(live: list[VerifyJob], accepted: list[VerifyResult]) -> None:
     """Keep the root and the accepted path's rows; commit the tokens (the new
-    last one is pending)."""
+    last one is pending); note whether each session drafts."""
     for j, r in zip(live, accepted):
         j.session.cache.compact(len(j.session.tokens) - 1, compaction_indices(r.path))
         j.session.tokens += r.tokens
+        j.session.comes_back = not j.tree.tokens  # a drafting session's next verify follows the drafter
         if j.session.constraint is not None:
             j.session.constraint.commit(r.tokens)
 

@@ -187,10 +187,9 @@ class Verifier(ModelCore):
         live, admitted, refused = self._admit_batch(jobs)
         fresh = [j for j in live if j.ahead is None]
         items, last_only = plan_rows(fresh, admitted)
-        oom, logits, states = None, [], []  # type: ignore[var-annotated]
+        oom = None
         try:
-            if items:
-                logits, states = self._forward(items, last_only, fresh, admitted)
+            logits, states = self._forward(items, last_only, fresh, admitted) if items else ([], [])
         except torch.OutOfMemoryError as exc:
             # Keep only the message: the traceback's frames hold the activations
             # that filled the device, freed when this block ends, before the retry.
