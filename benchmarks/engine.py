@@ -25,7 +25,9 @@ and wrappers on the tensor methods that read device memory from the host:
   from pageable memory, which the host waits for too.
 Host time is the step's wall time on the CPU, the minimum of --reps steps
 run without the counters (each step is a real one: sessions advance and the
-cache grows).
+cache grows). Beside each verify step, its arithmetic floor
+(`arithmetic_floor`): the same rows' matrix products and attention alone, the
+least any engine's step costs on this machine.
 
 Verify steps: chains of K = 4 (5 rows per session) and a static tree
 (branching 2, 2: 6 nodes, 7 rows). Draft steps: a chain of K = 4 (its 4 levels
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import tempfile
 import time
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -196,6 +200,71 @@ def counted_and_timed(step, reps: int) -> dict[str, Any]:
     return {**counts, "host_ms": round(min(times) * 1e3, 2)}
 
 
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: int, nkv: int) -> torch.Tensor:
+    """Attention of every session's query rows over its own keys in two
+    batched products: q (sessions * rows, nh * hd), session-major; k
+    (sessions * nkv, hd, keys), already scaled; v (sessions * nkv, keys, hd).
+    A query head's KV head is head // (nh / nkv), as in grouped-query attention.
+    Returns (sessions * rows, nh * hd)."""
+    hd = v.shape[-1]
+    n, g = q.shape[0], q.shape[1] // hd // nkv
+    rows = n // sessions
+    q = q.reshape(sessions, rows, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(sessions * nkv, g * rows, hd)
+    probs = torch.softmax(torch.bmm(q, k), dim=-1)
+    y = torch.bmm(probs, v).view(sessions, nkv, g, rows, hd)
+    return y.permute(0, 3, 1, 2, 4).reshape(n, nkv * g * hd)
+
+
+def _product(a: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return a @ w if transposed else F.linear(a, w)
+
+
+def _floor_step(x, ws, transposed, k, v, head, sessions, nkv, q_width) -> torch.Tensor:
+    """The floor's forward: per layer the q/k/v, output, gate/up and down
+    products, attention and residual adds; then the LM head over every row."""
+    for w in ws:
+        y = grouped_attention(_product(x, w["qkv"], transposed)[:, :q_width], k, v, sessions, nkv)
+        x = x + _product(y, w["o"], transposed)
+        gate, up = _product(x, w["gate_up"], transposed).chunk(2, dim=-1)
+        x = x + _product(F.silu(gate) * up, w["down"], transposed)
+    return F.linear(x, head)
+
+
+def arithmetic_floor(sessions: int, rows: int, keys: int, reps: int, vocab: int = 4096) -> float:
+    """The least this CPU spends on a verify step's arithmetic, in ms (min of
+    `reps`): the target's matrix products and attention for `sessions` x `rows`
+    query rows over `keys` keys each, one operator per product for all
+    sessions, in bf16 like the engine, and nothing else - no norms, RoPE,
+    cache writes or key gathers, masks, acceptance or sampling. Weights are
+    random, in whichever of the two layouts (out, in) / (in, out) multiplies
+    faster here. Whatever an engine removes around its operators, a step
+    over these rows costs at least this on this machine."""
+    c, inter, layers = TARGET_SHAPE["hidden_size"], TARGET_SHAPE["intermediate_size"], TARGET_SHAPE["num_hidden_layers"]
+    nh, nkv = TARGET_SHAPE["num_attention_heads"], TARGET_SHAPE["num_key_value_heads"]
+    hd, n = c // nh, sessions * rows
+    bf = torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(bf)
+
+    x0 = rand(n, c)
+    k, v = rand(sessions * nkv, hd, keys) * hd**-0.5, rand(sessions * nkv, keys, hd)
+    sizes = {"qkv": ((nh + 2 * nkv) * hd, c), "o": (c, nh * hd), "gate_up": (2 * inter, c), "down": (c, inter)}
+    out_in = [{name: rand(*shape) for name, shape in sizes.items()} for _ in range(layers)]
+    head = rand(vocab, c)
+    best = float("inf")
+    for transposed in (False, True):
+        ws = [{name: w.t().contiguous() if transposed else w for name, w in layer.items()} for layer in out_in]
+        step = functools.partial(_floor_step, x0, ws, transposed, k, v, head, sessions, nkv, nh * hd)
+        step()  # untimed: first-call allocations
+        for _ in range(reps):
+            start = time.perf_counter()
+            step()
+            best = min(best, time.perf_counter() - start)
+    return round(best * 1e3, 2)
+
+
 def tree_parents(shape: DraftShape) -> list[int]:
     """A static shape's parent list (node order of its paths; -1 = the root)."""
     paths = list(shape.static_paths)
@@ -252,6 +321,8 @@ def measure(args: argparse.Namespace, target: Path, drafter_dir: Path) -> list[d
             "draft_chain": draft_steps(drafter, ids, DraftShape.chain(4), args.reps),
             "draft_tree": draft_steps(drafter, ids, TREE, args.reps),
         }
+        for kind, shape_rows in (("verify_chain", 5), ("verify_tree", 1 + len(tree_parents(TREE)))):
+            row[kind]["floor_ms"] = arithmetic_floor(n, shape_rows, args.context + shape_rows, args.reps)
         rows.append(row)
         print(
             f"  {n:>3} sessions: "
@@ -286,6 +357,13 @@ def run(args: argparse.Namespace) -> dict:
         kind: {
             "kernel_like": round(last[kind]["kernel_like"] / first[kind]["kernel_like"], 2),
             "host_ms": round(last[kind]["host_ms"] / first[kind]["host_ms"], 2),
+            # The least any engine's step at the last point could take, over
+            # this one's at the first: above the host-time goal, no engine meets it here.
+            **(
+                {"floor_over_first_host_ms": round(last[kind]["floor_ms"] / first[kind]["host_ms"], 2)}
+                if "floor_ms" in last[kind]
+                else {}
+            ),
         }
         for kind in ("verify_chain", "verify_tree", "draft_chain", "draft_tree")
     }
@@ -308,12 +386,19 @@ def report(result: dict, args: argparse.Namespace) -> None:
         ("draft_chain", "draft, chain K=4 (one step: 4 levels)"),
         ("draft_tree", "draft, tree 2x2 (one step: 1 level forwarded)"),
     ):
-        print(f"\n{what}\n| sessions | kernel-like ops | all ops | host syncs | uploads | host ms (min) |")
-        print("|---|---|---|---|---|---|")
+        floor = "floor_ms" in result["rows"][0][kind]
+        head = "| sessions | kernel-like ops | all ops | host syncs | uploads | host ms (min) |"
+        print(f"\n{what}\n{head}" + (" arithmetic floor ms |" if floor else ""))
+        print("|---" * (7 if floor else 6) + "|")
         for r in result["rows"]:
             c = r[kind]
             cells = [r["sessions"], c["kernel_like"], c["ops"], c["syncs"], c["uploads"], c["host_ms"]]
-            print("| " + " | ".join(str(v) for v in cells) + " |")
+            print("| " + " | ".join(str(v) for v in cells + ([c["floor_ms"]] if floor else [])) + " |")
+    for key, ratios in result.items():
+        if key.startswith("ratio_"):
+            print(f"\n{key}:")
+            for kind, r in ratios.items():
+                print(f"  {kind}: " + ", ".join(f"{name} {value}x" for name, value in r.items()))
     print(f"\nwritten to {args.out}")
 
 

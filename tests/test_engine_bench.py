@@ -45,6 +45,9 @@ def test_a_small_run_through_the_cores(tmp_path):
             assert 0 < c["kernel_like"] < c["ops"] and c["host_ms"] > 0, (kind, c)
             assert c["syncs"] >= 1          # the verdicts reach the host at least once
     assert result["target"]["num_hidden_layers"] == 32
+    for kind in ("verify_chain", "verify_tree"):
+        assert all(row[kind]["floor_ms"] > 0 for row in result["rows"]), kind
+        assert result["ratio_3_to_1"][kind]["floor_over_first_host_ms"] > 0
     one, three = result["rows"]
     # A tree's mask and positions are built for all sessions at once: more
     # sessions add no upload and no more operators than they add to a chain.
@@ -56,3 +59,20 @@ def test_a_small_run_through_the_cores(tmp_path):
     # (one after another they added more than a whole one-session step).
     tree_grown = three["draft_tree"]["kernel_like"] - one["draft_tree"]["kernel_like"]
     assert tree_grown < one["draft_tree"]["kernel_like"], (one["draft_tree"], three["draft_tree"])
+
+
+def test_the_floors_attention_is_grouped_query_attention():
+    # The floor times this arrangement; it must be the attention a step computes.
+    torch.manual_seed(0)
+    sessions, rows, keys, nh, nkv, hd = 3, 5, 7, 8, 2, 4
+    q = torch.randn(sessions, nh, rows, hd)
+    k, v = torch.randn(sessions, nkv, keys, hd), torch.randn(sessions, nkv, keys, hd)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    got = engine.grouped_attention(
+        q.transpose(1, 2).reshape(sessions * rows, nh * hd),
+        (k * hd**-0.5).transpose(2, 3).reshape(sessions * nkv, hd, keys),
+        v.reshape(sessions * nkv, keys, hd),
+        sessions,
+        nkv,
+    )
+    torch.testing.assert_close(got, expected.transpose(1, 2).reshape(sessions * rows, nh * hd))
