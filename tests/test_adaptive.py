@@ -78,8 +78,34 @@ def test_session_acceptance_and_probing():
     for _ in range(20):
         costs.observe_verify(1, 1, 40.0)
     costs.observe_draft(1, 30.0)          # drafting costs nearly a verify step
-    picks = [s.choose(costs, rest_rows=0, rest_sessions=0) for _ in range(16)]
-    assert picks.count(0) == 14 and picks.count(1) == 2   # a probe every 8th cycle keeps alpha fresh
+    picks = []
+    for _ in range(16):                   # one forward per cycle (batch 1)
+        costs.observe_verify(1, 1, 40.0)
+        picks.append(s.choose(costs, rest_rows=0, rest_sessions=0))
+    assert picks.count(0) == 14 and picks.count(1) == 2   # a probe every 8th forward keeps alpha fresh
+
+
+def test_sessions_at_depth_0_probe_in_the_same_forward():
+    """Sessions that one forward answered probe together (one drafter batch,
+    one verify forward), whenever each of them stopped drafting; a session
+    not answered by that forward probes at its next cycle."""
+    costs = CostModel()
+    for _ in range(20):
+        costs.observe_verify(1, 1, 40.0)
+    costs.observe_draft(1, 30.0)
+    for _ in range(60):
+        costs.observe_levels(1, 0)        # nobody's drafts are kept
+    sessions = [SessionDepth(k_max=4, first=0.0) for _ in range(4)]
+    probes = {i: [] for i in range(4)}
+    for forward in range(40):
+        costs.observe_verify(4, 4, 40.0)
+        for i, s in enumerate(sessions):
+            if forward >= 3 * i:          # session i joins at depth 0 three forwards after the one before
+                if s.choose(costs, rest_rows=3, rest_sessions=3) == 1:
+                    probes[i].append(forward)
+    assert probes[1] == probes[2] == probes[3] and len(probes[3]) >= 3, probes
+    assert set(probes[3]) <= set(probes[0]), probes
+    assert all(b - a == 8 for a, b in zip(probes[3], probes[3][1:])), probes
 
 
 def test_the_hold_margin_is_on_this_sessions_share():
@@ -173,3 +199,39 @@ def test_depth_holds_near_a_tie_and_moves_for_a_clear_gain():
     assert free < 4                                           # alone, k = 4 narrowly loses ...
     assert best_depth(rates, 4, costs, hold=4, margin=0.05) == 4   # ... and is kept near the tie
     assert best_depth([0.2] * 8, 4, costs, hold=4, margin=0.05) < 2  # a clear loss still moves
+
+
+def test_probes_that_keep_nothing_come_less_often():
+    """Each probe whose token is rejected doubles the interval (8, 16, 32, then
+    64 forwards at most; the next probe at the next multiple of it, so that
+    sessions stay on one clock); a probe whose token is kept brings it back to 8."""
+    costs = CostModel()
+    for _ in range(20):
+        costs.observe_verify(1, 1, 40.0)
+    costs.observe_draft(1, 30.0)
+    for _ in range(60):
+        costs.observe_levels(1, 0)
+    s = SessionDepth(k_max=4, first=0.0)
+    probes = []
+    for forward in range(400):
+        costs.observe_verify(1, 1, 40.0)
+        if s.choose(costs, 0, 0) == 1:
+            probes.append(forward)
+            s.observe(1, 0, costs)       # rejected
+            s.first = 0.0
+        else:
+            s.observe(0, 0, costs)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[0] >= 8 and set(gaps[3:]) == {64}, gaps
+    assert len(probes) <= 3 + 400 // 64, probes  # at a fixed 8: 50
+    # A kept probe: the next one 8 forwards on (once the level-1 rate is back at 0).
+    while s.choose(costs, 0, 0) != 1:
+        costs.observe_verify(1, 1, 40.0)
+    s.observe(1, 1, costs)
+    s.first = 0.0
+    at = costs.forwards
+    while True:
+        costs.observe_verify(1, 1, 40.0)
+        if s.choose(costs, 0, 0) == 1:
+            break
+    assert costs.forwards - at <= 8

@@ -19,22 +19,32 @@ SESSIONS = {
     "features": (SamplingParams(), True),
 }
 PROMPT = [5, 9, 13, 17, 21, 25]
-# Per cycle, the draft every session sends (empty: plain decoding): plain
-# calls, a draft after a plain call (the row run ahead is dropped), plain again.
-DRAFTS = [[], [], [40, 41], [], [], [42], [43, 44, 45], [], []]
+# Per cycle, the draft every session sends (empty: plain decoding; a pair:
+# a tree's tokens and parents): plain calls, a chain after a plain call (it
+# goes on from the row run ahead, and runs the next one ahead too: a probe),
+# plain again, a chain after a chain, a tree after a plain call (the row run
+# ahead is dropped), a last probe, plain to end.
+TREE = ([46, 47, 48], [-1, -1, 0])
+DRAFTS = [[], [], [40, 41], [], [], [42], [43, 44, 45], [], [], TREE, [], [], [49], []]
 
 
 class Counting:
-    """The runner's forwards, counted."""
+    """The runner's forwards and their rows, counted."""
 
     def __init__(self, runner):
-        self.runner, self.calls = runner, 0
+        self.runner, self.calls, self.rows = runner, 0, 0
         self._forward = runner.forward_batch
         runner.forward_batch = self
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, items, *args, **kwargs):
         self.calls += 1
-        return self._forward(*args, **kwargs)
+        self.rows += sum(len(item[1]) for item in items)
+        return self._forward(items, *args, **kwargs)
+
+
+def prepared(v: Verifier, sid: str, draft):
+    tokens, parents = draft if isinstance(draft, tuple) else (draft, None)
+    return v.prepare(sid, tokens, parents)
 
 
 def sessions_of(v: Verifier) -> dict:
@@ -42,23 +52,36 @@ def sessions_of(v: Verifier) -> dict:
     return {k: x for k, x in SESSIONS.items() if v.runner.lean is not None or not x[1]}
 
 
-def play(v: Verifier, ahead: bool) -> tuple[list, list[int]]:
+def is_tree(draft) -> bool:
+    return isinstance(draft, tuple)
+
+
+def runs_ahead_after(i: int) -> bool:
+    """Whether cycle i's sessions run their next row ahead: plain calls, and a
+    chain right after a plain call (a probe: plain decoding goes on after it)."""
+    draft = DRAFTS[i]
+    return not draft or (not is_tree(draft) and i > 0 and not DRAFTS[i - 1])
+
+
+def play(v: Verifier, ahead: bool) -> tuple[list, list[int], list[int]]:
     """Every session's results through DRAFTS (one batch per cycle, the
-    batcher's idle work after it when `ahead`), and the forwards per cycle."""
+    batcher's idle work after it when `ahead`), and the forwards and rows
+    forwarded per cycle (the batch's, not the work run ahead after it)."""
     sessions = sessions_of(v)
     for sid, (params, hidden) in sessions.items():
         v.open_session(sid, PROMPT, params, hidden=hidden)
     counter = Counting(v.runner)
-    out, forwards = [], []
-    for draft in DRAFTS:
-        before = counter.calls
-        results = v.verify_batch([v.prepare(sid, draft) for sid in sessions])
+    out, forwards, rows = [], [], []
+    for i, draft in enumerate(DRAFTS):
+        before, rows_before = counter.calls, counter.rows
+        results = v.verify_batch([prepared(v, sid, draft) for sid in sessions])
         assert not any(isinstance(r, Exception) for r in results), results
         forwards.append(counter.calls - before)
+        rows.append(counter.rows - rows_before)
         out.append([(r.tokens, None if r.hidden is None else r.hidden.data) for r in results])
         if ahead:
-            assert run_ahead(v) == (len(sessions) if not draft else 0)
-    return out, forwards
+            assert run_ahead(v) == (len(sessions) if runs_ahead_after(i) else 0)
+    return out, forwards, rows
 
 
 @pytest.mark.parametrize("engine", ["lean", "hf"])
@@ -66,13 +89,18 @@ def test_answers_equal_a_verifier_without_it(pairs, engine):
     target, _ = pairs["llama"]
     on = Verifier(VerifierConfig(target, device="cpu", engine=engine))
     off = Verifier(VerifierConfig(target, device="cpu", engine=engine, decode_ahead=False))
-    got, forwards = play(on, ahead=True)
-    want, plain_forwards = play(off, ahead=False)
+    got, forwards, rows = play(on, ahead=True)
+    want, plain_forwards, plain_rows = play(off, ahead=False)
     assert got == want
-    # A plain call after a plain call was answered from the row run ahead.
+    n = len(sessions_of(on))
     for i, draft in enumerate(DRAFTS):
-        expect = 0 if i > 0 and not draft and not DRAFTS[i - 1] else 1
-        assert forwards[i] == expect, (i, forwards)
+        ahead_ran = i > 0 and runs_ahead_after(i - 1)
+        # A plain call after a row run ahead was answered from it ...
+        assert forwards[i] == (0 if ahead_ran and not draft else 1), (i, forwards)
+        # ... and a chain after one forwards its draft's rows alone (its root
+        # ran ahead); a tree drops the root run ahead and forwards it again.
+        kept_root = ahead_ran and not is_tree(draft)
+        assert rows[i] == plain_rows[i] - (n if kept_root else 0), (i, rows, plain_rows)
     assert plain_forwards == [1] * len(DRAFTS)
     # The rows run ahead are the sessions' only extra rows, and go with them.
     assert on.kv_tokens == off.kv_tokens + len(sessions_of(on))  # the last cycle was plain: run ahead

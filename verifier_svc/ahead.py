@@ -8,8 +8,10 @@ gather window a whole step waits for the slowest session's round trip. So
 when a batch is answered and no call is waiting, the verifier runs that
 forward for the batch's plain sessions at once and keeps each one's logits
 (and features) on the session. The call that comes is then answered without
-a forward when it is plain; a call with a draft drops the row computed ahead
-(rollback = set the length) and runs as before. The lossless rule, the
+a forward when it is plain. A call with a chain draft keeps that row, the
+chain's root, and its forward runs the draft's rows alone after it (an
+adaptive session's occasional probe of its drafter comes this way); a call
+with a tree drops it (rollback = set the length) and runs as before. The lossless rule, the
 constraint's mask and any draw still happen when the call is answered, on
 the same logits, so what a session commits is what it would have been. A
 forward ahead that cannot run (its KV blocks refused, an error) leaves
@@ -19,24 +21,27 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from specd_core.errors import CapacityExceeded
 from specd_core.rules.tree import TokenTree
-from verifier_svc.batch import VerifyJob, plan_rows
+from verifier_svc.batch import VerifyJob, is_chain, plan_rows
 
 NO_DRAFT = TokenTree((), ())
 
 
 def settle(live: list[VerifyJob]) -> None:
-    """Under the lock, as a batch starts: each job takes its session's rows
-    computed ahead (a plain verify) or drops them (a verify with a draft)."""
+    """Under the lock, as a batch starts: each job takes its session's row
+    computed ahead (a plain verify, or a chain's root) or drops it (a tree's
+    root: its nodes' mask is built with the root among the forward's rows)."""
     for j in live:
         ahead, j.session.ahead = j.session.ahead, None
         if ahead is None:
             continue
-        if j.tree.tokens:
-            j.session.cache.rollback(j.session.cache.length - 1)
-        else:
+        if is_chain(j.tree):
             j.ahead = ahead
+        else:
+            j.session.cache.rollback(j.session.cache.length - 1)
 
 
 def release(jobs: list[VerifyJob]) -> None:
@@ -48,12 +53,37 @@ def release(jobs: list[VerifyJob]) -> None:
             j.ahead = None
 
 
+def runs_ahead(j: VerifyJob) -> bool:
+    """Whether a session's next row is run ahead after this verify: it was
+    plain, or a probe (a chain right after a plain call), after which the
+    session goes on plainly. A session that drafts every cycle is not run
+    ahead: its next row would be the root of a draft the verifier forwards
+    anyway, and the extra forward cost 6 % of tokens/s at 32 streams of K = 4
+    (demo pair, one thread per service: docs/architecture.md)."""
+    return not j.tree.tokens or j.session.probed
+
+
+def needs_forward(j: VerifyJob) -> bool:
+    """Whether the batch's forward has rows of this job: not when its one
+    row was computed ahead."""
+    return j.ahead is None or bool(j.tree.tokens)
+
+
 def merge(live: list[VerifyJob], logits: list, states: list) -> tuple[list, list]:
-    """Every live job's logits and states in order: the forward's for those
-    that ran in it, the ones computed ahead for the others."""
+    """Every live job's logits and states in order, root row first: the
+    forward's, the rows computed ahead, or the row ahead then the forward's
+    (a chain drafted after its root was computed ahead)."""
     ran = iter(zip(logits, states))
-    both = [j.ahead if j.ahead is not None else next(ran) for j in live]
-    return [lg for lg, _ in both], [h for _, h in both]
+    out_logits, out_states = [], []
+    for j in live:
+        lg, h = j.ahead if j.ahead is not None else next(ran)
+        if j.ahead is not None and j.tree.tokens:
+            more, more_h = next(ran)
+            lg = torch.cat((lg, more))
+            h = None if h is None else torch.cat((h, more_h))
+        out_logits.append(lg)
+        out_states.append(h)
+    return out_logits, out_states
 
 
 def run_ahead(core: Any) -> int:

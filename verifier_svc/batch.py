@@ -57,6 +57,8 @@ class VerifySession:
     # drafting session's next verify follows the drafter's work, and the
     # gather window does not wait for it (SessionTable.active).
     comes_back: bool = True
+    # Its last verify was a chain drafted right after a plain one (compact).
+    probed: bool = False
 
     def keep_rows(self) -> None:
         """As it ends: its committed rows (every token but the pending last,
@@ -97,14 +99,19 @@ def plan_rows(live: list[VerifyJob], admitted: list[tuple[OpenJob, VerifySession
     """The forward's items (cache, ids, positions, mask) and last-only flags:
     each verify's pending token and nodes (its tree as the mask: the engine
     builds every session's tree mask and positions in one go, on the device
-    for the lean one; a chain's mask is the causal one), then each prefill's
+    for the lean one; a chain's mask is the causal one; a chain whose root
+    ran ahead, its nodes alone), then each prefill's
     prompt (all but the pending last token after a resume: the cache holds
     all committed tokens but the last) after the rows its cache took from
     the prefix cache."""
-    items, last_only = [], []
+    items: list[tuple[ModelSession, list[int], None, TokenTree | None]] = []
+    last_only = []
     for j in live:
         s = j.session
-        items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), None, None if is_chain(j.tree) else j.tree))
+        if j.ahead is not None:  # its root's row is in the cache already: a chain goes on from it
+            items.append((s.cache, list(j.tree.tokens), None, None))
+        else:
+            items.append((s.cache, [s.tokens[-1]] + list(j.tree.tokens), None, None if is_chain(j.tree) else j.tree))
         last_only.append(False)
     for o, s in admitted:
         rows = o.prompt_ids[:-1] if o.resume else o.prompt_ids
@@ -185,10 +192,14 @@ def attach_features(live: list[VerifyJob], accepted: list[VerifyResult], states:
 
 def compact(live: list[VerifyJob], accepted: list[VerifyResult]) -> None:
     """Keep the root and the accepted path's rows; commit the tokens (the new
-    last one is pending); note whether each session drafts."""
+    last one is pending); note whether each session drafts, and whether it
+    drafted a chain right after a plain call."""
     for j, r in zip(live, accepted):
         j.session.cache.compact(len(j.session.tokens) - 1, compaction_indices(r.path))
         j.session.tokens += r.tokens
+        # A chain drafted right after a plain call: a session decoding plainly
+        # that probes its drafter now and then (verifier_svc/ahead.py).
+        j.session.probed = j.session.comes_back and bool(j.tree.tokens) and is_chain(j.tree)
         j.session.comes_back = not j.tree.tokens  # a drafting session's next verify follows the drafter
         if j.session.constraint is not None:
             j.session.constraint.commit(r.tokens)

@@ -26,7 +26,7 @@ from specd_core.runtime.models import Runner
 from specd_core.runtime.phases import Phases
 from specd_core.runtime.prefix_cache import publish_prefix, reuse_prefix
 from specd_core.runtime.warmup import timed, warm_up
-from verifier_svc.ahead import merge, release, settle
+from verifier_svc.ahead import merge, needs_forward, release, runs_ahead, settle
 from verifier_svc.batch import (
     OpenJob,
     VerifyJob,
@@ -54,7 +54,7 @@ class Verifier(ModelCore):
         super().__init__(config, "verifier", model)
         # Forward ids from a random start: ids of two replicas do not meet.
         self._batch_ids = itertools.count(random.getrandbits(62) + 1)
-        self.plain_verifies: list[VerifyJob] = []  # the last batch's verifies without a draft
+        self.plain_verifies: list[VerifyJob] = []  # the last batch's verifies whose next row runs ahead
 
     def warm_up(self) -> dict[str, float]:
         """Run the calls clients make before serving (specd_core/runtime/warmup.py)."""
@@ -185,7 +185,7 @@ class Verifier(ModelCore):
         (the lock is not reentrant)."""
         start, phases = time.perf_counter(), Phases()
         live, admitted, refused = self._admit_batch(jobs)
-        fresh = [j for j in live if j.ahead is None]
+        fresh = [j for j in live if needs_forward(j)]
         items, last_only = plan_rows(fresh, admitted)
         oom = None
         try:
@@ -207,7 +207,7 @@ class Verifier(ModelCore):
         phases.mark("compact")
         stamp(accepted, (time.perf_counter() - start) * 1e3, phases.spans, items, next(self._batch_ids))
         done |= {id(j): r for j, r in zip(live, accepted)}
-        self.plain_verifies = [j for j in live if not j.tree.tokens]  # for verifier_svc/ahead.py
+        self.plain_verifies = [j for j in live if runs_ahead(j)]  # for verifier_svc/ahead.py
         return in_order(jobs, done | refused, "verify")
 
     def _after_oom(self, jobs: list, reason: str) -> dict:

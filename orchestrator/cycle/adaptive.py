@@ -219,6 +219,11 @@ class CostModel:
     confidence: ConfidenceTable = field(default_factory=ConfidenceTable)
 
     @property
+    def forwards(self) -> int:
+        """Verify forwards learned so far (each once, whatever the sessions in it)."""
+        return self._forwards
+
+    @property
     def draft_ms_per_level(self) -> float:
         return self._draft.value
 
@@ -318,22 +323,44 @@ class SessionDepth:
     """One session's adaptive depth: its first-level acceptance (a moving
     average, starting from all sessions'), and a probe at depth 1 now and then
     while it runs at 0, so that its acceptance is not frozen by the choice to
-    stop drafting."""
+    stop drafting.
+
+    Probes keep time by the verify forwards the shared cost model has learned
+    (one probe per `probe_every` of them), not by the session's own cycles:
+    the sessions one forward answered choose their next depth right after it,
+    so at depth 0 they probe together, in one drafter batch and one verify
+    forward. Counted per session, their probes fell on different cycles, and
+    under load nearly every cycle carried a few: each added a verify forward
+    of its own (a plain session's next row is computed ahead, a drafted one's
+    is not), which cost 18-22 % of the tokens/s of plain decoding with a
+    drafter whose drafts were never kept (docs/architecture.md).
+
+    Each probe that keeps nothing doubles the session's interval, up to
+    `probe_every << probe_backoff` forwards; one that keeps its token brings
+    it back to `probe_every`. The intervals are powers of two of one clock,
+    so sessions at different intervals still probe in the same forwards (the
+    next probe after a doubling comes at the next multiple of the new interval)."""
 
     k_max: int
     first: float | None = None  # level 1 kept; None: take all sessions' rate
-    probe_every: int = 8
+    probe_every: int = 8  # verify forwards (all sessions') per probe
+    probe_backoff: int = 3  # at most 2**3 x probe_every forwards between probes
+    _misses: int = 0  # probes in a row that kept nothing
+    _probing: bool = False  # the depth chosen last was a probe
     # Hysteresis: the depth changes only for a goodput over (1 + hold_margin) x
     # the current one's (a move to depth 0: on this session's share, best_depth).
     # Near a tie the estimates' noise (a few cycles' draws of acceptance,
     # timings on a busy host) would flip the choice back and forth, and a flip
     # to a shallower depth also stops the deeper levels' learning.
     hold_margin: float = 0.05
-    _zeros: int = 0
+    _probed: int | None = None  # the probe period of the last probe (or of the first depth 0)
     _last: int | None = None  # the depth chosen last (not a probe)
 
     def observe(self, drafted_depth: int, accepted: int, costs: CostModel) -> None:
         costs.observe_levels(drafted_depth, accepted)
+        if self._probing and drafted_depth:
+            self._misses = 0 if accepted else min(self._misses + 1, self.probe_backoff)
+        self._probing = False
         if drafted_depth:
             prior = costs.level_rates[0] if self.first is None else self.first
             self.first = 0.85 * prior + 0.15 * (1.0 if accepted else 0.0)
@@ -365,10 +392,14 @@ class SessionDepth:
         k = best_depth(rates, self.k_max, costs.round_costs(), load, hold, self.hold_margin)
         self._last = k
         if k == 0:
-            self._zeros += 1
-            if self._zeros >= self.probe_every:
-                self._zeros = 0
+            period = costs.forwards // (self.probe_every << self._misses)
+            if self._probed is None or self._probed > period:  # the first at 0, or the interval grew
+                self._probed = period
+            elif period > self._probed:
+                self._probed = period
+                self._probing = True
                 return 1
         else:
-            self._zeros = 0
+            self._probed = None
+            self._misses = 0
         return k
