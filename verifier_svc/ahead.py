@@ -10,8 +10,9 @@ forward for the batch's plain sessions at once and keeps each one's logits
 (and features) on the session. The call that comes is then answered without
 a forward when it is plain. A call with a chain draft keeps that row, the
 chain's root, and its forward runs the draft's rows alone after it (an
-adaptive session's occasional probe of its drafter comes this way); a call
-with a tree drops it (rollback = set the length) and runs as before. The lossless rule, the
+adaptive session's occasional probe of its drafter comes this way, and the
+row after a probe runs ahead too: runs_ahead); a call with a tree drops it
+(rollback = set the length) and runs as before. The lossless rule, the
 constraint's mask and any draw still happen when the call is answered, on
 the same logits, so what a session commits is what it would have been. A
 forward ahead that cannot run (its KV blocks refused, an error) leaves
