@@ -202,9 +202,11 @@ def test_depth_holds_near_a_tie_and_moves_for_a_clear_gain():
 
 
 def test_probes_that_keep_nothing_come_less_often():
-    """Each probe whose token is rejected doubles the interval (8, 16, 32, then
-    64 forwards at most; the next probe at the next multiple of it, so that
-    sessions stay on one clock); a probe whose token is kept brings it back to 8."""
+    """Probes whose token is rejected stretch the interval (16, 32, then 64
+    forwards at most after 1, 2-3, 4+ misses in a row; the next probe at the
+    next multiple of it, so that sessions stay on one clock), counted over the
+    method's sessions: a new session starts at the long interval. A probe
+    whose token is kept brings it back to 8."""
     costs = CostModel()
     for _ in range(20):
         costs.observe_verify(1, 1, 40.0)
@@ -222,8 +224,19 @@ def test_probes_that_keep_nothing_come_less_often():
         else:
             s.observe(0, 0, costs)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == sorted(gaps) and gaps[0] >= 8 and set(gaps[3:]) == {64}, gaps
-    assert len(probes) <= 3 + 400 // 64, probes  # at a fixed 8: 50
+    assert gaps == sorted(gaps) and gaps[0] >= 8 and set(gaps[4:]) == {64}, gaps
+    assert len(probes) <= 4 + 400 // 64, probes  # at a fixed 8: 50
+    # A new request's session, after those misses: 64 forwards between its probes too.
+    fresh, fresh_probes = SessionDepth(k_max=4, first=0.0), []
+    for forward in range(200):
+        costs.observe_verify(1, 1, 40.0)
+        if fresh.choose(costs, 0, 0) == 1:
+            fresh_probes.append(forward)
+            fresh.observe(1, 0, costs)
+            fresh.first = 0.0
+        else:
+            fresh.observe(0, 0, costs)
+    assert [b - a for a, b in zip(fresh_probes, fresh_probes[1:])] == [64, 64], fresh_probes
     # A kept probe: the next one 8 forwards on (once the level-1 rate is back at 0).
     while s.choose(costs, 0, 0) != 1:
         costs.observe_verify(1, 1, 40.0)

@@ -195,6 +195,9 @@ class CostModel:
     explore_cycles: int = 4
     _forwards: int = field(default=0, repr=False)
     last_forward: int = field(default=0, repr=False)  # the batch_id learned last (learn_costs)
+    # Probes at depth 1 in a row, over all sessions, whose token was rejected
+    # (SessionDepth: how far apart the next probes are).
+    probe_misses: int = 0
     # Weighted sums x x^T and x y over forwards, x = (1, rows, sessions): plain
     # floats, since every cycle of every session updates them.
     _m: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)], repr=False)
@@ -335,17 +338,20 @@ class SessionDepth:
     is not), which cost 18-22 % of the tokens/s of plain decoding with a
     drafter whose drafts were never kept (docs/architecture.md).
 
-    Each probe that keeps nothing doubles the session's interval, up to
-    `probe_every << probe_backoff` forwards; one that keeps its token brings
-    it back to `probe_every`. The intervals are powers of two of one clock,
-    so sessions at different intervals still probe in the same forwards (the
-    next probe after a doubling comes at the next multiple of the new interval)."""
+    While probes keep nothing the interval grows: `probe_every` times 2, 4,
+    8 (at most `probe_backoff` doublings) after 1, 2-3, 4+ probes in a row,
+    counted over all the method's sessions (CostModel.probe_misses), so that a
+    new request starts where the others are instead of at the shortest
+    interval (a 64-token request ends before its own misses would count
+    much); a probe that keeps its token brings every session back to
+    `probe_every`. The intervals are powers of two of one clock, so sessions
+    still probe in the same forwards (the next probe after a doubling comes at
+    the next multiple of the new interval)."""
 
     k_max: int
     first: float | None = None  # level 1 kept; None: take all sessions' rate
     probe_every: int = 8  # verify forwards (all sessions') per probe
     probe_backoff: int = 3  # at most 2**3 x probe_every forwards between probes
-    _misses: int = 0  # probes in a row that kept nothing
     _probing: bool = False  # the depth chosen last was a probe
     # Hysteresis: the depth changes only for a goodput over (1 + hold_margin) x
     # the current one's (a move to depth 0: on this session's share, best_depth).
@@ -359,7 +365,7 @@ class SessionDepth:
     def observe(self, drafted_depth: int, accepted: int, costs: CostModel) -> None:
         costs.observe_levels(drafted_depth, accepted)
         if self._probing and drafted_depth:
-            self._misses = 0 if accepted else min(self._misses + 1, self.probe_backoff)
+            costs.probe_misses = 0 if accepted else costs.probe_misses + 1
         self._probing = False
         if drafted_depth:
             prior = costs.level_rates[0] if self.first is None else self.first
@@ -392,7 +398,8 @@ class SessionDepth:
         k = best_depth(rates, self.k_max, costs.round_costs(), load, hold, self.hold_margin)
         self._last = k
         if k == 0:
-            period = costs.forwards // (self.probe_every << self._misses)
+            doublings = min(self.probe_backoff, costs.probe_misses.bit_length())
+            period = costs.forwards // (self.probe_every << doublings)
             if self._probed is None or self._probed > period:  # the first at 0, or the interval grew
                 self._probed = period
             elif period > self._probed:
@@ -401,5 +408,4 @@ class SessionDepth:
                 return 1
         else:
             self._probed = None
-            self._misses = 0
         return k
