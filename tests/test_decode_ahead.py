@@ -139,3 +139,22 @@ def test_a_refused_job_gives_its_row_back(pairs):
     alone.verify("a", [])
     assert v.verify("a", [7, 8]).tokens == alone.verify("a", [7, 8]).tokens
     assert torch.equal(torch.tensor(v.sessions["a"].tokens), torch.tensor(alone.sessions["a"].tokens))
+
+
+def test_an_answer_from_a_row_run_ahead_reports_that_forward(pairs):
+    """The orchestrator's cost model learns a verify's cost from what the call
+    reports: a plain call answered from its row run ahead reports the forward
+    that computed the row (its time, sessions, rows and id), not the batch
+    that answered it without a forward (which would teach that a row costs nothing)."""
+    target, _ = pairs["llama"]
+    v = Verifier(VerifierConfig(target, device="cpu"))
+    for sid in ("a", "b"):
+        v.open_session(sid, PROMPT, SamplingParams())
+    v.verify_batch([v.prepare(sid, []) for sid in ("a", "b")])
+    assert run_ahead(v) == 2
+    counter = Counting(v.runner)
+    answered = v.verify_batch([v.prepare(sid, []) for sid in ("a", "b")])
+    assert counter.calls == 0  # answered from the rows run ahead
+    for r in answered:
+        assert (r.batch_sessions, r.batch_tokens) == (2, 2) and r.compute_ms > 0.05, r
+    assert answered[0].batch_id == answered[1].batch_id  # one forward: the cost model learns it once

@@ -20,13 +20,14 @@ nothing behind; the call then runs the forward itself."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from specd_core.errors import CapacityExceeded
 from specd_core.rules.tree import TokenTree
-from verifier_svc.batch import VerifyJob, is_chain, plan_rows
+from verifier_svc.batch import Ahead, VerifyJob, is_chain, plan_rows
 
 NO_DRAFT = TokenTree((), ())
 
@@ -77,7 +78,7 @@ def merge(live: list[VerifyJob], logits: list, states: list) -> tuple[list, list
     ran = iter(zip(logits, states))
     out_logits, out_states = [], []
     for j in live:
-        lg, h = j.ahead if j.ahead is not None else next(ran)
+        lg, h = j.ahead[:2] if j.ahead is not None else next(ran)
         if j.ahead is not None and j.tree.tokens:
             more, more_h = next(ran)
             lg = torch.cat((lg, more))
@@ -112,10 +113,12 @@ def _forward_ahead(core: Any, plain: list[VerifyJob]) -> int:
     if not jobs:
         return 0
     items, last_only = plan_rows(jobs, [])
+    start = time.perf_counter()
     try:
         logits, states = core._forward(items, last_only, jobs, [])
     except Exception:  # noqa: BLE001 - _forward left nothing of it; the calls run their own forwards
         return 0
+    ms, batch_id = (time.perf_counter() - start) * 1e3, next(core._batch_ids)
     for j, lg, h in zip(jobs, logits, states):
-        j.session.ahead = (lg, h)
+        j.session.ahead = Ahead(lg, h, ms, len(items), len(items), batch_id)
     return len(jobs)

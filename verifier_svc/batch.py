@@ -7,7 +7,7 @@ No grpc, no lock here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,6 +38,21 @@ class VerifyResult:
         return len(self.path)
 
 
+class Ahead(NamedTuple):
+    """A session's pending row computed before its call (verifier_svc/ahead.py),
+    and the figures of the forward that computed it: a call answered from it
+    reports them, as the forward its answer came from (the cost model learns
+    verify costs from what calls report; an answer with no forward of its own
+    would teach it that a row costs nothing)."""
+
+    logits: torch.Tensor
+    states: Any
+    ms: float
+    sessions: int
+    rows: int
+    batch_id: int
+
+
 @dataclass
 class VerifySession:
     cache: ModelSession
@@ -52,7 +67,7 @@ class VerifySession:
     constraint: Constraint | None = None
     # Logits and features of its pending token's row, computed before its
     # next call (verifier_svc/ahead.py); None = not run ahead.
-    ahead: tuple[torch.Tensor, Any] | None = None
+    ahead: Ahead | None = None
     # Its next call comes straight back: its last verify carried no draft. A
     # drafting session's next verify follows the drafter's work, and the
     # gather window does not wait for it (SessionTable.active).
@@ -74,7 +89,7 @@ class VerifyJob:
     session: VerifySession
     tree: TokenTree
     q: torch.Tensor | None  # dense per-row q when children were sampled
-    ahead: tuple[torch.Tensor, Any] | None = None  # its rows computed ahead (verifier_svc/ahead.py)
+    ahead: Ahead | None = None  # its row computed ahead (verifier_svc/ahead.py)
 
 
 @dataclass
@@ -205,12 +220,18 @@ def compact(live: list[VerifyJob], accepted: list[VerifyResult]) -> None:
             j.session.constraint.commit(r.tokens)
 
 
-def stamp(accepted: list[VerifyResult], ms: float, phases: list, items: list, batch_id: int) -> None:
-    """The batch's figures on each result: its time, phases, sessions, rows and id."""
+def stamp(
+    live: list[VerifyJob], accepted: list[VerifyResult], ms: float, phases: list, items: list, batch_id: int
+) -> None:
+    """The batch's figures on each result: its time, phases, sessions, rows
+    and id; a plain call answered from its row run ahead, that forward's."""
     rows = sum(len(ids) for _, ids, _, _ in items)
-    for r in accepted:
+    for j, r in zip(live, accepted):
         r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases, len(items), rows
         r.batch_id = batch_id
+        if j.ahead is not None and not j.tree.tokens:
+            a = j.ahead
+            r.compute_ms, r.batch_sessions, r.batch_tokens, r.batch_id = a.ms, a.sessions, a.rows, a.batch_id
 
 
 def own_layers(states, taps: tuple[int, ...], want: tuple[int, ...]):

@@ -205,7 +205,7 @@ class Verifier(ModelCore):
         attach_features(live, accepted, states, self.config.hidden_dtype)
         compact(live, accepted)
         phases.mark("compact")
-        stamp(accepted, (time.perf_counter() - start) * 1e3, phases.spans, items, next(self._batch_ids))
+        stamp(live, accepted, (time.perf_counter() - start) * 1e3, phases.spans, items, next(self._batch_ids))
         done |= {id(j): r for j, r in zip(live, accepted)}
         self.plain_verifies = [j for j in live if runs_ahead(j)]  # for verifier_svc/ahead.py
         return in_order(jobs, done | refused, "verify")
