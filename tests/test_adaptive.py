@@ -203,7 +203,7 @@ def test_depth_holds_near_a_tie_and_moves_for_a_clear_gain():
 
 def test_probes_that_keep_nothing_come_less_often():
     """Probes whose token is rejected stretch the interval (16, 32, then 64
-    forwards at most after 1, 2-3, 4+ misses in a row; the next probe at the
+    forwards at most after 4, 8, 16 misses in a row; the next probe at the
     next multiple of it, so that sessions stay on one clock), counted over the
     method's sessions: a new session starts at the long interval. A probe
     whose token is kept brings it back to 8."""
@@ -215,7 +215,7 @@ def test_probes_that_keep_nothing_come_less_often():
         costs.observe_levels(1, 0)
     s = SessionDepth(k_max=4, first=0.0)
     probes = []
-    for forward in range(400):
+    for forward in range(800):
         costs.observe_verify(1, 1, 40.0)
         if s.choose(costs, 0, 0) == 1:
             probes.append(forward)
@@ -224,8 +224,8 @@ def test_probes_that_keep_nothing_come_less_often():
         else:
             s.observe(0, 0, costs)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == sorted(gaps) and gaps[0] >= 8 and set(gaps[4:]) == {64}, gaps
-    assert len(probes) <= 4 + 400 // 64, probes  # at a fixed 8: 50
+    assert gaps == sorted(gaps) and gaps[:3] == [8, 8, 8] and set(gaps[16:]) == {64}, gaps
+    assert len(probes) <= 16 + (800 - 8 * (3 + 4 * 2 + 8 * 4)) // 64 + 1, probes  # at a fixed 8: 100
     # A new request's session, after those misses: 64 forwards between its probes too.
     fresh, fresh_probes = SessionDepth(k_max=4, first=0.0), []
     for forward in range(200):

@@ -339,8 +339,11 @@ class SessionDepth:
     drafter whose drafts were never kept (docs/architecture.md).
 
     While probes keep nothing the interval grows: `probe_every` times 2, 4,
-    8 (at most `probe_backoff` doublings) after 1, 2-3, 4+ probes in a row,
-    counted over all the method's sessions (CostModel.probe_misses), so that a
+    8 (at most `probe_backoff` doublings) after 4, 8, 16 rejected probes in a
+    row (`misses_per_doubling` apiece: a drafter whose first level is kept
+    80 % of the time misses 4 in a row 0.2 % of the time, while a session
+    that dropped to depth 0 on a timing blip must come back within a short
+    request), counted over all the method's sessions (CostModel.probe_misses), so that a
     new request starts where the others are instead of at the shortest
     interval (a 64-token request ends before its own misses would count
     much); a probe that keeps its token brings every session back to
@@ -352,6 +355,7 @@ class SessionDepth:
     first: float | None = None  # level 1 kept; None: take all sessions' rate
     probe_every: int = 8  # verify forwards (all sessions') per probe
     probe_backoff: int = 3  # at most 2**3 x probe_every forwards between probes
+    misses_per_doubling: int = 4
     _probing: bool = False  # the depth chosen last was a probe
     # Hysteresis: the depth changes only for a goodput over (1 + hold_margin) x
     # the current one's (a move to depth 0: on this session's share, best_depth).
@@ -398,7 +402,7 @@ class SessionDepth:
         k = best_depth(rates, self.k_max, costs.round_costs(), load, hold, self.hold_margin)
         self._last = k
         if k == 0:
-            doublings = min(self.probe_backoff, costs.probe_misses.bit_length())
+            doublings = min(self.probe_backoff, (costs.probe_misses // self.misses_per_doubling).bit_length())
             period = costs.forwards // (self.probe_every << doublings)
             if self._probed is None or self._probed > period:  # the first at 0, or the interval grew
                 self._probed = period
