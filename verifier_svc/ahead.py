@@ -65,12 +65,6 @@ def runs_ahead(j: VerifyJob) -> bool:
     return not j.tree.tokens or j.session.probed
 
 
-def needs_forward(j: VerifyJob) -> bool:
-    """Whether the batch's forward has rows of this job: not when its one
-    row was computed ahead."""
-    return j.ahead is None or bool(j.tree.tokens)
-
-
 def merge(live: list[VerifyJob], logits: list, states: list) -> tuple[list, list]:
     """Every live job's logits and states in order, root row first: the
     forward's, the rows computed ahead, or the row ahead then the forward's
@@ -120,5 +114,5 @@ def _forward_ahead(core: Any, plain: list[VerifyJob]) -> int:
         return 0
     ms, batch_id = (time.perf_counter() - start) * 1e3, next(core._batch_ids)
     for j, lg, h in zip(jobs, logits, states):
-        j.session.ahead = Ahead(lg, h, ms, len(items), len(items), batch_id)
+        j.session.ahead = Ahead(lg, h, ms, len(items), batch_id)
     return len(jobs)

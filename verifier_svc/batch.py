@@ -48,8 +48,7 @@ class Ahead(NamedTuple):
     logits: torch.Tensor
     states: Any
     ms: float
-    sessions: int
-    rows: int
+    sessions: int  # of that forward, one row each
     batch_id: int
 
 
@@ -90,6 +89,11 @@ class VerifyJob:
     tree: TokenTree
     q: torch.Tensor | None  # dense per-row q when children were sampled
     ahead: Ahead | None = None  # its row computed ahead (verifier_svc/ahead.py)
+
+    @property
+    def answered_ahead(self) -> bool:
+        """Its one row was computed ahead: the batch's forward has none of it."""
+        return self.ahead is not None and not self.tree.tokens
 
 
 @dataclass
@@ -229,9 +233,8 @@ def stamp(
     for j, r in zip(live, accepted):
         r.compute_ms, r.phases, r.batch_sessions, r.batch_tokens = ms, phases, len(items), rows
         r.batch_id = batch_id
-        if j.ahead is not None and not j.tree.tokens:
-            a = j.ahead
-            r.compute_ms, r.batch_sessions, r.batch_tokens, r.batch_id = a.ms, a.sessions, a.rows, a.batch_id
+        if (a := j.ahead) is not None and j.answered_ahead:
+            r.compute_ms, r.batch_sessions, r.batch_tokens, r.batch_id = a.ms, a.sessions, a.sessions, a.batch_id
 
 
 def own_layers(states, taps: tuple[int, ...], want: tuple[int, ...]):

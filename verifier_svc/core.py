@@ -26,7 +26,7 @@ from specd_core.runtime.models import Runner
 from specd_core.runtime.phases import Phases
 from specd_core.runtime.prefix_cache import publish_prefix, reuse_prefix
 from specd_core.runtime.warmup import timed, warm_up
-from verifier_svc.ahead import merge, needs_forward, release, runs_ahead, settle
+from verifier_svc.ahead import merge, release, runs_ahead, settle
 from verifier_svc.batch import (
     OpenJob,
     VerifyJob,
@@ -185,7 +185,7 @@ class Verifier(ModelCore):
         (the lock is not reentrant)."""
         start, phases = time.perf_counter(), Phases()
         live, admitted, refused = self._admit_batch(jobs)
-        fresh = [j for j in live if needs_forward(j)]
+        fresh = [j for j in live if not j.answered_ahead]
         items, last_only = plan_rows(fresh, admitted)
         oom = None
         try:
