@@ -177,6 +177,21 @@ def test_fresh_cost_model_is_not_poisoned_by_first_calls():
     assert a + 5 * b + c < 10.0
 
 
+def test_a_row_of_spread_on_a_busy_host_does_not_make_rows_dear():
+    # A fresh stack's first verify forwards at batch 1 on a loaded 2-core host
+    # (ms, logged): one forward had a row fewer (its root run ahead), and the
+    # times swing by half. A row of the demo pair's target costs ~0.1 ms.
+    costs = CostModel()
+    for rows, ms in ((5, 48.75), (4, 27.99), (5, 41.07), (5, 31.12), (5, 36.87)):
+        costs.observe_verify(rows, 1, ms)
+    a, b, c = costs.line()
+    assert b < 0.05 * (a + 5 * b + c), (a, b, c)  # a prior weight of 2 said 3.6 ms a row
+    # ...so a drafter kept ~90 % of the time still drafts K = 4, even one
+    # costing 11.5 ms a level (its process starved too).
+    rates = [0.95, 0.83, 0.77, 0.94]
+    assert best_depth(rates, 4, RoundCosts(a, b, c, d=11.5, o=7.2), hold=4, margin=0.05) == 4
+
+
 def test_fresh_model_drafts_k_first_and_one_miss_does_not_sink_deep_levels():
     costs, s = CostModel(), SessionDepth(k_max=4)
     for _ in range(3):

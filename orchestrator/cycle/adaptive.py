@@ -163,8 +163,9 @@ class CostModel:
     sessions of one method in the orchestrator.
 
     Until forwards have seen rows vary apart from sessions, b and c lean on a
-    weak prior (a row costs 2% and a session 10% of a one-row forward: small
-    forwards are bound by reading the weights); data take over as they vary.
+    prior (a row costs 2% and a session 10% of a one-row forward: small
+    forwards are bound by reading the weights); data take over as they vary
+    (for b, once rows have spread by more than a row or two: prior_weight).
 
     Cold start: what a fresh system learns from its first request must be what
     it will cost later, or a short request runs at the depth its first cycles
@@ -184,7 +185,14 @@ class CostModel:
 
     decay: float = 0.98  # weight of the past per observation (~50-forward window)
     prior: tuple[float, float] = (0.02, 0.10)
-    prior_weight: float = 2.0
+    # The prior's weight on b and on c, in squared rows (sessions) of spread
+    # among forwards. b's is heavy: at batch 1 rows vary by a row or two (a
+    # depth change, a root run ahead), and on a busy host one forward's time
+    # swings by 30-50 %, so two forwards a row apart said a row cost 4-8 ms
+    # on the demo pair (truly ~0.1), and the session drafted shallow for the
+    # rest of a short request. A batch's rows spread by tens, which outweighs
+    # it at once.
+    prior_weight: tuple[float, float] = (16.0, 2.0)
     # A verify forward over this many times the line's prediction counts as
     # this many times it (once the line has a few forwards): see RunningMean.
     verify_clip: float = 4.0
@@ -292,9 +300,8 @@ class CostModel:
         # Ridge toward the prior on b and c (scaled by the typical cost), so
         # that rows always moving with sessions (fixed K) leave them defined.
         scale = self._y / self._w
-        lam = self.prior_weight
         m, v = [row[:] for row in self._m], self._v[:]
-        for i, frac in ((1, self.prior[0]), (2, self.prior[1])):
+        for i, frac, lam in ((1, self.prior[0], self.prior_weight[0]), (2, self.prior[1], self.prior_weight[1])):
             m[i][i] += lam
             v[i] += lam * frac * scale
         a, b, c = _solve(m, v)
