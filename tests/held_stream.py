@@ -35,9 +35,9 @@ class HeldStream(threading.Thread):
     and any error. It pauses at max_new - HOLD_MARGIN tokens until `release`
     is set (shared by the test's streams)."""
 
-    def __init__(self, address, prompt, max_new, release: threading.Event, timeout=900):
+    def __init__(self, address, prompt, max_new, release: threading.Event, timeout=900, channel=None):
         super().__init__(daemon=True)
-        self.channel = open_held_channel(address)
+        self.channel = channel or open_held_channel(address)  # channel: one of open_held_channel's
         self.prompt, self.max_new, self.release, self.timeout = prompt, max_new, release, timeout
         self.hold_at = max_new - HOLD_MARGIN
         assert self.hold_at > 0, f"max_new {max_new} leaves no room for the hold margin {HOLD_MARGIN}"

@@ -24,7 +24,6 @@ from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import open_channel
 from specd_core.runtime.models import load_model
 from tests.test_cluster_scaling import greedy_check, long_pair, specd, wait_for  # noqa: F401
-from tests.held_stream import HeldStream
 from tests.test_greedy_exact import assert_same_or_near_tie
 from tests.test_orchestrators_ray import (
     FIRST,
@@ -32,6 +31,7 @@ from tests.test_orchestrators_ray import (
     corpus_prompts,
     fresh_status,
     orchestrator_targets,
+    placed_streams,
     status,
     up_two,
 )
@@ -82,7 +82,7 @@ def test_a_killed_orchestrator_restarts_and_its_sessions_close(ray_cluster, long
     try:
         before = {o.name: o for o in fresh_status(address).orchestrators}
         assert set(before) == {FIRST, SECOND}
-        streams = [HeldStream(address, p, TOKENS, release) for p in prompts]
+        streams = placed_streams(address, prompts, TOKENS, release)
         wait_for(lambda: all(st.tokens for st in streams), "first tokens of every stream")
         on = {o.name: o.active_requests for o in fresh_status(address).orchestrators}
         assert on[FIRST] > 0 and on[SECOND] > 0, on

@@ -24,7 +24,7 @@ from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import open_channel
 from specd_core.runtime.models import load_model, load_tokenizer
-from tests.held_stream import HeldStream
+from tests.held_stream import HeldStream, open_held_channel
 from tests.test_cluster_scaling import _named_actors, greedy_check, long_pair, specd, wait_for  # noqa: F401
 from tests.test_greedy_exact import assert_same_or_near_tie
 from tests.tiny_models import corpus_lines
@@ -42,6 +42,26 @@ def status(channel) -> pb.ClusterStatus:
 def fresh_status(address) -> pb.ClusterStatus:
     with open_channel(address, own_connection=True) as ch:
         return status(ch)
+
+
+def placed_streams(address, prompts, max_new, release, **kw) -> list:
+    """HeldStreams alternating between the two orchestrators, each on a
+    connection whose Status the wanted one answered. The kernel hands each
+    new connection to one of the sockets sharing the address by a hash, so
+    8 streams all landed on one orchestrator now and then (1 in 128 by
+    chance alone), and a test of both had nothing to test."""
+    streams = []
+    for i, prompt in enumerate(prompts):
+        want = (FIRST, SECOND)[i % 2]
+        for _ in range(100):
+            ch = open_held_channel(address)
+            if status(ch).answered_by == want:
+                break
+            ch.close()
+        else:
+            pytest.fail(f"100 connections and none answered by {want}")
+        streams.append(HeldStream(address, prompt, max_new, release, channel=ch, **kw))
+    return streams
 
 
 def orchestrator_targets(targets_file) -> dict:
@@ -91,7 +111,7 @@ def test_two_orchestrators_one_address_scale_down_while_streaming(ray_cluster, l
                 ch.close()
 
         t0 = time.monotonic()
-        streams = [HeldStream(address, p, TOKENS, release, timeout=600) for p in prompts]
+        streams = placed_streams(address, prompts, TOKENS, release, timeout=600)
         wait_for(lambda: all(st.tokens for st in streams), "first tokens of every stream")
         s = fresh_status(address)
         on = {o.name: o.active_requests for o in s.orchestrators}
