@@ -142,3 +142,35 @@ def test_calls_made_in_one_loop_turn_leave_as_one_step():
 
     asyncio.run(main())
     assert [len(step.requests) for step in sent] == [8, 1, 3]
+
+
+@pytest.mark.parametrize("details, lost", [("Internal error from Core", True),
+                                           ("internal error: RuntimeError: forward failed", False)])
+def test_a_stream_broken_inside_grpc_is_a_lost_replica(details, lost):
+    """A replica killed while a message is on its way ends the aio stream
+    with INTERNAL "Internal error from Core" (grpc's, not the replica's) as
+    often as with UNAVAILABLE: its calls fail as lost (the session moves),
+    while an INTERNAL status the replica sent stays what it said."""
+    import asyncio
+
+    from orchestrator.fleet.clients import ServiceError, StreamMux
+    from orchestrator.fleet.failover import is_lost
+
+    async def main():
+        def open_stream(requests):
+            async def responses():
+                async for _ in requests:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               details=details)
+                yield  # an async generator that never answers
+            return responses()
+
+        mux = StreamMux(open_stream, pb.ProposeStep)
+        with pytest.raises(ServiceError) as err:
+            await mux.call(pb.ProposeRequest(session_id="s"), 5.0)
+        mux.close()
+        return err.value
+
+    error = asyncio.run(main())
+    assert is_lost(error) is lost, (error.code, error.message)
+    assert lost or error.message == details

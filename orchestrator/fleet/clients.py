@@ -84,6 +84,21 @@ class Hung(ServiceError):
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
+# What grpc.aio's client call reports when an operation on the call failed in
+# grpc's core rather than with a status from the server: a replica killed while
+# a message was on its way to it ends the stream this way as often as with
+# UNAVAILABLE. The replica said nothing (its own errors carry its message), so
+# it is a lost connection: the session moves on.
+CORE_FAILURE = "Internal error from Core"
+
+
+def service_error(exc: grpc.aio.AioRpcError) -> ServiceError:
+    """A failed call as what the replica (or the way to it) said."""
+    code, details = exc.code(), exc.details()
+    if code == grpc.StatusCode.INTERNAL and details == CORE_FAILURE:
+        return ServiceError(grpc.StatusCode.UNAVAILABLE, f"the call to the replica broke ({CORE_FAILURE})")
+    return ServiceError(code, details or str(code))
+
 
 class StreamMux:
     """Many in-flight requests over one bidi stream, answered in any order.
@@ -173,7 +188,7 @@ class StreamMux:
                     if future is not None and not future.done():
                         future.set_result(response)
         except grpc.aio.AioRpcError as exc:
-            error = ServiceError(exc.code(), exc.details() or str(exc.code()))
+            error = service_error(exc)
         except asyncio.CancelledError:
             raise
         if self._queue is queue:
@@ -276,7 +291,7 @@ class _Client:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise Unanswered(timeout) from None
-            raise ServiceError(exc.code(), exc.details() or str(exc.code())) from None
+            raise service_error(exc) from None
 
     async def _unary(self, method, request, span_name: str, rpc_method: str, prompt_tokens: int = 0):
         """prompt_tokens: an open's, allowed for in every deadline while it runs
@@ -378,7 +393,7 @@ class _Client:
         try:
             return await method(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise ServiceError(exc.code(), exc.details() or str(exc.code())) from None
+            raise service_error(exc) from None
 
     async def aclose(self) -> None:
         await self.channel.close()
