@@ -148,8 +148,8 @@ def test_calls_made_in_one_loop_turn_leave_as_one_step():
                                            ("internal error: RuntimeError: forward failed", False)])
 def test_a_stream_broken_inside_grpc_is_a_lost_replica(details, lost):
     """A replica killed while a message is on its way ends the aio stream
-    with INTERNAL "Internal error from Core" (grpc's, not the replica's) as
-    often as with UNAVAILABLE: its calls fail as lost (the session moves),
+    with INTERNAL "Internal error from Core" (grpc's, not the replica's)
+    instead of UNAVAILABLE now and then: its calls fail as lost (the session moves),
     while an INTERNAL status the replica sent stays what it said."""
     import asyncio
 
