@@ -28,11 +28,11 @@ from tests.test_greedy_exact import assert_same_or_near_tie
 from tests.test_orchestrators_ray import (
     FIRST,
     SECOND,
+    channel_on,
     corpus_prompts,
     fresh_status,
     orchestrator_targets,
     placed_streams,
-    status,
     up_two,
 )
 
@@ -107,16 +107,11 @@ def test_a_killed_orchestrator_restarts_and_its_sessions_close(ray_cluster, long
         assert now[FIRST].metrics_address and now[FIRST].metrics_address != before[FIRST].metrics_address
         wait_for(lambda: orchestrator_targets(targets_file) == {
             FIRST: now[FIRST].metrics_address, SECOND: now[SECOND].metrics_address}, "the targets file", 60)
-        for _ in range(50):     # a connection the kernel hands to the restarted one
-            with open_channel(address, own_connection=True) as ch:
-                if status(ch).answered_by != FIRST:
-                    continue
-                ids = [t for r in pb_grpc.OrchestratorServiceStub(ch).Generate(
-                    pb.GenerateRequest(prompt="def f(x):", max_new_tokens=4), timeout=120) for t in r.token_ids]
-                assert len(ids) == 4
-                break
-        else:
-            pytest.fail("no connection reached the restarted orchestrator")
+        # A connection the kernel hands to the restarted one.
+        with channel_on(address, FIRST, lambda a: open_channel(a, own_connection=True)) as ch:
+            ids = [t for r in pb_grpc.OrchestratorServiceStub(ch).Generate(
+                pb.GenerateRequest(prompt="def f(x):", max_new_tokens=4), timeout=120) for t in r.token_ids]
+        assert len(ids) == 4
 
         release.set()
         for st in streams:

@@ -44,24 +44,25 @@ def fresh_status(address) -> pb.ClusterStatus:
         return status(ch)
 
 
+def channel_on(address, orchestrator, open_fn=open_held_channel):
+    """A channel (a connection of its own, from open_fn) that `orchestrator`
+    answers: the kernel hands each new connection to one of the sockets
+    sharing the address by a hash, so a test that needs a given one asks
+    which one answered and tries again."""
+    for _ in range(100):
+        ch = open_fn(address)
+        if status(ch).answered_by == orchestrator:
+            return ch
+        ch.close()
+    pytest.fail(f"100 connections and none answered by {orchestrator}")
+
+
 def placed_streams(address, prompts, max_new, release, **kw) -> list:
-    """HeldStreams alternating between the two orchestrators, each on a
-    connection whose Status the wanted one answered. The kernel hands each
-    new connection to one of the sockets sharing the address by a hash, so
-    8 streams all landed on one orchestrator now and then (1 in 128 by
-    chance alone), and a test of both had nothing to test."""
-    streams = []
-    for i, prompt in enumerate(prompts):
-        want = (FIRST, SECOND)[i % 2]
-        for _ in range(100):
-            ch = open_held_channel(address)
-            if status(ch).answered_by == want:
-                break
-            ch.close()
-        else:
-            pytest.fail(f"100 connections and none answered by {want}")
-        streams.append(HeldStream(address, prompt, max_new, release, channel=ch, **kw))
-    return streams
+    """HeldStreams alternating between the two orchestrators (8 streams on
+    connections of their own all landed on one now and then, and a test of
+    both had nothing to test)."""
+    return [HeldStream(address, prompt, max_new, release, channel=channel_on(address, (FIRST, SECOND)[i % 2]), **kw)
+            for i, prompt in enumerate(prompts)]
 
 
 def orchestrator_targets(targets_file) -> dict:
@@ -103,12 +104,7 @@ def test_two_orchestrators_one_address_scale_down_while_streaming(ray_cluster, l
         assert s.orchestrators[0].pid != s.orchestrators[1].pid and s.max_active_requests == LIMIT
         assert listed_orchestrators(targets_file) == {FIRST, SECOND}
         # Connections held open on the second orchestrator, for a call after it leaves.
-        while len(held) < 2:
-            ch = open_channel(address, own_connection=True)
-            if status(ch).answered_by == SECOND:
-                held.append(ch)
-            else:
-                ch.close()
+        held = [channel_on(address, SECOND, lambda a: open_channel(a, own_connection=True)) for _ in range(2)]
 
         t0 = time.monotonic()
         streams = placed_streams(address, prompts, TOKENS, release, timeout=600)

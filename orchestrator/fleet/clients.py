@@ -87,8 +87,8 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 # What grpc.aio's client call reports when an operation on the call failed in
 # grpc's core rather than with a status from the server: a replica killed while
 # a message was on its way to it can end the stream this way instead of with
-# UNAVAILABLE (seen in a chaos run). The replica said nothing (its own errors carry its message), so
-# it is a lost connection: the session moves on.
+# UNAVAILABLE (seen in a chaos run). The replica said nothing (its own errors
+# carry its message), so it is a lost connection: the session moves on.
 CORE_FAILURE = "Internal error from Core"
 
 
