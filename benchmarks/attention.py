@@ -1,0 +1,270 @@
+"""Which attention call a lean engine step should make, measured on a device.
+
+    python -m benchmarks.attention                   # the demo target on the CPU (~2 min, most of it compiling)
+    python -m benchmarks.attention --device cuda     # the same candidates on a GPU
+    python -m benchmarks.attention --quick           # two steps, 3 reps
+
+A step of S sessions x R rows (decode: R = 1; a chain of K = 4: R = 5), each
+session holding C cached tokens, is planned by the engine itself
+(specd_core/runtime/lean_step.py: its paged pool, block tables and masks).
+Then each candidate computes that step's attention in every layer of the
+model:
+
+- `gather`: the engine's call (LeanModel._attend): each session's keys and
+  values gathered from its blocks by one index, then one SDPA call for all
+  sessions;
+- `in_place`: one SDPA call per session over its blocks where they lie (a
+  session's blocks are consecutive here, as they usually are);
+- `flex`: torch's flex_attention, compiled, over the whole pool with a block
+  mask that shows each query its own session's blocks: paged attention with
+  no gather. Its keys and values are laid out as flex_attention takes them
+  (one (heads, rows, dim) plane each, made once, outside the timing: the
+  layout a pool built for it would have); its block mask is built per step
+  (`mask_ms`), since sessions come and go between steps.
+
+Each candidate's output is checked against `gather`'s (`max_diff`). A step's
+time is the median over --reps of every layer's attention in turn, each
+layer's cache in its own memory, so that keys come from memory as in a
+forward rather than from a warm cache. The candidates alternate within each
+rep, so a drift weighs on all alike. flex_attention's first call per shape
+compiles (`compile_s`).
+
+Writes benchmarks/results/attention.json (or --out) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specd_core.runtime import lean_step
+from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool
+from specd_core.runtime.lean import LeanModel
+from specd_core.runtime.models import Runner, load_model
+
+from .common import DEMO_TARGET, RESULTS, machine, run_main, utc_now
+
+# (sessions, rows per session, cached tokens per session)
+SHAPES = [(1, 1, 300), (8, 1, 100), (8, 1, 300), (8, 5, 300), (8, 5, 1000), (32, 1, 300), (32, 5, 150)]
+QUICK_SHAPES = [(8, 1, 100), (8, 5, 300)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Case:
+    """One step's sessions, plan and queries on the engine's own pool."""
+
+    def __init__(self, lean: LeanModel, sessions: int, rows: int, context: int, seed: int = 0):
+        self.lean, self.rows = lean, rows
+        g = torch.Generator().manual_seed(seed)
+        # A pool of its own: its sessions take their blocks in runs, one after another.
+        blocks = sessions * -(-(context + rows) // DEFAULT_BLOCK_ROWS) + 1
+        pool = KVPool(blocks, DEFAULT_BLOCK_ROWS, lean.kv_row_bytes, "attention")
+        self.sessions = [lean.new_session(pool=pool) for _ in range(sessions)]
+        prompts = [torch.randint(5, lean.vocab_size - 1, (context,), generator=g).tolist() for _ in self.sessions]
+        lean.forward_batch([(s, p, None, None) for s, p in zip(self.sessions, prompts)], last_only=True)
+        items = [(s, [7] * rows, None, None) for s in self.sessions]
+        self.step = lean_step.plan(lean, items, False)
+        assert len(self.step.groups) == 1, "sessions of one size make one group"
+        self.group = self.step.groups[0]
+        self.layers = self.step.data.shape[0]
+        n = self.step.data.shape[1]
+        self.data = [self.step.data[i].view(n, -1) for i in range(self.layers)]
+        q = torch.randn(sessions * rows, lean.n_heads, lean.head_dim, generator=g)
+        self.q = q.to(lean.device, lean.kv_dtype)
+        self.runs = [range(s.slot(0), s.slot(0) + e.end) for s, e in zip(self.sessions, self.step.entries)]
+        for s, e, run in zip(self.sessions, self.step.entries, self.runs):  # consecutive blocks: one range
+            assert s.slot(e.end - 1) == run.stop - 1
+
+    def release(self) -> None:
+        for s in self.sessions:
+            s.release()
+
+    def gather(self, layer: int) -> torch.Tensor:
+        return self.lean._attend(self.data[layer], self.q, self.group, 0)
+
+    def in_place(self, layer: int) -> torch.Tensor:
+        lean, g, data = self.lean, self.group, self.data[layer]
+        hd, nh = lean.head_dim, lean.n_heads
+        q = self.q.view(g.size, g.rows, nh, hd).transpose(1, 2)
+        mask = g.masks[0]
+        ys = []
+        for j, run in enumerate(self.runs):
+            kv = data[run.start : run.stop].view(1, len(run), 2, lean.n_kv, hd)
+            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+            m = None if mask is None else mask[j : j + 1, :, :, : len(run)]
+            ys.append(
+                F.scaled_dot_product_attention(
+                    q[j : j + 1], k, v, attn_mask=m, scale=lean.scale, enable_gqa=nh != lean.n_kv
+                )
+            )
+        return torch.cat(ys).transpose(1, 2).reshape(g.size * g.rows, nh * hd)
+
+
+class Flex:
+    """flex_attention over the pool: K and V planes per layer, a block mask per step."""
+
+    def __init__(self, case: Case):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        lean, step = case.lean, case.step
+        self.case = case
+        self.create_block_mask = torch.compile(create_block_mask)
+        self.attend = torch.compile(flex_attention, dynamic=False)
+        n, nkv, hd = step.data.shape[1], lean.n_kv, lean.head_dim
+        planes = [case.data[i].view(n, 2, nkv, hd).permute(1, 2, 0, 3) for i in range(case.layers)]
+        self.k = [p[0].contiguous()[None] for p in planes]  # (1, nkv, N, hd)
+        self.v = [p[1].contiguous()[None] for p in planes]
+        self.q = case.q.view(1, -1, lean.n_heads, hd).transpose(1, 2)  # (1, nh, S*R, hd)
+        self.mask = None
+
+    def build_mask(self):
+        """Which physical rows each query sees: its session's blocks, up to its own row."""
+        case = self.case
+        b = case.sessions[0].block_rows
+        n = case.step.data.shape[1]
+        owner = torch.full((n // b,), -1, dtype=torch.long)
+        logical = torch.zeros(n // b, dtype=torch.long)
+        for j, s in enumerate(case.sessions):
+            owner[s.table] = j
+            logical[s.table] = torch.arange(len(s.table))
+        q_session = torch.arange(len(case.sessions)).repeat_interleave(case.rows)
+        q_row = torch.tensor([e.start + r for e in case.step.entries for r in range(case.rows)])
+        device = case.q.device
+        owner, logical, q_session, q_row = (t.to(device) for t in (owner, logical, q_session, q_row))
+
+        def shown(b_, h_, qi, kv):
+            block = kv // b
+            return (owner[block] == q_session[qi]) & (logical[block] * b + kv % b <= q_row[qi])
+
+        return self.create_block_mask(shown, 1, 1, len(q_row), n, device=device)
+
+    def __call__(self, layer: int) -> torch.Tensor:
+        lean = self.case.lean
+        y = self.attend(self.q, self.k[layer], self.v[layer], block_mask=self.mask, scale=lean.scale)
+        return y.transpose(1, 2).reshape(-1, lean.n_heads * lean.head_dim)
+
+
+def measure(lean: LeanModel, shape: tuple[int, int, int], reps: int) -> dict:
+    sessions, rows, context = shape
+    case = Case(lean, sessions, rows, context)
+    device = case.q.device
+    flex = Flex(case)
+    start = time.perf_counter()
+    flex.mask = flex.build_mask()
+    want = case.gather(0)
+    got = {"gather": want, "in_place": case.in_place(0), "flex": flex(0)}
+    sync(device)
+    compile_s = time.perf_counter() - start
+    candidates: dict[str, Callable[[int], torch.Tensor]] = {
+        "gather": case.gather,
+        "in_place": case.in_place,
+        "flex": flex,
+    }
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    mask_ms: list[float] = []
+    for _ in range(reps):
+        for name, attend in candidates.items():
+            sync(device)
+            t = time.perf_counter()
+            for layer in range(case.layers):
+                attend(layer)
+            sync(device)
+            times[name].append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        flex.build_mask()
+        sync(device)
+        mask_ms.append((time.perf_counter() - t) * 1e3)
+    case.release()
+    out = {
+        "sessions": sessions,
+        "rows": rows,
+        "context": context,
+        "layers": case.layers,
+        "compile_s": round(compile_s, 1),
+        "mask_ms": round(statistics.median(mask_ms), 3),
+    }
+    for name in candidates:
+        out[f"{name}_ms"] = round(statistics.median(times[name]), 3)
+        out[f"{name}_max_diff"] = float((got[name].float() - want.float()).abs().max())
+    return out
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEMO_TARGET), help="a target checkpoint directory (default: the demo target)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument(
+        "--shape",
+        type=int,
+        nargs=3,
+        action="append",
+        metavar=("SESSIONS", "ROWS", "CONTEXT"),
+        help="a step to measure (repeatable; default: the table's seven)",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: a service's setting under Ray)")
+    p.add_argument("--quick", action="store_true", help="two steps, 3 reps (results/attention_quick.json)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.reps, args.shape = 3, args.shape or [list(s) for s in QUICK_SHAPES]
+    args.out = args.out or RESULTS / ("attention_quick.json" if args.quick else "attention.json")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    lean = Runner(load_model(args.model, args.device, args.dtype)).lean
+    if lean is None:
+        raise SystemExit(f"{args.model}: the lean engine does not cover this model")
+    rows = []
+    for shape in args.shape or SHAPES:
+        rows.append(measure(lean, shape, args.reps))
+        print(rows[-1], flush=True)
+    return {
+        "meta": {
+            "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "kv_dtype": str(lean.kv_dtype).removeprefix("torch."),
+            "machine": machine(processor=True),
+            "when": utc_now(),
+            "reps": args.reps,
+            "threads": args.threads,
+        },
+        "steps": rows,
+    }
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    print(
+        f"\nattention of a whole step, all layers, ms (median of {result['meta']['reps']}); {result['meta']['machine']}"
+    )
+    print("| sessions x rows | context | gather | in place | flex (its mask) | flex compile s | max diff |")
+    print("|---|---|---|---|---|---|---|")
+    for r in result["steps"]:
+        diff = max(r["in_place_max_diff"], r["flex_max_diff"])
+        print(
+            f"| {r['sessions']} x {r['rows']} | {r['context']} | {r['gather_ms']:.2f} | {r['in_place_ms']:.2f} "
+            f"| {r['flex_ms']:.2f} ({r['mask_ms']:.2f}) | {r['compile_s']} | {diff:.1e} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(argv, parse, run, report)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
