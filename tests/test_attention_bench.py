@@ -17,7 +17,12 @@ pytestmark = pytest.mark.unit
 @pytest.mark.skipif(
     not (shutil.which("c++") or shutil.which("g++")), reason="flex_attention compiles C++ on a CPU: no C++ compiler"
 )
-def test_the_candidates_compute_the_same_attention(tmp_path):
+def test_the_candidates_compute_the_same_attention(tmp_path, monkeypatch):
+    # Compiling in this process alone: a pool of compiler processes would take
+    # both cores from the tests that run beside this one.
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
     out = tmp_path / "attention.json"
     argv = ["--model", str(DEMO_TARGET), "--reps", "1", "--out", str(out)]
     assert attention.main([*argv, "--shape", "3", "5", "70", "--shape", "2", "1", "130"]) == 0
