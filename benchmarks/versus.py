@@ -183,6 +183,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both services' dtype")
     ap.add_argument("--speculative-tokens", type=int, default=None, help="K for both (default: each one's default)")
+    ap.add_argument(
+        "--torch-threads", type=int, default=0, help="torch threads per service, both (0: torch's default; Ray gives 1)"
+    )
     ap.add_argument("--goal", type=float, default=None, help="the ratio this checkout should reach (lower bound)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
@@ -196,7 +199,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict:
     target, drafter = engine_pair() if args.pair == "engine" else (DEMO_TARGET, DEMO_DRAFTER)
     there = checkout(args.against)
-    flags = ["--dtype", args.dtype]
+    flags = ["--dtype", args.dtype, *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else [])]
     hosts = [Host("this checkout", ROOT, target, drafter, flags)]
     try:
         hosts.append(Host(args.against, there, target, drafter, flags))
@@ -234,6 +237,7 @@ def run(args: argparse.Namespace) -> dict:
         "against": args.against,
         "pair": args.pair,
         "dtype": args.dtype,
+        "torch_threads": args.torch_threads or "default",
         "max_new_tokens": args.max_new_tokens,
         "prompt_tokens": args.prompt_tokens,
         "speculative_tokens": args.speculative_tokens,

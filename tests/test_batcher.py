@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from specd_core.runtime.batcher import Batcher
+from specd_core.runtime.batcher import Batcher, Split
 
 pytestmark = pytest.mark.unit
 
@@ -131,3 +131,44 @@ def test_deferred_bookkeeping_runs_after_every_answer_of_the_batch():
         assert events[-1] == "now"
     finally:
         b.stop()
+
+
+@dataclass
+class Verify:
+    """A call a split batch limits (Batcher.split), beside plain Jobs it does not."""
+
+    session_id: str
+    sleep_s: float = 0.0
+
+
+def test_a_split_batch_takes_its_share_of_split_calls_and_every_other_call():
+    """With 8 split calls queued and a share of 4, a batch takes 4 of them and
+    every other call (a prefill), the next batch the other 4; without
+    `split`, one batch takes all."""
+    for split, want in ((Split(lambda job: isinstance(job, Verify), lambda: 4), [5, 4]), (None, [9])):
+        rec = Recorder()
+        b = Batcher(rec, 16, "t")
+        b.split = split
+        try:
+            first = b.submit(Job("held", 1.0))  # runs a second: the calls below queue behind it
+            time.sleep(0.2)
+            futures = [b.submit(Verify(f"v{i}")) for i in range(8)] + [b.submit(Job("open"))]
+            assert first.result(10) == "held"
+            assert [f.result(10) for f in futures] == [f"v{i}" for i in range(8)] + ["open"]
+            assert [len(x) for x in rec.batches[1:]] == want, rec.batches
+            if split is not None:
+                assert rec.batches[1] == ["v0", "v1", "v2", "v3", "open"]
+        finally:
+            b.stop()
+
+
+def test_a_split_batch_takes_one_call_at_least():
+    rec = Recorder()
+    b = Batcher(rec, 8, "t")
+    b.split = Split(lambda job: True, lambda: 0)
+    try:
+        assert b.submit(Job("a")).result(10) == "a"
+        assert rec.batches == [["a"]]
+    finally:
+        b.stop()
+

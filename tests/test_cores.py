@@ -296,3 +296,12 @@ def test_prefills_share_a_forward_and_admission_counts_the_batch(pairs):
     assert v.active_sessions() == 1
     v.verify("b", [])
     assert v.active_sessions() == 2
+    # A batch's share of verifies: the open sessions that come straight back,
+    # and half of the drafting ones, rounded up (the quiet one counts too).
+    assert v.batch_share() == 3
+    v.verify("b", [1])
+    assert v.batch_share() == 3  # a and c, half of b
+    v.verify("c", [1])
+    assert v.batch_share() == 2  # a, half of b and c
+    v.verify("a", [1])
+    assert v.batch_share() == 2  # half of three

@@ -9,10 +9,11 @@ from specd_core.api.v1 import specdec_pb2 as pb
 from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.net.grpc_util import close_if_caller_left, concurrent_stream, grpc_errors, then
 from specd_core.net.wire import dists_from_proto, hidden_to_proto, sampling_from_proto
-from specd_core.runtime.batcher import Batcher
+from specd_core.runtime.batcher import Batcher, Split
 from specd_core.telemetry import tracing
 from specd_core.telemetry.probe import probed
 from verifier_svc.ahead import run_ahead
+from verifier_svc.batch import VerifyJob
 from verifier_svc.core import Verifier
 from verifier_svc.metrics import VerifierMetrics
 
@@ -46,6 +47,7 @@ class VerifierServicer(pb_grpc.VerifierServiceServicer):
             core.config.batch_wait_fraction,
             functools.partial(run_ahead, core),
         )
+        self.batcher.split = Split(lambda job: isinstance(job, VerifyJob), core.batch_share)
 
     @grpc_errors
     def OpenSession(self, request, context):

@@ -16,6 +16,16 @@ sessions that called lately (`active_sessions()`, see SessionTable.active in ses
 stalled by a slow client must not make every batch wait. A lone session, or a
 full batch, never waits.
 
+Split batches (the verifier's `Split`): the sessions that alternate
+between the two services fall into groups by themselves, but of any sizes -
+a lone session beside seven others, whose forwards then carry it alone on
+both services. So a batch takes at most `share()` of the calls it `limits`
+(the verifier: every session that comes straight back and half of the
+drafting ones, SessionTable.batch_share); the others wait for the next batch,
+and the drafting sessions settle into two halves that take turns, one half
+drafted while the other is verified. Other calls (a new session's prefill)
+are not limited.
+
 After a batch, when no call is queued, the worker runs `idle` (the verifier:
 plain sessions' next forward, before their calls arrive; verifier_svc/ahead.py).
 """
@@ -28,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from specd_core.errors import CapacityExceeded
 
@@ -40,6 +50,13 @@ class Job(Protocol):
 
     @property
     def session_id(self) -> str: ...
+
+
+class Split(NamedTuple):
+    """A split batch (module docstring): at most share() of the calls that `limits`."""
+
+    limits: Callable[[Job], bool]
+    share: Callable[[], int]
 
 
 class Batcher:
@@ -60,6 +77,9 @@ class Batcher:
         self.name, self.max_queued = name, max_queued
         self.active_sessions, self.wait_fraction = active_sessions, wait_fraction
         self.idle = idle  # run after a batch when no call waits (the verifier's forward ahead)
+        # A batch takes at most split.share() of the calls split.limits (set
+        # by its owner before the first call; None: batches are not split).
+        self.split: Split | None = None
         self._last_run_s = 0.0  # the last batch's run time: what the window is a fraction of
         self._queue: collections.deque[tuple[Job, Future]] = collections.deque()
         self._ready = threading.Condition()
@@ -93,11 +113,17 @@ class Batcher:
             batch: list[tuple[Job, Future]] = []
             later: list[tuple[Job, Future]] = []
             sessions: set[str] = set()
+            share = max(1, self.split.share()) if self.split is not None else self.max_sessions
             while self._queue and len(batch) < self.max_sessions:
                 item = self._queue.popleft()
                 # A second call of a session waits for the next batch: it builds
-                # on the first one's outcome.
-                (later if item[0].session_id in sessions else batch).append(item)
+                # on the first one's outcome; so does a split call past the share.
+                split = self.split is not None and self.split.limits(item[0])
+                if item[0].session_id in sessions or (split and share <= 0):
+                    later.append(item)
+                else:
+                    batch.append(item)
+                    share -= split
                 sessions.add(item[0].session_id)
             self._queue.extendleft(reversed(later))
             return batch

@@ -131,6 +131,10 @@ class ModelCore:
         """Open sessions expected to call soon (SessionTable.active)."""
         return self.sessions.active()
 
+    def batch_share(self) -> int:
+        """Verifies of open sessions one batch takes (SessionTable.batch_share)."""
+        return self.sessions.batch_share()
+
     def close_session(self, session_id: str) -> None:
         self.sessions.close(session_id)
 

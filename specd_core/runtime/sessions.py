@@ -83,6 +83,21 @@ class SessionTable:
             if t >= since and (s := sessions.get(sid)) is not None and getattr(s, "comes_back", True)
         )
 
+    def batch_share(self) -> int:
+        """How many verifies of open sessions one batch takes (the batcher's
+        split, specd_core/runtime/batcher.py): every session whose next call
+        comes straight back, and half of those whose `comes_back` is False,
+        rounded up, so that the drafting sessions take turns in two halves.
+        Counted over the open sessions, not the recent callers: a count that
+        moved with each call's timing split the batches unevenly."""
+        back = away = 0
+        for s in list(self._sessions.values()):
+            if getattr(s, "comes_back", True):
+                back += 1
+            else:
+                away += 1
+        return back + (away + 1) // 2
+
     def check_room(self, session_id: str, pending: int = 0) -> None:
         """Under the lock: the id is new and the table has room (beside
         `pending` sessions admitted to the same batch but not yet added)."""
