@@ -40,6 +40,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -186,7 +187,7 @@ def measure(lean: LeanModel, shape: tuple[int, int, int], reps: int) -> dict:
         sync(device)
         mask_ms.append((time.perf_counter() - t) * 1e3)
     case.release()
-    out = {
+    out: dict[str, Any] = {
         "sessions": sessions,
         "rows": rows,
         "context": context,
