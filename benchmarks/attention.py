@@ -152,7 +152,8 @@ class Flex:
 
     def __call__(self, layer: int) -> torch.Tensor:
         lean = self.case.lean
-        y = self.attend(self.q, self.k[layer], self.v[layer], block_mask=self.mask, scale=lean.scale)
+        gqa = lean.n_heads != lean.n_kv  # query heads share each KV head (Llama-3's 32 over 8)
+        y = self.attend(self.q, self.k[layer], self.v[layer], block_mask=self.mask, scale=lean.scale, enable_gqa=gqa)
         return y.transpose(1, 2).reshape(-1, lean.n_heads * lean.head_dim)
 
 

@@ -5,11 +5,17 @@ Llama-3.1-8B target and a Llama-3.2-1B drafter (shapes only: random weights).
     python -m benchmarks.gpu --tiny          # the same steps, tiny shapes, on the CPU (the test suite runs this)
 
 1. Verify-forward ms by rows per session (1 = plain decoding, 5 = a chain of
-   K = 4) and sessions per forward (1, 8, 32), each session holding
+   K = 4) and sessions per forward (1, 8, 32, 64), each session holding
    --context tokens: the lean engine's forward_batch timed in-process.
 2. Draft ms per level (one row per session) by sessions, the same way.
-3. Through the real services (specd.local_stack): tokens/s with
-   speculation off and with K = 4 at 1, 8 and 32 concurrent streams, in
+3. Whole steps through the services' own cores in-process (as
+   benchmarks/engine.py runs them): a verify step of chains K = 4 and of a
+   static tree, a draft step of a chain K = 4, by sessions: their ms, operator
+   calls and host syncs (counted at the dispatcher), and from torch's
+   profiler the device kernels launched, the host's synchronize calls and the
+   attention operator and kernels that ran.
+4. Through the real services (specd.local_stack): tokens/s with
+   speculation off and with K = 4 at 1, 8, 32 and 64 concurrent streams, in
    alternating rounds (the ratio's interval comes from them,
    benchmarks/common.py ratio_interval), and the per-cycle overhead (wall time
    minus draft and verify compute; GenerationStats.cycle_overhead_ms).
@@ -18,16 +24,21 @@ Acceptance is forced: both models are built to predict the token they read
 (benchmarks/synthetic.py), so the drafter copies the target's choice and every
 draft is accepted. The K = 4 figures are therefore the best case of a pair
 whose drafts always hold; the forward costs are those of the real shapes.
-Writes benchmarks/results/gpu.json (or --out) and prints a table.
+CUDA graphs are not built: every step runs eagerly (meta.cuda_graphs).
+Writes benchmarks/results/gpu.json (or --out) after each part, so that a run
+cut short keeps what it measured, and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import random
+import re
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +46,7 @@ import torch
 from transformers import LlamaConfig
 
 from specd.local_stack import Stack
+from specd_core.runtime.attention_backends import ENV as ATTENTION_ENV
 from specd_core.runtime.models import Runner, load_model, load_tokenizer
 
 from . import synthetic
@@ -43,12 +55,14 @@ from .common import (
     DEMO_TARGET,
     RESULTS,
     alternating,
+    paired_ratio,
     pct,
     random_prompts,
     random_token_pool,
     ratio_interval,
     run_main,
     utc_now,
+    write_json,
 )
 from .load import merge_rounds, run_level
 
@@ -166,6 +180,156 @@ def time_forwards(
     return engine, out
 
 
+# Attention as the profiler names it: SDPA's backend operators on the host
+# (aten::_scaled_dot_product_flash_attention, ..._efficient_attention,
+# ..._cudnn_attention) and the device kernels they launch (flash, fmha, ...).
+ATTENTION = re.compile(r"flash|fmha|attention|scaled_dot_product|sdpa", re.IGNORECASE)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profiled(run, device: str) -> dict[str, Any]:
+    """One call of `run` under torch's profiler: device kernels launched and
+    their summed time (the device's busy time, against the step's wall time:
+    a host-bound step keeps the device idle), the host's synchronize calls by
+    name, device<->host copies, and the attention operators and kernels by
+    name (how many times each ran)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    kernels, kernel_us = 0, 0.0
+    copies: Counter[str] = Counter()
+    syncs: Counter[str] = Counter()
+    attention: Counter[str] = Counter()
+    for e in prof.events():
+        name = e.name
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if name.startswith("Memcpy"):
+                copies["dtoh" if "DtoH" in name else "htod" if "HtoD" in name else "dtod"] += 1
+            elif not name.startswith("Memset"):
+                kernels += 1
+                kernel_us += e.time_range.elapsed_us()
+        elif name in SYNC_CALLS:
+            syncs[name] += 1
+        if ATTENTION.search(name):
+            attention[name[:120]] += 1
+    return {
+        "wall_ms": round(wall_ms, 2),
+        "device_kernels": kernels,
+        "device_busy_ms": round(kernel_us / 1e3, 2),
+        "sync_calls": sum(syncs.values()),
+        "sync_calls_by_name": dict(syncs),
+        "copies": dict(copies),
+        "attention": dict(attention.most_common(6)),
+    }
+
+
+def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: list[int], context: int) -> list[dict]:
+    """Whole steps through the services' own cores (benchmarks/engine.py's
+    verify_steps / draft_steps, random drafts: mostly rejected): per number of
+    sessions, a verify step of chains K = 4 and of the static tree and a draft
+    step of a chain K = 4, each with its dispatcher counts, min ms of 3 steps,
+    and one more step under the profiler."""
+    from drafter_svc.config import DrafterConfig
+    from drafter_svc.core import Drafter
+    from specd_core.rules.draft_shape import DraftShape
+    from specd_core.rules.sampling import SamplingParams
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.core import Verifier
+
+    from .engine import TREE, _prompts, draft_steps, verify_steps
+
+    # Byte budgets: both cores share one device, so neither may take a
+    # fraction of what is free when it starts.
+    common: dict[str, Any] = {"device": device, "dtype": dtype, "warmup": False, "kv_cache_memory": "4GiB"}
+    verifier = Verifier(VerifierConfig(model_dir=str(target), **common))
+    draft = Drafter(DrafterConfig(model_dir=str(drafter), **common))
+    params, rows = SamplingParams(), []
+    chain = DraftShape.chain(4)
+    kinds = {
+        "verify_chain": functools.partial(verify_steps, verifier, shape=chain, reps=3),
+        "verify_tree": functools.partial(verify_steps, verifier, shape=TREE, reps=3),
+        "draft_chain": functools.partial(draft_steps, draft, shape=chain, reps=3),
+    }
+    for n in sessions:
+        ids = [f"c{n}-{i}" for i in range(n)]
+        prompts = _prompts(n, context, verifier.vocab_size)
+        for r in verifier.verify_batch([verifier.prepare_open(i, p, params) for i, p in zip(ids, prompts)]):
+            assert not isinstance(r, Exception), r
+        for i, p in zip(ids, prompts):
+            draft.open_session(i, p, params)
+        row: dict[str, Any] = {"sessions": n}
+        for kind, step in kinds.items():
+            row[kind] = step(ids)
+            row[kind]["ms"] = row[kind].pop("host_ms")
+        row["verify_chain"]["profile"] = profiled(_one_verify(verifier, ids, DraftShape.chain(4)), device)
+        row["attention_settings"] = backend_ab(verifier, draft, ids, 3 if device == "cpu" else 6, device)
+        rows.append(row)
+        print(
+            f"  {n:>3} sessions: "
+            + ", ".join(f"{k} {row[k]['ms']} ms {row[k]['kernel_like']} ops {row[k]['syncs']} syncs" for k in kinds)
+            + f"; verify profile {row['verify_chain']['profile']}; attention settings {row['attention_settings']}",
+            flush=True,
+        )
+        for i in ids:
+            verifier.close_session(i)
+            draft.close_session(i)
+    del verifier, draft, kinds  # the pools and weights go before the services load theirs
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows
+
+
+# The attention settings the steps compare (specd_core/runtime/attention_backends.py):
+# torch's own choice, and the same without cuDNN's implementation.
+BACKEND_SETTINGS = {"auto": None, "no_cudnn": "flash,efficient,math"}
+
+
+def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str) -> dict[str, Any]:
+    """A verify step of chains K = 4 and a draft step of a chain K = 4 under
+    each attention setting, in rounds that alternate the order: each step
+    runs at the sessions' new lengths, as served steps do (a new shape every
+    step). Per setting the median ms; each setting's ratio over auto, paired
+    round by round, with its interval."""
+    from specd_core.rules.draft_shape import DraftShape
+    from specd_core.runtime.attention_backends import parse_backends
+    from specd_core.runtime.propose_call import ProposeCall
+
+    chain, lean_v, lean_d = DraftShape.chain(4), verifier.runner.lean, draft.runner.lean
+    times: dict[str, dict[str, list[float]]] = {k: {s: [] for s in BACKEND_SETTINGS} for k in ("verify", "draft")}
+    committed = iter(range(11, 10**6))
+    for r in range(rounds):
+        for name in alternating(list(BACKEND_SETTINGS), r):
+            lean_v.attention_backends = lean_d.attention_backends = parse_backends(BACKEND_SETTINGS[name])
+            run = _one_verify(verifier, ids, chain)
+            _sync(device)
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            times["verify"][name].append((time.perf_counter() - start) * 1e3)
+            jobs = [draft.prepare(ProposeCall(i, [], [next(committed)], chain)) for i in ids]
+            start = time.perf_counter()
+            draft.propose_batch(jobs)
+            _sync(device)
+            times["draft"][name].append((time.perf_counter() - start) * 1e3)
+    lean_v.attention_backends = lean_d.attention_backends = None
+    out: dict[str, Any] = {}
+    for kind, by in times.items():
+        out[kind] = {name: round(statistics.median(ms), 2) for name, ms in by.items()}
+        out[kind]["no_cudnn_over_auto"] = paired_ratio(by["no_cudnn"], by["auto"])
+    return out
+
+
+def _one_verify(verifier, ids: list[str], shape):
+    """A prepared verify step of chains of `shape` for `ids`, as a call."""
+    jobs = [verifier.prepare(i, list(range(7, 7 + shape.depth)), None) for i in ids]
+    return lambda: verifier.verify_batch(jobs)
+
+
 def run_streams(
     stack: Stack,
     prompts: list[list[int]],
@@ -233,20 +397,32 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="default: cuda, or cpu with --tiny")
     ap.add_argument("--dtype", default=None, help="default: bfloat16, or float32 with --tiny")
     ap.add_argument("--context", type=int, default=None, help="tokens each timed session holds (default 512)")
-    ap.add_argument("--streams", type=int, nargs="+", default=None, help="stream levels (default 1 8 32)")
+    ap.add_argument("--streams", type=int, nargs="+", default=None, help="stream levels (default 1 8 32 64)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=None, help="measured seconds per setting and level")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="each service's KV budget (default 16GiB, 256MiB with --tiny): the verifier and the "
+        "drafter share one device, so neither takes a fraction of what is free",
+    )
+    ap.add_argument(
+        "--attention-backends",
+        default=None,
+        help=f"the services' {ATTENTION_ENV} (specd_core/runtime/attention_backends.py; default: auto)",
+    )
     args = ap.parse_args(argv)
     tiny = args.tiny
     args.device = args.device or ("cpu" if tiny else "cuda")
     args.dtype = args.dtype or ("float32" if tiny else "bfloat16")
     args.context = args.context or (24 if tiny else 512)
-    args.streams = args.streams or ([1, 2] if tiny else [1, 8, 32])
+    args.streams = args.streams or ([1, 2] if tiny else [1, 8, 32, 64])
     args.seconds = args.seconds or (3.0 if tiny else 30.0)
     args.max_new_tokens = args.max_new_tokens or (12 if tiny else 128)
     args.out = args.out or RESULTS / ("gpu-tiny.json" if tiny else "gpu.json")
+    args.kv_cache_memory = args.kv_cache_memory or ("256MiB" if tiny else "16GiB")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device is visible: run with --tiny for the CPU smoke run")
     return args
@@ -259,8 +435,27 @@ def run(args: argparse.Namespace) -> dict:
     torch_dtype = getattr(torch, dtype)
     base = CACHE / ("gpu-pair-tiny" if tiny else "gpu-pair")
     print("building the pair (random weights, forced acceptance) ...", flush=True)
+    started = time.perf_counter()
     target = synthetic.build(target_cfg, base / "target", DEMO_TARGET, torch_dtype, device)
     drafter = synthetic.build(drafter_cfg, base / "drafter", DEMO_TARGET, torch_dtype, device, seed=1)
+
+    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else None
+    result: dict[str, Any] = {
+        "meta": {
+            "device": gpu or f"cpu ({platform.machine()})",
+            "dtype": dtype,
+            "tiny": tiny,
+            "context": context,
+            "target": target_cfg.to_diff_dict(),
+            "drafter": drafter_cfg.to_diff_dict(),
+            "torch": torch.__version__,
+            "cuda_graphs": "not built: every step runs eagerly",
+            "services_attention_backends": args.attention_backends or "auto",
+            "acceptance": "forced: both models predict the token they read (benchmarks/synthetic.py)",
+            "build_s": round(time.perf_counter() - started, 1),
+            "date": utc_now(),
+        }
+    }
 
     # Prompt ids: any but the special ones (an EOS would end a copying stream at once).
     rng = random.Random(0)
@@ -269,36 +464,33 @@ def run(args: argparse.Namespace) -> dict:
     prompts = random_prompts(pool, rng, 16, min(context, 128))
 
     reps = 3 if tiny else 20
+    levels = levels_for_timing(tiny)
     print("verify forwards (target) ...", flush=True)
-    engine_t, verify = time_forwards(target, device, dtype, levels_for_timing(tiny), [1, 5], context, reps, token_ids)
+    engine_t, result["verify_ms"] = time_forwards(target, device, dtype, levels, [1, 5], context, reps, token_ids)
     print("draft levels (drafter) ...", flush=True)
-    engine_d, draft = time_forwards(drafter, device, dtype, levels_for_timing(tiny), [1], context, reps, token_ids)
+    engine_d, result["draft_ms"] = time_forwards(drafter, device, dtype, levels, [1], context, reps, token_ids)
+    result["meta"]["engines"] = {"target": engine_t, "drafter": engine_d}
+    write_json(args.out, result)
+    print("whole steps through the cores ...", flush=True)
+    result["steps"] = core_steps(target, drafter, device, dtype, levels, min(context, 128))
+    write_json(args.out, result)
 
     print("streams through the services ...", flush=True)
-    stack = Stack(str(target), str(drafter), ("--device", device, "--dtype", dtype))
+    service_args = ("--device", device, "--dtype", dtype, "--kv-cache-memory", args.kv_cache_memory)
+    env = {ATTENTION_ENV: args.attention_backends} if args.attention_backends else None
+    stack = Stack(str(target), str(drafter), service_args, env=env)
     try:
         run_level(stack.orchestrator.address, prompts, {"num_speculative_tokens": 4}, 2, 8, 1.0, 0.0)  # warm-up
-        streams = run_streams(
-            stack, prompts, args.streams, args.rounds, args.seconds, 1.0 if tiny else 3.0, args.max_new_tokens
-        )
-        cycles = cycle_stats(stack, prompts[:4], args.max_new_tokens)
+        result["streams"] = []
+        for n in args.streams:
+            result["streams"] += run_streams(
+                stack, prompts, [n], args.rounds, args.seconds, 1.0 if tiny else 3.0, args.max_new_tokens
+            )
+            write_json(args.out, result)
+        result["cycle"] = cycle_stats(stack, prompts[:4], args.max_new_tokens)
     finally:
         stack.stop()
-
-    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else None
-    meta = {
-        "device": gpu or f"cpu ({platform.machine()})",
-        "dtype": dtype,
-        "tiny": tiny,
-        "context": context,
-        "target": target_cfg.to_diff_dict(),
-        "drafter": drafter_cfg.to_diff_dict(),
-        "engines": {"target": engine_t, "drafter": engine_d},
-        "torch": torch.__version__,
-        "acceptance": "forced: both models predict the token they read (benchmarks/synthetic.py)",
-        "date": utc_now(),
-    }
-    return {"meta": meta, "verify_ms": verify, "draft_ms": draft, "streams": streams, "cycle": cycles}
+    return result
 
 
 def report(result: dict, args: argparse.Namespace) -> None:
@@ -307,7 +499,40 @@ def report(result: dict, args: argparse.Namespace) -> None:
         f"\nengines: target {engines['target']}, drafter {engines['drafter']}; cycle overhead p50 "
         f"{cycles['overhead_ms_p50']} ms, {cycles['tokens_per_cycle']} tokens per cycle"
     )
-    print("| streams | off tok/s | K=4 tok/s | K=4 / off (interval) |")
+    print(
+        "\n| sessions | verify chain ms | kernel-like ops | host syncs | device kernels | sync calls "
+        "| verify tree ms | draft chain ms (4 levels) | draft syncs |"
+    )
+    print("|---" * 9 + "|")
+    for r in result["steps"]:
+        vc, vt, dc = r["verify_chain"], r["verify_tree"], r["draft_chain"]
+        prof = vc["profile"]
+        cells = [
+            r["sessions"],
+            vc["ms"],
+            vc["kernel_like"],
+            vc["syncs"],
+            prof["device_kernels"],
+            prof["sync_calls"],
+            vt["ms"],
+            dc["ms"],
+            dc["syncs"],
+        ]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    last = result["steps"][-1]
+    print(f"attention at {last['sessions']} sessions: {last['verify_chain']['profile']['attention']}")
+    print(
+        "\n| sessions | verify ms: auto | without cuDNN (over auto) | draft step ms: auto | without cuDNN (over auto) |"
+    )
+    print("|---|---|---|---|---|")
+    for r in result["steps"]:
+        v, d = r["attention_settings"]["verify"], r["attention_settings"]["draft"]
+        cells = [r["sessions"]]
+        for x in (v, d):
+            ratio = x["no_cudnn_over_auto"]
+            cells += [x["auto"], f"{x['no_cudnn']} ({ratio['geomean']} {ratio['interval']})"]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    print("\n| streams | off tok/s | K=4 tok/s | K=4 / off (interval) |")
     print("|---|---|---|---|")
     for r in result["streams"]:
         print(
@@ -322,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def levels_for_timing(tiny: bool) -> list[int]:
-    return [1, 4] if tiny else [1, 8, 32]
+    return [1, 4] if tiny else [1, 8, 32, 64]
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import json
 import shutil
 
 import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks import attention
 from benchmarks.common import DEMO_TARGET
@@ -23,13 +25,21 @@ def test_the_candidates_compute_the_same_attention(tmp_path, monkeypatch):
     import torch._inductor.config
 
     monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
-    out = tmp_path / "attention.json"
-    argv = ["--model", str(DEMO_TARGET), "--reps", "1", "--out", str(out)]
-    assert attention.main([*argv, "--shape", "3", "5", "70", "--shape", "2", "1", "130"]) == 0
-    result = json.loads(out.read_text())
-    assert [(r["sessions"], r["rows"], r["context"]) for r in result["steps"]] == [(3, 5, 70), (2, 1, 130)]
-    for r in result["steps"]:
-        assert r["layers"] == 8
+    # The demo target (as many KV heads as query heads), then a grouped-query
+    # model (Llama-3's layout: query heads share KV heads).
+    gqa = tmp_path / "gqa"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )
+    LlamaForCausalLM(config).save_pretrained(gqa)
+    for model, shape, layers in ((DEMO_TARGET, ("3", "5", "70"), 8), (gqa, ("2", "1", "130"), 2)):
+        out = tmp_path / "attention.json"
+        assert attention.main(["--model", str(model), "--reps", "1", "--out", str(out), "--shape", *shape]) == 0
+        (r,) = json.loads(out.read_text())["steps"]
+        assert (r["sessions"], r["rows"], r["context"]) == tuple(int(x) for x in shape)
+        assert r["layers"] == layers
         for name in ("gather", "in_place", "flex"):
             assert r[f"{name}_ms"] > 0
-            assert r[f"{name}_max_diff"] < 1e-4, (name, r)
+            assert r[f"{name}_max_diff"] < 1e-4, (model, name, r)

@@ -33,4 +33,16 @@ def test_gpu_benchmark_tiny_mode(tmp_path):
     assert report["cycle"]["tokens_per_cycle"] >= 3.5
     assert report["cycle"]["sampled_tokens"] == 12
     assert report["meta"]["engines"] == {"target": "lean", "drafter": "lean"}  # Llama-3 RoPE runs lean
+    # Whole steps through the cores: one host sync per verify step and one
+    # per draft level, whatever the number of sessions; the profiler names
+    # the attention that ran; both attention settings timed.
+    assert [r["sessions"] for r in report["steps"]] == [1, 4]
+    for r in report["steps"]:
+        assert r["verify_chain"]["syncs"] == 1 and r["verify_tree"]["syncs"] == 1
+        assert r["draft_chain"]["syncs"] == 4
+        assert "aten::scaled_dot_product_attention" in r["verify_chain"]["profile"]["attention"]
+        for kind in ("verify", "draft"):
+            times = r["attention_settings"][kind]
+            assert times["auto"] > 0 and times["no_cudnn"] > 0
+            assert len(times["no_cudnn_over_auto"]["rounds"]) == 3
     assert "forced" in report["meta"]["acceptance"]

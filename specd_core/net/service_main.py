@@ -15,6 +15,7 @@ import threading
 from specd_core.net.flags import add_flags, config_from_args
 from specd_core.net.grpc_util import prefer_latency, start_sync_server
 from specd_core.net.security import SecurityConfigError, TlsConfig, tls_from_args
+from specd_core.runtime import attention_backends
 from specd_core.runtime.hub import ModelSpecError, resolve_model
 from specd_core.runtime.reaper import start_reaper
 from specd_core.telemetry import metrics, tracing
@@ -43,6 +44,10 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     args = parser.parse_args(argv)
     tls = _checked_tls(parser, name, args)
     config = _config_from_args(config_cls, args, tls)
+    try:  # read by the engine at load: checked before the (slow) model load
+        attention_backends.from_env()
+    except ValueError as exc:
+        parser.exit(2, f"{name}: {exc}\n")
     try:  # a repo id: its directory in the Hugging Face cache, fetched now if missing
         resolved = resolve_model(config.model_dir, config.revision, config.allow_pickle_weights, "--model")
     except ModelSpecError as exc:

@@ -52,6 +52,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from specd_core.runtime import attention_backends
 from specd_core.runtime.arch import Arch, describe
 from specd_core.runtime.dense import Dense
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, kv_row_bytes
@@ -141,6 +142,8 @@ class LeanModel:
         self.device = hf_model.device
         self.dtype = next(hf_model.parameters()).dtype
         self.kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        # The SDPA implementations this engine's calls may use (None: torch's choice).
+        self.attention_backends = attention_backends.from_env()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -280,11 +283,12 @@ class LeanModel:
             rope.append((cos[:, None], sin[:, None]))
         taps = (len(self.layers),) if hidden is True else tuple(hidden or ())
         tapped: dict[int, torch.Tensor] = {}
-        for i, L in enumerate(self.layers):
-            if i in taps:
-                tapped[i] = x
-            x = x + self._attention(i, L, x, step, rope[L["rope"]])
-            x = x + self._mlp(L, x)
+        with attention_backends.restricted(self.attention_backends):
+            for i, L in enumerate(self.layers):
+                if i in taps:
+                    tapped[i] = x
+                x = x + self._attention(i, L, x, step, rope[L["rope"]])
+                x = x + self._mlp(L, x)
         tapped[len(self.layers)] = x
         for e in step.entries:
             e.session.length = e.end

@@ -1,0 +1,55 @@
+"""Which of torch's attention implementations the lean engine's SDPA calls
+may use: `SPECD_ATTENTION_BACKENDS`, a comma list of flash, efficient,
+cudnn, math (e.g. "flash,efficient,math"); unset, "" or "auto": torch's own
+choice for each call.
+
+Why a setting: on CUDA torch picks among several implementations per call,
+and on a Hopper GPU it picked cuDNN's for the engine's masked, grouped-query
+calls (benchmarks/gpu.py's profile). cuDNN builds an execution plan for each
+new shape, and a served step's shapes change every step (the keys grow by the
+accepted tokens, the batch by the sessions in it), so the plan cost can
+recur where a fixed-shape timing never shows it. Which implementation wins
+is a measurement per device (benchmarks/README.md, "Verify, draft and cycle
+costs on a GPU"); this setting is what that measurement toggles, and what an
+operator sets once it has spoken. A name torch does not have fails at start,
+naming the value."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ENV = "SPECD_ATTENTION_BACKENDS"
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def parse_backends(text: str | None) -> list[SDPBackend] | None:
+    """The backends a setting names, in its order; None: torch's choice.
+    Raises ValueError naming an unknown name and the known ones."""
+    t = (text or "").strip().lower()
+    if t in ("", "auto"):
+        return None
+    names = [n.strip() for n in t.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown or not names:
+        raise ValueError(
+            f"{ENV}={text!r}: unknown attention backend(s) {unknown or [text]}; "
+            f"want a comma list of {', '.join(BACKENDS)}, or auto"
+        )
+    return [BACKENDS[n] for n in names]
+
+
+def from_env() -> list[SDPBackend] | None:
+    return parse_backends(os.environ.get(ENV))
+
+
+def restricted(backends: list[SDPBackend] | None) -> contextlib.AbstractContextManager:
+    """A context in which SDPA calls use only `backends` (None: any)."""
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)

@@ -1,0 +1,74 @@
+"""SPECD_ATTENTION_BACKENDS: the SDPA implementations the lean engine's calls
+may use. The setting is parsed with errors that name the value, the engine
+runs its calls with the named implementation only (seen in the profiler),
+the outputs do not change, and a service refuses a bad value at start."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+from specd_core.runtime import attention_backends
+from specd_core.runtime.attention_backends import ENV, parse_backends
+from specd_core.runtime.models import Runner, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_TARGET = ROOT / "models" / "demo" / "target"
+
+
+@pytest.mark.unit
+def test_the_setting_is_parsed_in_its_order_and_a_bad_name_is_named():
+    assert parse_backends(None) is None
+    assert parse_backends("") is None
+    assert parse_backends(" Auto ") is None
+    assert parse_backends("efficient, flash,math") == [
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    assert parse_backends("cudnn") == [SDPBackend.CUDNN_ATTENTION]
+    for bad in ("flash,fast", ",", "sdpa"):
+        with pytest.raises(ValueError) as err:
+            parse_backends(bad)
+        assert ENV in str(err.value) and repr(bad) in str(err.value)
+        assert "flash, efficient, cudnn, math" in str(err.value)
+
+
+def _attention_ops(lean, tokens):
+    session = lean.new_session()
+    with torch.profiler.profile() as prof:
+        logits = lean.forward_batch([(session, tokens, None, None)])[0]
+    return logits, {e.name for e in prof.events() if "scaled_dot_product" in e.name}
+
+
+@pytest.mark.unit
+def test_the_engine_runs_its_calls_with_the_named_implementation(monkeypatch):
+    monkeypatch.setenv(ENV, "math")
+    lean = Runner(load_model(str(DEMO_TARGET), "cpu", "float32")).lean
+    assert lean.attention_backends == [SDPBackend.MATH]
+    tokens = list(range(5, 40))
+    restricted, ops = _attention_ops(lean, tokens)
+    assert "aten::_scaled_dot_product_attention_math" in ops
+    assert not any("flash" in op for op in ops), ops
+    lean.attention_backends = None  # torch's choice: its fused CPU kernel
+    free, ops = _attention_ops(lean, tokens)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    assert torch.allclose(restricted, free, atol=1e-4), (restricted - free).abs().max()
+    # A context with no backend named leaves torch's choice alone.
+    with attention_backends.restricted(None):
+        assert torch.equal(_attention_ops(lean, tokens)[0], free)
+
+
+@pytest.mark.services
+def test_a_service_refuses_a_bad_setting_at_start():
+    proc = subprocess.run(
+        [sys.executable, "-m", "verifier_svc", "--model", str(DEMO_TARGET), "--port", "0", "--device", "cpu"],
+        cwd=ROOT, env={**os.environ, ENV: "flash,fast"}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "verifier_svc: SPECD_ATTENTION_BACKENDS='flash,fast': unknown attention backend(s) ['fast']" in proc.stderr
