@@ -123,6 +123,22 @@ def _point_at(holder, weight: torch.Tensor) -> None:
         holder.weight = weight
 
 
+def _rope(x, cos, sin):  # x: (R, H, d); cos, sin: (R, 1, rotary_dim)
+    rd = cos.shape[-1]
+    if rd != x.shape[-1]:  # partial rotary (Phi-3): the rest of each head passes through
+        return torch.cat([_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+    half = rd // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype: a cast where it is needed, else t itself without an
+    operator call (on a GPU each call from Python costs host time; casts to
+    the dtype a tensor already has are most of a bf16 step's)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _side_by_side(tapped: dict[int, torch.Tensor], taps: tuple[int, ...], sizes: list[int]) -> list[torch.Tensor]:
     """The states of `taps` side by side, split per session: (n, len(taps) * C) each."""
     wide = tapped[taps[0]] if len(taps) == 1 else torch.cat([tapped[t] for t in taps], -1)
@@ -214,20 +230,13 @@ class LeanModel:
     def _rms(self, x, w):
         if w is None:  # a norm the model does not have
             return x
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # In float32 as Hugging Face's norms; torch's rms_norm is one call
+        # from Python (its operators the same as the written-out formula's on
+        # a CPU; a fused kernel where torch has one).
+        shape, x32 = (x.shape[-1],), _cast(x, torch.float32)
         if self._gemma_norm:
-            return (normed * w).to(x.dtype)
-        return normed.to(x.dtype) * w
-
-    @staticmethod
-    def _rope(x, cos, sin):  # x: (R, H, d); cos, sin: (R, 1, rotary_dim)
-        rd = cos.shape[-1]
-        if rd != x.shape[-1]:  # partial rotary (Phi-3): the rest of each head passes through
-            return torch.cat([LeanModel._rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
-        half = rd // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+            return _cast(F.rms_norm(x32, shape, w, self.eps), x.dtype)
+        return _cast(F.rms_norm(x32, shape, eps=self.eps), x.dtype) * w
 
     def forward(
         self,
@@ -304,22 +313,27 @@ class LeanModel:
         rows = x.shape[0]
         h = self._attn_input(L, x)
         qkv = L["qkv"](h)  # (R, (nh+2nkv)*hd)
-        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k = q.view(rows, nh, hd), k.view(rows, nkv, hd)
-        if L["q_norm"] is not None:  # per-head norms before RoPE (Qwen3, Gemma-3)
-            q, k = self._rms(q, L["q_norm"]), self._rms(k, L["k_norm"])
-        # RoPE and the cast to the cache's dtype once over every session's rows.
         cos, sin = rope
-        q = self._rope(q, cos, sin).to(kvt)  # (R, nh, hd)
+        if L["q_norm"] is None:
+            # RoPE once over the query and key heads, which lie side by side
+            # in qkv: half the operators of two calls, the same values.
+            qk = _rope(qkv[:, : (nh + nkv) * hd].view(rows, nh + nkv, hd), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+        else:  # per-head norms before RoPE (Qwen3, Gemma-3), each with its own weights
+            q, k = qkv[:, : nh * hd].view(rows, nh, hd), qkv[:, nh * hd : (nh + nkv) * hd].view(rows, nkv, hd)
+            q, k = _rope(self._rms(q, L["q_norm"]), cos, sin), _rope(self._rms(k, L["k_norm"]), cos, sin)
+        v = qkv[:, (nh + nkv) * hd :]
+        # The cast to the cache's dtype once over every session's rows.
+        q = _cast(q, kvt)  # (R, nh, hd)
         # Every session's new rows, K and V side by side, in one indexed write.
-        new = torch.stack((self._rope(k, cos, sin), v.view(rows, nkv, hd)), 1).to(kvt)  # (R, 2, nkv, hd)
+        new = _cast(torch.stack((k, v.view(rows, nkv, hd)), 1), kvt)  # (R, 2, nkv, hd)
         data = step.data[i].view(step.data.shape[1], -1)  # (storage rows, 2 * nkv * hd)
         data.index_copy_(0, step.write, new.view(rows, -1))
         ys = [self._attend(data, q, g, L["kind"]) for g in step.groups]
         y = ys[0] if len(ys) == 1 else torch.cat(ys)  # (padded rows, nh * hd)
         if step.order is not None:
             y = y[step.order]
-        out = L["o"](y.to(x.dtype))
+        out = L["o"](_cast(y, x.dtype))
         return out if L["post_attn"] is None else self._rms(out, L["post_attn"])
 
     def _attn_input(self, L: dict, x: torch.Tensor) -> torch.Tensor:
