@@ -266,7 +266,7 @@ def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: l
         for kind, step in kinds.items():
             row[kind] = step(ids)
             row[kind]["ms"] = row[kind].pop("host_ms")
-        row["verify_chain"]["profile"] = profiled(_one_verify(verifier, ids, DraftShape.chain(4)), device)
+        row["verify_chain"]["profile"] = profiled(_one_verify(verifier, ids, chain), device)
         row["attention_settings"] = backend_ab(verifier, draft, ids, 3 if device == "cpu" else 6, device)
         rows.append(row)
         print(

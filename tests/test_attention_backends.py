@@ -64,6 +64,17 @@ def test_the_engine_runs_its_calls_with_the_named_implementation(monkeypatch):
         assert torch.equal(_attention_ops(lean, tokens)[0], free)
 
 
+@pytest.mark.unit
+def test_a_setting_that_cannot_run_on_the_device_stops_the_load(monkeypatch):
+    # cuDNN's implementation exists on CUDA only: alone, no call could run on a CPU.
+    monkeypatch.setenv(ENV, "cudnn")
+    with pytest.raises(ValueError) as err:
+        Runner(load_model(str(DEMO_TARGET), "cpu", "float32"))
+    assert f"{ENV}='cudnn': none of cudnn runs this model's attention on cpu" in str(err.value)
+    monkeypatch.setenv(ENV, "cudnn,math")  # with one that runs there, it loads
+    assert Runner(load_model(str(DEMO_TARGET), "cpu", "float32")).lean is not None
+
+
 @pytest.mark.services
 def test_a_service_refuses_a_bad_setting_at_start():
     proc = subprocess.run(

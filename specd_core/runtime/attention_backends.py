@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ENV = "SPECD_ATTENTION_BACKENDS"
@@ -48,6 +50,34 @@ def parse_backends(text: str | None) -> list[SDPBackend] | None:
 
 def from_env() -> list[SDPBackend] | None:
     return parse_backends(os.environ.get(ENV))
+
+
+def check_runs(
+    backends: list[SDPBackend] | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Raise ValueError, naming the setting and the device, when none of
+    `backends` can run the engine's kind of call there (a masked call with
+    this many query and KV heads): e.g. cuDNN's alone on a CPU. Checked when
+    a model loads, so that a replica stops at start instead of failing every
+    forward."""
+    if backends is None:
+        return
+    q = torch.zeros(2, heads, 3, head_dim, device=device, dtype=dtype)
+    kv = torch.zeros(2, kv_heads, 5, head_dim, device=device, dtype=dtype)
+    mask = torch.zeros(2, 1, 3, 5, device=device, dtype=dtype)
+    try:
+        with sdpa_kernel(backends):
+            F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=heads != kv_heads)
+    except RuntimeError as exc:
+        names = ", ".join(n for n, b in BACKENDS.items() if b in backends)
+        raise ValueError(
+            f"{ENV}={os.environ.get(ENV)!r}: none of {names} runs this model's attention on {device} ({exc})"
+        ) from exc
 
 
 def restricted(backends: list[SDPBackend] | None) -> contextlib.AbstractContextManager:

@@ -158,14 +158,17 @@ class LeanModel:
         self.device = hf_model.device
         self.dtype = next(hf_model.parameters()).dtype
         self.kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        # The SDPA implementations this engine's calls may use (None: torch's choice).
-        self.attention_backends = attention_backends.from_env()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.max_positions = cfg.max_position_embeddings
         self.scale = arch.attn_scale
+        # The SDPA implementations this engine's calls may use (None: torch's choice).
+        self.attention_backends = attention_backends.from_env()
+        attention_backends.check_runs(
+            self.attention_backends, self.device, self.kv_dtype, self.n_heads, self.n_kv, self.head_dim
+        )
         self.softcap = arch.attn_softcap
         self.final_softcap = arch.final_softcap
         self._gemma_norm = arch.gemma_norm
