@@ -15,7 +15,8 @@ Llama-3.1-8B target and a Llama-3.2-1B drafter (shapes only: random weights).
    profiler the device kernels launched, the host's synchronize calls and the
    attention operator and kernels that ran.
 4. Through the real services (specd.local_stack): tokens/s with
-   speculation off and with K = 4 at 1, 8, 32 and 64 concurrent streams, in
+   speculation off, with K = 4 and with the default (adaptive: the depth,
+   0 included, chosen by measured costs) at 1, 8, 32 and 64 concurrent streams, in
    alternating rounds (the ratio's interval comes from them,
    benchmarks/common.py ratio_interval), and the per-cycle overhead (wall time
    minus draft and verify compute; GenerationStats.cycle_overhead_ms).
@@ -339,8 +340,14 @@ def run_streams(
     warmup_s: float,
     max_new: int,
 ) -> list[dict]:
-    """tokens/s off vs K = 4 per level, in rounds that alternate the order."""
-    settings = {"off": {"num_speculative_tokens": 0}, "K=4": {"num_speculative_tokens": 4}}
+    """tokens/s off, K = 4 and the default (adaptive: the orchestrator picks
+    the depth, 0 included, by measured costs) per level, in rounds that
+    alternate the order; each speculative setting's ratio over off."""
+    settings: dict[str, dict] = {
+        "off": {"num_speculative_tokens": 0},
+        "K=4": {"num_speculative_tokens": 4},
+        "default": {},
+    }
     rows = []
     for n in levels:
         got: dict[str, list] = {s: [] for s in settings}
@@ -350,19 +357,19 @@ def run_streams(
                     run_level(stack.orchestrator.address, prompts, settings[s], n, max_new, seconds / rounds, warmup_s)
                 )
         merged = {s: merge_rounds(parts) for s, parts in got.items()}
-        row = {
-            "streams": n,
-            "off_tokens_per_s": merged["off"]["tokens_per_s"],
-            "k4_tokens_per_s": merged["K=4"]["tokens_per_s"],
-            "k4_vs_off": round(merged["K=4"]["tokens_per_s"] / merged["off"]["tokens_per_s"], 3),
-            "k4_vs_off_interval": ratio_interval(merged["K=4"], merged["off"]),
-            "k4_draft_depth": merged["K=4"]["draft_depth"],
-            "rounds": {s: m["rounds_tokens_per_s"] for s, m in merged.items()},
-        }
+        off = merged["off"]["tokens_per_s"]
+        row: dict[str, Any] = {"streams": n, "off_tokens_per_s": off}
+        for name, key in (("K=4", "k4"), ("default", "default")):
+            row[f"{key}_tokens_per_s"] = merged[name]["tokens_per_s"]
+            row[f"{key}_vs_off"] = round(merged[name]["tokens_per_s"] / off, 3)
+            row[f"{key}_vs_off_interval"] = ratio_interval(merged[name], merged["off"])
+            row[f"{key}_draft_depth"] = merged[name]["draft_depth"]
+        row["rounds"] = {s: m["rounds_tokens_per_s"] for s, m in merged.items()}
         rows.append(row)
         print(
-            f"  {n:>3} streams: off {row['off_tokens_per_s']} tok/s, K=4 {row['k4_tokens_per_s']} tok/s, "
-            f"x{row['k4_vs_off']} {row['k4_vs_off_interval']}",
+            f"  {n:>3} streams: off {off} tok/s, K=4 {row['k4_tokens_per_s']} tok/s "
+            f"x{row['k4_vs_off']} {row['k4_vs_off_interval']}, default {row['default_tokens_per_s']} tok/s "
+            f"x{row['default_vs_off']} {row['default_vs_off_interval']}",
             flush=True,
         )
     return rows
@@ -532,12 +539,13 @@ def report(result: dict, args: argparse.Namespace) -> None:
             ratio = x["no_cudnn_over_auto"]
             cells += [x["auto"], f"{x['no_cudnn']} ({ratio['geomean']} {ratio['interval']})"]
         print("| " + " | ".join(str(c) for c in cells) + " |")
-    print("\n| streams | off tok/s | K=4 tok/s | K=4 / off (interval) |")
-    print("|---|---|---|---|")
+    print("\n| streams | off tok/s | K=4 tok/s | K=4 / off (interval) | default tok/s | default / off (interval) |")
+    print("|---|---|---|---|---|---|")
     for r in result["streams"]:
         print(
             f"| {r['streams']} | {r['off_tokens_per_s']} | {r['k4_tokens_per_s']} | {r['k4_vs_off']} "
-            f"{r['k4_vs_off_interval']} |"
+            f"{r['k4_vs_off_interval']} | {r['default_tokens_per_s']} | {r['default_vs_off']} "
+            f"{r['default_vs_off_interval']} |"
         )
     print(f"wrote {args.out}")
 

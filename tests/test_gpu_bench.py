@@ -28,6 +28,7 @@ def test_gpu_benchmark_tiny_mode(tmp_path):
     assert all(r["ms"] > 0 for r in report["verify_ms"] + report["draft_ms"])
     assert [r["streams"] for r in report["streams"]] == [1, 2]
     assert all(r["off_tokens_per_s"] > 0 and r["k4_tokens_per_s"] > 0 for r in report["streams"])
+    assert all(r["default_tokens_per_s"] > 0 and r["default_vs_off"] > 0 for r in report["streams"])
     # The forced acceptance holds: K = 4 chains are kept whole (4 drafts + a
     # bonus per cycle, less where max_new_tokens cuts the last cycle short).
     assert report["cycle"]["tokens_per_cycle"] >= 3.5
