@@ -286,8 +286,14 @@ def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: l
 
 
 # The attention settings the steps compare (specd_core/runtime/attention_backends.py):
-# torch's own choice, and the same without cuDNN's implementation.
-BACKEND_SETTINGS = {"auto": None, "no_cudnn": "flash,efficient,math"}
+# (SPECD_ATTENTION_BACKENDS, SPECD_KEY_BUCKET): torch's own choice at exact
+# shapes, the same without cuDNN's implementation, and torch's choice with the
+# key columns rounded up to blocks of 64 (a new shape once per 64 tokens).
+BACKEND_SETTINGS: dict[str, tuple[str | None, int]] = {
+    "auto": (None, 0),
+    "no_cudnn": ("flash,efficient,math", 0),
+    "key_bucket_64": (None, 64),
+}
 
 
 def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str) -> dict[str, Any]:
@@ -305,7 +311,9 @@ def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str) -> dic
     committed = iter(range(11, 10**6))
     for r in range(rounds):
         for name in alternating(list(BACKEND_SETTINGS), r):
-            lean_v.attention_backends = lean_d.attention_backends = parse_backends(BACKEND_SETTINGS[name])
+            backends, bucket = BACKEND_SETTINGS[name]
+            lean_v.attention_backends = lean_d.attention_backends = parse_backends(backends)
+            lean_v.key_bucket = lean_d.key_bucket = bucket
             run = _one_verify(verifier, ids, chain)
             _sync(device)
             start = time.perf_counter()
@@ -318,10 +326,12 @@ def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str) -> dic
             _sync(device)
             times["draft"][name].append((time.perf_counter() - start) * 1e3)
     lean_v.attention_backends = lean_d.attention_backends = None
+    lean_v.key_bucket = lean_d.key_bucket = 0
     out: dict[str, Any] = {}
     for kind, by in times.items():
         out[kind] = {name: round(statistics.median(ms), 2) for name, ms in by.items()}
-        out[kind]["no_cudnn_over_auto"] = paired_ratio(by["no_cudnn"], by["auto"])
+        for name in list(BACKEND_SETTINGS)[1:]:
+            out[kind][f"{name}_over_auto"] = paired_ratio(by[name], by["auto"])
     return out
 
 
@@ -528,17 +538,18 @@ def report(result: dict, args: argparse.Namespace) -> None:
         print("| " + " | ".join(str(c) for c in cells) + " |")
     last = result["steps"][-1]
     print(f"attention at {last['sessions']} sessions: {last['verify_chain']['profile']['attention']}")
-    print(
-        "\n| sessions | verify ms: auto | without cuDNN (over auto) | draft step ms: auto | without cuDNN (over auto) |"
-    )
-    print("|---|---|---|---|---|")
-    for r in result["steps"]:
-        v, d = r["attention_settings"]["verify"], r["attention_settings"]["draft"]
-        cells = [r["sessions"]]
-        for x in (v, d):
-            ratio = x["no_cudnn_over_auto"]
-            cells += [x["auto"], f"{x['no_cudnn']} ({ratio['geomean']} {ratio['interval']})"]
-        print("| " + " | ".join(str(c) for c in cells) + " |")
+    others = list(BACKEND_SETTINGS)[1:]
+    for kind in ("verify", "draft"):
+        print(f"\n{kind} step ms by attention setting (over auto, interval)")
+        print("| sessions | auto | " + " | ".join(others) + " |")
+        print("|---" * (2 + len(others)) + "|")
+        for r in result["steps"]:
+            x = r["attention_settings"][kind]
+            cells = [r["sessions"], x["auto"]]
+            for name in others:
+                ratio = x[f"{name}_over_auto"]
+                cells.append(f"{x[name]} ({ratio['geomean']} {ratio['interval']})")
+            print("| " + " | ".join(str(c) for c in cells) + " |")
     print("\n| streams | off tok/s | K=4 tok/s | K=4 / off (interval) | default tok/s | default / off (interval) |")
     print("|---|---|---|---|---|---|")
     for r in result["streams"]:

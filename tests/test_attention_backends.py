@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from specd_core.runtime import attention_backends
-from specd_core.runtime.attention_backends import ENV, parse_backends
+from specd_core.runtime.attention_backends import ENV, KEY_BUCKET_ENV, parse_backends
 from specd_core.runtime.models import Runner, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,10 +76,17 @@ def test_a_setting_that_cannot_run_on_the_device_stops_the_load(monkeypatch):
 
 
 @pytest.mark.services
-def test_a_service_refuses_a_bad_setting_at_start():
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        (ENV, "flash,fast", "SPECD_ATTENTION_BACKENDS='flash,fast': unknown attention backend(s) ['fast']"),
+        (KEY_BUCKET_ENV, "64k", "SPECD_KEY_BUCKET='64k': want a whole number of key rows"),
+    ],
+)
+def test_a_service_refuses_a_bad_setting_at_start(name, value, message):
     proc = subprocess.run(
         [sys.executable, "-m", "verifier_svc", "--model", str(DEMO_TARGET), "--port", "0", "--device", "cpu"],
-        cwd=ROOT, env={**os.environ, ENV: "flash,fast"}, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, env={**os.environ, name: value}, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
-    assert "verifier_svc: SPECD_ATTENTION_BACKENDS='flash,fast': unknown attention backend(s) ['fast']" in proc.stderr
+    assert f"verifier_svc: {message}" in proc.stderr

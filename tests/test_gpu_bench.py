@@ -44,6 +44,8 @@ def test_gpu_benchmark_tiny_mode(tmp_path):
         assert "aten::scaled_dot_product_attention" in r["verify_chain"]["profile"]["attention"]
         for kind in ("verify", "draft"):
             times = r["attention_settings"][kind]
-            assert times["auto"] > 0 and times["no_cudnn"] > 0
-            assert len(times["no_cudnn_over_auto"]["rounds"]) == 3
+            for name in ("auto", "no_cudnn", "key_bucket_64"):
+                assert times[name] > 0
+            for name in ("no_cudnn", "key_bucket_64"):
+                assert len(times[f"{name}_over_auto"]["rounds"]) == 3
     assert "forced" in report["meta"]["acceptance"]

@@ -46,6 +46,7 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     config = _config_from_args(config_cls, args, tls)
     try:  # read by the engine at load: checked before the (slow) model load
         attention_backends.from_env()
+        attention_backends.key_bucket_from_env()
     except ValueError as exc:
         parser.exit(2, f"{name}: {exc}\n")
     try:  # a repo id: its directory in the Hugging Face cache, fetched now if missing

@@ -48,6 +48,22 @@ def parse_backends(text: str | None) -> list[SDPBackend] | None:
     return [BACKENDS[n] for n in names]
 
 
+KEY_BUCKET_ENV = "SPECD_KEY_BUCKET"
+
+
+def key_bucket_from_env() -> int:
+    """`SPECD_KEY_BUCKET`: key columns per step rounded up to a multiple of
+    this many (specd_core/runtime/lean_step.py); unset, 0 or 1: exact."""
+    text = os.environ.get(KEY_BUCKET_ENV, "").strip()
+    try:
+        value = int(text or 0)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{KEY_BUCKET_ENV}={text!r}: want a whole number of key rows (0: off)")
+    return value
+
+
 def from_env() -> list[SDPBackend] | None:
     return parse_backends(os.environ.get(ENV))
 

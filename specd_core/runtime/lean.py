@@ -166,6 +166,7 @@ class LeanModel:
         self.scale = arch.attn_scale
         # The SDPA implementations this engine's calls may use (None: torch's choice).
         self.attention_backends = attention_backends.from_env()
+        self.key_bucket = attention_backends.key_bucket_from_env()
         attention_backends.check_runs(
             self.attention_backends, self.device, self.kv_dtype, self.n_heads, self.n_kv, self.head_dim
         )

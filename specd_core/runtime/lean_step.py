@@ -29,6 +29,14 @@ ancestors' cached rows and itself) goes the same way: its positions are
 host integers and the rows it hides (other nodes' rows, the level's earlier
 rows) are pairs of the pack.
 
+Key buckets (`SPECD_KEY_BUCKET`, off by default): each group's key columns
+rounded up to a multiple of the bucket, the columns past a session's rows
+masked like a group's padding, and a lone session taking the masked path
+too: a step's shapes then change once per bucket of growth instead of at
+every token, for implementations that prepare per shape (cuDNN's attention
+plans; CUDA graphs capture one shape each). The logits are those of the
+exact shapes up to the rounding of a longer masked sum.
+
 Host -> device: one int64 tensor per step (every index below, the callers'
 position tensors appended) and one tensor of callers' dense masks per group
 that has them (the drafter's branches); nothing is read back.
@@ -250,7 +258,9 @@ def _k0(e: Entry, w: int | None) -> int:
     return max(0, e.start - w + 1)
 
 
-def _spec(pack: _Pack, entries: list[Entry], members: list[int], windows: list[int | None], softcap: bool) -> _Spec:
+def _spec(
+    pack: _Pack, entries: list[Entry], members: list[int], windows: list[int | None], softcap: bool, bucket: int
+) -> _Spec:
     es = [entries[i] for i in members]
     rows = max(e.n for e in es)
     q_index = None
@@ -258,6 +268,9 @@ def _spec(pack: _Pack, entries: list[Entry], members: list[int], windows: list[i
         q_index = pack.put(e.r0 + min(r, e.n - 1) for e in es for r in range(rows))
     k0s = [[_k0(e, w) for e in es] for w in windows]
     keys = [max(e.end - k for e, k in zip(es, ks)) for ks in k0s]
+    if bucket > 1:  # key columns rounded up (masked past each entry's rows): fewer distinct shapes
+        keys = [-(-k // bucket) * bucket for k in keys]
+    lone = len(es) == 1 and bucket <= 1  # a lone entry's exact keys; a bucketed one takes the masked path
     b = es[0].session.block_rows
     width = max(-(-(k + ks[j]) // b) for k, ks in zip(keys, k0s) for j in range(len(es)))
     table = pack.put(t for e in es for t in (e.session.table[:width] + [0] * (width - len(e.session.table))))
@@ -274,11 +287,11 @@ def _spec(pack: _Pack, entries: list[Entry], members: list[int], windows: list[i
         [pack.put(ks) for ks in k0s],
         keys,
         # One session: its key rows are a short list (fewer operators than computing them).
-        [_lone_keys(pack, es[0], ks[0]) for ks in k0s] if len(es) == 1 else None,
+        [_lone_keys(pack, es[0], ks[0]) for ks in k0s] if lone else None,
         pack.put(j for j, e in enumerate(es) if e.mask is not None) if any(e.mask is not None for e in es) else None,
         _hidden(pack, es, rows, keys),
         max((e.end for e in es if e.masked), default=0),
-        _lone(es[0], windows, softcap) if len(es) == 1 else None,
+        _lone(es[0], windows, softcap) if lone else None,
     )
 
 
@@ -320,7 +333,8 @@ def plan(model, items: list, last_only: bool | list[bool]) -> Step:
         raise ValueError("the sessions of one forward must share a KV pool")
     pack = _Pack()
     write = pack.put(s for e in entries for s in e.session.slots(e.start, e.end))
-    specs = [_spec(pack, entries, m, model.windows, model.softcap is not None) for m in group_entries(entries)]
+    softcap, bucket = model.softcap is not None, getattr(model, "key_bucket", 0)
+    specs = [_spec(pack, entries, m, model.windows, softcap, bucket) for m in group_entries(entries)]
     order = _order(pack, entries, specs)
     keep = _keep(pack, entries, last_only)
     at, indexed = _positions(pack, entries)  # last: the tensors it appends follow every int
