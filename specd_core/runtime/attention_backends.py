@@ -12,7 +12,12 @@ recur where a fixed-shape timing never shows it. Which implementation wins
 is a measurement per device (benchmarks/README.md, "Verify, draft and cycle
 costs on a GPU"); this setting is what that measurement toggles, and what an
 operator sets once it has spoken. A name torch does not have fails at start,
-naming the value."""
+naming the value.
+
+`SPECD_KEY_BUCKET` (rows; 0, the default: off) serves the same question from
+the other side: it keeps the shapes fewer instead of the implementation
+different (specd_core/runtime/lean_step.py rounds each step's key columns up
+to a multiple of it)."""
 
 from __future__ import annotations
 
