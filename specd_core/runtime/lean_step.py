@@ -333,7 +333,7 @@ def plan(model, items: list, last_only: bool | list[bool]) -> Step:
         raise ValueError("the sessions of one forward must share a KV pool")
     pack = _Pack()
     write = pack.put(s for e in entries for s in e.session.slots(e.start, e.end))
-    softcap, bucket = model.softcap is not None, getattr(model, "key_bucket", 0)
+    softcap, bucket = model.softcap is not None, model.key_bucket
     specs = [_spec(pack, entries, m, model.windows, softcap, bucket) for m in group_entries(entries)]
     order = _order(pack, entries, specs)
     keep = _keep(pack, entries, last_only)
