@@ -6,7 +6,9 @@ Llama-3.1-8B target and a Llama-3.2-1B drafter (shapes only: random weights).
 
 1. Verify-forward ms by rows per session (1 = plain decoding, 5 = a chain of
    K = 4) and sessions per forward (1, 8, 32, 64), each session holding
-   --context tokens: the lean engine's forward_batch timed in-process.
+   --context tokens: the lean engine's forward_batch timed in-process,
+   eagerly and through CUDA graphs (specd_core/runtime/step_graphs.py) in
+   alternating calls.
 2. Draft ms per level (one row per session) by sessions, the same way.
 3. Whole steps through the services' own cores in-process (as
    benchmarks/engine.py runs them): a verify step of chains K = 4 and of a
@@ -25,7 +27,6 @@ Acceptance is forced: both models are built to predict the token they read
 (benchmarks/synthetic.py), so the drafter copies the target's choice and every
 draft is accepted. The K = 4 figures are therefore the best case of a pair
 whose drafts always hold; the forward costs are those of the real shapes.
-CUDA graphs are not built: every step runs eagerly (meta.cuda_graphs).
 Writes benchmarks/results/gpu.json (or --out) after each part, so that a run
 cut short keeps what it measured, and prints a table.
 """
@@ -49,6 +50,7 @@ from transformers import LlamaConfig
 from specd.local_stack import Stack
 from specd_core.runtime.attention_backends import ENV as ATTENTION_ENV
 from specd_core.runtime.models import Runner, load_model, load_tokenizer
+from specd_core.runtime.step_graphs import ENV as GRAPHS_ENV
 
 from . import synthetic
 from .common import (
@@ -120,6 +122,9 @@ SHAPES: dict[bool, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+PARTS = ("forwards", "steps", "streams")
+
+
 def pair_configs(tiny: bool, vocab: int) -> tuple[LlamaConfig, LlamaConfig]:
     """(target, drafter) of SHAPES (vocab aside: the pair shares the demo
     tokenizer, its rows padded to 128,256 for the published shapes)."""
@@ -151,31 +156,48 @@ def time_forwards(
     reps: int,
     token_ids: list[int],
 ) -> tuple[str, list[dict]]:
-    """(engine, [{sessions, rows, ms}]): forward_batch of `rows` new rows for
-    each of `sessions` sessions that hold `context` tokens; median of `reps`
-    (after one untimed call), each followed by a rollback to `context`."""
+    """(engine, [{sessions, rows, ms, ms_graphs, graphs_over_eager}]):
+    forward_batch of `rows` new rows for each of `sessions` sessions that
+    hold `context` tokens, eagerly and through the step graphs in
+    alternating calls (after one untimed call of each: the capture); median
+    of `reps` each, each call followed by a rollback to `context`."""
+    from specd_core.runtime.step_graphs import StepGraphs
+
     runner = Runner(load_model(str(model_dir), device, dtype))
+    lean = runner.lean
+    modes: dict[str, StepGraphs | None] = {"eager": None}
+    if lean is not None:
+        modes["graphs"] = StepGraphs(lean, capture=device.startswith("cuda"))
     out = []
     for s in sessions:
         caches = [runner.new_session() for _ in range(s)]
         runner.forward_batch([(c, token_ids[:context], None, None) for c in caches], last_only=True)
         for r in rows:
             items = [(c, token_ids[context : context + r], None, None) for c in caches]
-            times = []
+            times: dict[str, list[float]] = {m: [] for m in modes}
             for i in range(reps + 1):
-                _sync(device)
-                start = time.perf_counter()
-                runner.forward_batch(items)
-                _sync(device)
-                if i:
-                    times.append((time.perf_counter() - start) * 1e3)
-                for c in caches:
-                    c.rollback(context)
-            out.append({"sessions": s, "rows": r, "ms": round(statistics.median(times), 3)})
-            print(f"  {model_dir.name}: {s:>3} sessions x {r} rows: {out[-1]['ms']:.2f} ms", flush=True)
+                for mode in alternating(list(modes), i):
+                    if lean is not None:
+                        lean.graphs = modes[mode]
+                    _sync(device)
+                    start = time.perf_counter()
+                    runner.forward_batch(items)
+                    _sync(device)
+                    if i:
+                        times[mode].append((time.perf_counter() - start) * 1e3)
+                    for c in caches:
+                        c.rollback(context)
+            row: dict[str, Any] = {"sessions": s, "rows": r, "ms": round(statistics.median(times["eager"]), 3)}
+            if "graphs" in times:
+                row["ms_graphs"] = round(statistics.median(times["graphs"]), 3)
+                row["graphs_over_eager"] = paired_ratio(times["graphs"], times["eager"])
+            out.append(row)
+            print(
+                f"  {model_dir.name}: {s:>3} sessions x {r} rows: {row['ms']:.2f} ms, graphs {row.get('ms_graphs')} ms"
+            )
         del caches
     engine = runner.engine
-    del runner
+    del runner, modes, lean
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return engine, out
@@ -249,6 +271,12 @@ def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: l
     common: dict[str, Any] = {"device": device, "dtype": dtype, "warmup": False, "kv_cache_memory": "4GiB"}
     verifier = Verifier(VerifierConfig(model_dir=str(target), **common))
     draft = Drafter(DrafterConfig(model_dir=str(drafter), **common))
+    from specd_core.runtime.step_graphs import StepGraphs
+
+    leans = [lean for lean in (verifier.runner.lean, draft.runner.lean) if lean is not None]
+    assert len(leans) == 2  # the pair runs lean (Llama-3 RoPE)
+    graphs = {id(lean): StepGraphs(lean, capture=device.startswith("cuda")) for lean in leans}
+    _set(leans, STEP_SETTINGS["eager"], graphs)  # the counts and the first profile: eager
     params, rows = SamplingParams(), []
     chain = DraftShape.chain(4)
     kinds = {
@@ -268,7 +296,11 @@ def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: l
             row[kind] = step(ids)
             row[kind]["ms"] = row[kind].pop("host_ms")
         row["verify_chain"]["profile"] = profiled(_one_verify(verifier, ids, chain), device)
-        row["attention_settings"] = backend_ab(verifier, draft, ids, 3 if device == "cpu" else 6, device)
+        _set(leans, STEP_SETTINGS["graphs"], graphs)
+        _one_verify(verifier, ids, chain)()  # captures this shape's graph
+        row["verify_chain"]["profile_graphs"] = profiled(_one_verify(verifier, ids, chain), device)
+        _set(leans, STEP_SETTINGS["eager"], graphs)
+        row["attention_settings"] = backend_ab(verifier, draft, ids, 3 if device == "cpu" else 6, device, graphs)
         rows.append(row)
         print(
             f"  {n:>3} sessions: "
@@ -279,41 +311,51 @@ def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: l
         for i in ids:
             verifier.close_session(i)
             draft.close_session(i)
-    del verifier, draft, kinds  # the pools and weights go before the services load theirs
+    del verifier, draft, kinds, leans, graphs  # the pools and weights go before the services load theirs
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows
 
 
-# The attention settings the steps compare (specd_core/runtime/attention_backends.py):
-# (SPECD_ATTENTION_BACKENDS, SPECD_KEY_BUCKET): torch's own choice at exact
-# shapes, the same without cuDNN's implementation, and torch's choice with the
-# key columns rounded up to blocks of 64 (a new shape once per 64 tokens).
-BACKEND_SETTINGS: dict[str, tuple[str | None, int]] = {
-    "auto": (None, 0),
-    "no_cudnn": ("flash,efficient,math", 0),
-    "key_bucket_64": (None, 64),
+# The settings the steps compare: (SPECD_ATTENTION_BACKENDS, SPECD_KEY_BUCKET,
+# CUDA graphs) - torch's own attention at exact shapes, eagerly; the same
+# without cuDNN's implementation; torch's choice with the key columns
+# rounded up to blocks of 64 (a new shape once per 64 tokens); and the step
+# graphs (specd_core/runtime/step_graphs.py; the default on CUDA).
+STEP_SETTINGS: dict[str, tuple[str | None, int, bool]] = {
+    "eager": (None, 0, False),
+    "no_cudnn": ("flash,efficient,math", 0, False),
+    "key_bucket_64": (None, 64, False),
+    "graphs": (None, 0, True),
 }
 
 
-def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str) -> dict[str, Any]:
-    """A verify step of chains K = 4 and a draft step of a chain K = 4 under
-    each attention setting, in rounds that alternate the order: each step
-    runs at the sessions' new lengths, as served steps do (a new shape every
-    step). Per setting the median ms; each setting's ratio over auto, paired
-    round by round, with its interval."""
-    from specd_core.rules.draft_shape import DraftShape
+def _set(cores_lean: list, setting: tuple[str | None, int, bool], graphs: dict) -> None:
+    """Put each lean model under a setting (graphs: each model's StepGraphs, kept across rounds)."""
     from specd_core.runtime.attention_backends import parse_backends
+
+    backends, bucket, graphed = setting
+    for lean in cores_lean:
+        lean.attention_backends = parse_backends(backends)
+        lean.key_bucket = bucket
+        lean.graphs = graphs[id(lean)] if graphed else None
+
+
+def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str, graphs: dict) -> dict[str, Any]:
+    """A verify step of chains K = 4 and a draft step of a chain K = 4 under
+    each setting, in rounds that alternate the order: each step runs at the
+    sessions' new lengths, as served steps do (a new shape every step; the
+    graphs' shapes change once per key bucket). Per setting the median ms;
+    each setting's ratio over eager, paired round by round, with its interval."""
+    from specd_core.rules.draft_shape import DraftShape
     from specd_core.runtime.propose_call import ProposeCall
 
-    chain, lean_v, lean_d = DraftShape.chain(4), verifier.runner.lean, draft.runner.lean
-    times: dict[str, dict[str, list[float]]] = {k: {s: [] for s in BACKEND_SETTINGS} for k in ("verify", "draft")}
+    chain, leans = DraftShape.chain(4), [verifier.runner.lean, draft.runner.lean]
+    times: dict[str, dict[str, list[float]]] = {k: {s: [] for s in STEP_SETTINGS} for k in ("verify", "draft")}
     committed = iter(range(11, 10**6))
     for r in range(rounds):
-        for name in alternating(list(BACKEND_SETTINGS), r):
-            backends, bucket = BACKEND_SETTINGS[name]
-            lean_v.attention_backends = lean_d.attention_backends = parse_backends(backends)
-            lean_v.key_bucket = lean_d.key_bucket = bucket
+        for name in alternating(list(STEP_SETTINGS), r):
+            _set(leans, STEP_SETTINGS[name], graphs)
             run = _one_verify(verifier, ids, chain)
             _sync(device)
             start = time.perf_counter()
@@ -325,13 +367,12 @@ def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str) -> dic
             draft.propose_batch(jobs)
             _sync(device)
             times["draft"][name].append((time.perf_counter() - start) * 1e3)
-    lean_v.attention_backends = lean_d.attention_backends = None
-    lean_v.key_bucket = lean_d.key_bucket = 0
+    _set(leans, STEP_SETTINGS["eager"], graphs)
     out: dict[str, Any] = {}
     for kind, by in times.items():
         out[kind] = {name: round(statistics.median(ms), 2) for name, ms in by.items()}
-        for name in list(BACKEND_SETTINGS)[1:]:
-            out[kind][f"{name}_over_auto"] = paired_ratio(by[name], by["auto"])
+        for name in list(STEP_SETTINGS)[1:]:
+            out[kind][f"{name}_over_eager"] = paired_ratio(by[name], by["eager"])
     return out
 
 
@@ -341,8 +382,22 @@ def _one_verify(verifier, ids: list[str], shape):
     return lambda: verifier.verify_batch(jobs)
 
 
+# The stream settings: (stack, request fields). "eager" is a stack whose
+# services run without CUDA graphs (SPECD_CUDA_GRAPHS=off), "graphs" one with
+# them (the default on CUDA).
+STREAM_SETTINGS: dict[str, tuple[str, dict]] = {
+    "eager_off": ("eager", {"num_speculative_tokens": 0}),
+    "eager_k4": ("eager", {"num_speculative_tokens": 4}),
+    "off": ("graphs", {"num_speculative_tokens": 0}),
+    "k4": ("graphs", {"num_speculative_tokens": 4}),
+    "default": ("graphs", {}),
+}
+# (name, over): the ratios reported per level.
+STREAM_RATIOS = (("off", "eager_off"), ("k4", "eager_k4"), ("k4", "off"), ("default", "off"), ("eager_k4", "eager_off"))
+
+
 def run_streams(
-    stack: Stack,
+    stacks: dict[str, Stack],
     prompts: list[list[int]],
     levels: list[int],
     rounds: int,
@@ -350,36 +405,31 @@ def run_streams(
     warmup_s: float,
     max_new: int,
 ) -> list[dict]:
-    """tokens/s off, K = 4 and the default (adaptive: the orchestrator picks
-    the depth, 0 included, by measured costs) per level, in rounds that
-    alternate the order; each speculative setting's ratio over off."""
-    settings: dict[str, dict] = {
-        "off": {"num_speculative_tokens": 0},
-        "K=4": {"num_speculative_tokens": 4},
-        "default": {},
-    }
+    """tokens/s of each STREAM_SETTINGS per level, in rounds that alternate
+    the order; the STREAM_RATIOS with their intervals."""
     rows = []
     for n in levels:
-        got: dict[str, list] = {s: [] for s in settings}
+        got: dict[str, list] = {s: [] for s in STREAM_SETTINGS}
         for r in range(rounds):
-            for s in alternating(list(settings), r):
-                got[s].append(
-                    run_level(stack.orchestrator.address, prompts, settings[s], n, max_new, seconds / rounds, warmup_s)
-                )
+            for s in alternating(list(STREAM_SETTINGS), r):
+                stack, fields = STREAM_SETTINGS[s]
+                address = stacks[stack].orchestrator.address
+                got[s].append(run_level(address, prompts, fields, n, max_new, seconds / rounds, warmup_s))
         merged = {s: merge_rounds(parts) for s, parts in got.items()}
-        off = merged["off"]["tokens_per_s"]
-        row: dict[str, Any] = {"streams": n, "off_tokens_per_s": off}
-        for name, key in (("K=4", "k4"), ("default", "default")):
-            row[f"{key}_tokens_per_s"] = merged[name]["tokens_per_s"]
-            row[f"{key}_vs_off"] = round(merged[name]["tokens_per_s"] / off, 3)
-            row[f"{key}_vs_off_interval"] = ratio_interval(merged[name], merged["off"])
-            row[f"{key}_draft_depth"] = merged[name]["draft_depth"]
+        row: dict[str, Any] = {"streams": n}
+        for s, m in merged.items():
+            row[f"{s}_tokens_per_s"] = m["tokens_per_s"]
+            row[f"{s}_draft_depth"] = m["draft_depth"]
+        for a, b in STREAM_RATIOS:
+            row[f"{a}_vs_{b}"] = round(merged[a]["tokens_per_s"] / merged[b]["tokens_per_s"], 3)
+            row[f"{a}_vs_{b}_interval"] = ratio_interval(merged[a], merged[b])
         row["rounds"] = {s: m["rounds_tokens_per_s"] for s, m in merged.items()}
         rows.append(row)
         print(
-            f"  {n:>3} streams: off {off} tok/s, K=4 {row['k4_tokens_per_s']} tok/s "
-            f"x{row['k4_vs_off']} {row['k4_vs_off_interval']}, default {row['default_tokens_per_s']} tok/s "
-            f"x{row['default_vs_off']} {row['default_vs_off_interval']}",
+            f"  {n:>3} streams: "
+            + ", ".join(f"{s} {row[f'{s}_tokens_per_s']}" for s in STREAM_SETTINGS)
+            + " tok/s; "
+            + ", ".join(f"{a}/{b} x{row[f'{a}_vs_{b}']} {row[f'{a}_vs_{b}_interval']}" for a, b in STREAM_RATIOS),
             flush=True,
         )
     return rows
@@ -418,6 +468,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=None, help="measured seconds per setting and level")
     ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="which parts to run (default: all; the report prints those that ran)",
+    )
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per forward cell (default 20, 3 with --tiny)")
+    ap.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=None,
+        help="untimed seconds before each stream run (default 3, 1 with --tiny)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--kv-cache-memory",
@@ -438,6 +502,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.streams = args.streams or ([1, 2] if tiny else [1, 8, 32, 64])
     args.seconds = args.seconds or (3.0 if tiny else 30.0)
     args.max_new_tokens = args.max_new_tokens or (12 if tiny else 128)
+    args.reps = args.reps or (3 if tiny else 20)
+    args.warmup_seconds = args.warmup_seconds if args.warmup_seconds is not None else (1.0 if tiny else 3.0)
     args.out = args.out or RESULTS / ("gpu-tiny.json" if tiny else "gpu.json")
     args.kv_cache_memory = args.kv_cache_memory or ("256MiB" if tiny else "16GiB")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -466,7 +532,7 @@ def run(args: argparse.Namespace) -> dict:
             "target": target_cfg.to_diff_dict(),
             "drafter": drafter_cfg.to_diff_dict(),
             "torch": torch.__version__,
-            "cuda_graphs": "not built: every step runs eagerly",
+            "cuda_graphs": "parts 1-3: eager and graphs side by side; part 4: a stack with and one without",
             "services_attention_backends": args.attention_backends or "auto",
             "acceptance": "forced: both models predict the token they read (benchmarks/synthetic.py)",
             "build_s": round(time.perf_counter() - started, 1),
@@ -480,42 +546,72 @@ def run(args: argparse.Namespace) -> dict:
     token_ids = random_prompts(pool, rng, 1, context + 8)[0]
     prompts = random_prompts(pool, rng, 16, min(context, 128))
 
-    reps = 3 if tiny else 20
-    levels = levels_for_timing(tiny)
-    print("verify forwards (target) ...", flush=True)
-    engine_t, result["verify_ms"] = time_forwards(target, device, dtype, levels, [1, 5], context, reps, token_ids)
-    print("draft levels (drafter) ...", flush=True)
-    engine_d, result["draft_ms"] = time_forwards(drafter, device, dtype, levels, [1], context, reps, token_ids)
-    result["meta"]["engines"] = {"target": engine_t, "drafter": engine_d}
-    write_json(args.out, result)
-    print("whole steps through the cores ...", flush=True)
-    result["steps"] = core_steps(target, drafter, device, dtype, levels, min(context, 128))
-    write_json(args.out, result)
-
-    print("streams through the services ...", flush=True)
-    service_args = ("--device", device, "--dtype", dtype, "--kv-cache-memory", args.kv_cache_memory)
-    env = {ATTENTION_ENV: args.attention_backends} if args.attention_backends else None
-    stack = Stack(str(target), str(drafter), service_args, env=env)
-    try:
-        run_level(stack.orchestrator.address, prompts, {"num_speculative_tokens": 4}, 2, 8, 1.0, 0.0)  # warm-up
-        result["streams"] = []
-        for n in args.streams:
-            result["streams"] += run_streams(
-                stack, prompts, [n], args.rounds, args.seconds, 1.0 if tiny else 3.0, args.max_new_tokens
-            )
-            write_json(args.out, result)
-        result["cycle"] = cycle_stats(stack, prompts[:4], args.max_new_tokens)
-    finally:
-        stack.stop()
+    if "forwards" in args.parts:
+        levels = levels_for_timing(tiny)
+        print("verify forwards (target) ...", flush=True)
+        engine_t, result["verify_ms"] = time_forwards(
+            target, device, dtype, levels, [1, 5], context, args.reps, token_ids
+        )
+        print("draft levels (drafter) ...", flush=True)
+        engine_d, result["draft_ms"] = time_forwards(drafter, device, dtype, levels, [1], context, args.reps, token_ids)
+        result["meta"]["engines"] = {"target": engine_t, "drafter": engine_d}
+        write_json(args.out, result)
+    if "steps" in args.parts:
+        print("whole steps through the cores ...", flush=True)
+        result["steps"] = core_steps(target, drafter, device, dtype, levels_for_timing(tiny), min(context, 128))
+        write_json(args.out, result)
+    if "streams" in args.parts:
+        streams_part(args, result, target, drafter, prompts)
     return result
 
 
+def streams_part(args: argparse.Namespace, result: dict, target: Path, drafter: Path, prompts: list) -> None:
+    """Part 4: two stacks side by side, one without CUDA graphs and one with
+    (the default on CUDA; "on" on a CPU: padded static steps, the tiny mode's check)."""
+    print("streams through the services ...", flush=True)
+    service_args = ("--device", args.device, "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory)
+    common_env = {ATTENTION_ENV: args.attention_backends} if args.attention_backends else {}
+    stacks: dict[str, Stack] = {}
+    try:
+        for name, graphs in (("eager", "off"), ("graphs", "auto" if args.device.startswith("cuda") else "on")):
+            stacks[name] = Stack(str(target), str(drafter), service_args, env={**common_env, GRAPHS_ENV: graphs})
+            # warm-up (and the graphs' first captures)
+            run_level(stacks[name].orchestrator.address, prompts, {"num_speculative_tokens": 4}, 2, 8, 1.0, 0.0)
+        result["streams"] = []
+        for n in args.streams:
+            result["streams"] += run_streams(
+                stacks, prompts, [n], args.rounds, args.seconds, args.warmup_seconds, args.max_new_tokens
+            )
+            write_json(args.out, result)
+        result["cycle"] = cycle_stats(stacks["graphs"], prompts[:4], args.max_new_tokens)
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+
+
 def report(result: dict, args: argparse.Namespace) -> None:
-    engines, cycles = result["meta"]["engines"], result["cycle"]
-    print(
-        f"\nengines: target {engines['target']}, drafter {engines['drafter']}; cycle overhead p50 "
-        f"{cycles['overhead_ms_p50']} ms, {cycles['tokens_per_cycle']} tokens per cycle"
-    )
+    if "verify_ms" in result:
+        report_forwards(result)
+    if "steps" in result:
+        report_steps(result)
+    if "streams" in result:
+        report_streams(result)
+    print(f"wrote {args.out}")
+
+
+def report_forwards(result: dict) -> None:
+    engines = result["meta"]["engines"]
+    print(f"\nengines: target {engines['target']}, drafter {engines['drafter']}")
+    print("\n| forward | sessions | rows | eager ms | graphs ms | graphs / eager (interval) |")
+    print("|---" * 6 + "|")
+    for part in ("verify_ms", "draft_ms"):
+        for r in result[part]:
+            ratio = r.get("graphs_over_eager") or {}
+            cells = [part[:-3], r["sessions"], r["rows"], r["ms"], r.get("ms_graphs"), ratio.get("geomean")]
+            print("| " + " | ".join(str(c) for c in cells) + f" {ratio.get('interval')} |")
+
+
+def report_steps(result: dict) -> None:
     print(
         "\n| sessions | verify chain ms | kernel-like ops | host syncs | device kernels | sync calls "
         "| verify tree ms | draft chain ms (4 levels) | draft syncs |"
@@ -536,29 +632,43 @@ def report(result: dict, args: argparse.Namespace) -> None:
             dc["syncs"],
         ]
         print("| " + " | ".join(str(c) for c in cells) + " |")
+    print("\n| sessions | verify profile: wall ms, kernels, device busy ms, syncs | the same through graphs |")
+    print("|---|---|---|")
+    for r in result["steps"]:
+        p, g = r["verify_chain"]["profile"], r["verify_chain"]["profile_graphs"]
+        cells = [f"{x['wall_ms']}, {x['device_kernels']}, {x['device_busy_ms']}, {x['sync_calls']}" for x in (p, g)]
+        print(f"| {r['sessions']} | " + " | ".join(cells) + " |")
     last = result["steps"][-1]
     print(f"attention at {last['sessions']} sessions: {last['verify_chain']['profile']['attention']}")
-    others = list(BACKEND_SETTINGS)[1:]
+    others = list(STEP_SETTINGS)[1:]
     for kind in ("verify", "draft"):
-        print(f"\n{kind} step ms by attention setting (over auto, interval)")
-        print("| sessions | auto | " + " | ".join(others) + " |")
+        print(f"\n{kind} step ms by setting (over eager, interval)")
+        print("| sessions | eager | " + " | ".join(others) + " |")
         print("|---" * (2 + len(others)) + "|")
         for r in result["steps"]:
             x = r["attention_settings"][kind]
-            cells = [r["sessions"], x["auto"]]
+            cells = [r["sessions"], x["eager"]]
             for name in others:
-                ratio = x[f"{name}_over_auto"]
+                ratio = x[f"{name}_over_eager"]
                 cells.append(f"{x[name]} ({ratio['geomean']} {ratio['interval']})")
             print("| " + " | ".join(str(c) for c in cells) + " |")
-    print("\n| streams | off tok/s | K=4 tok/s | K=4 / off (interval) | default tok/s | default / off (interval) |")
-    print("|---|---|---|---|---|---|")
+
+
+def report_streams(result: dict) -> None:
+    cycles = result["cycle"]
+    print(f"\ncycle overhead p50 {cycles['overhead_ms_p50']} ms, {cycles['tokens_per_cycle']} tokens per cycle")
+    print(
+        "\n| streams | "
+        + " | ".join(f"{s} tok/s" for s in STREAM_SETTINGS)
+        + " | "
+        + " | ".join(f"{a} / {b}" for a, b in STREAM_RATIOS)
+        + " |"
+    )
+    print("|---" * (1 + len(STREAM_SETTINGS) + len(STREAM_RATIOS)) + "|")
     for r in result["streams"]:
-        print(
-            f"| {r['streams']} | {r['off_tokens_per_s']} | {r['k4_tokens_per_s']} | {r['k4_vs_off']} "
-            f"{r['k4_vs_off_interval']} | {r['default_tokens_per_s']} | {r['default_vs_off']} "
-            f"{r['default_vs_off_interval']} |"
-        )
-    print(f"wrote {args.out}")
+        cells = [r["streams"], *(r[f"{s}_tokens_per_s"] for s in STREAM_SETTINGS)]
+        cells += [f"{r[f'{a}_vs_{b}']} {r[f'{a}_vs_{b}_interval']}" for a, b in STREAM_RATIOS]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:

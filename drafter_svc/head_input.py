@@ -55,7 +55,10 @@ class Eagle3Lean(LeanModel):
     [input_layernorm(embed(x)); hidden_norm(h)] (2C wide) while the residual
     stream is h alone. `side` holds the step's token embeddings, row for row
     with h (set by Eagle3Input.rows just before the forward, under the core's
-    lock)."""
+    lock). A CUDA graph would keep the `side` of its capture, so its steps
+    run without (specd_core/runtime/step_graphs.py)."""
+
+    graphable = False
 
     def __init__(self, hf_model, hidden_norm: torch.Tensor):
         super().__init__(hf_model)

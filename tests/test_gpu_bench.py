@@ -25,10 +25,12 @@ def test_gpu_benchmark_tiny_mode(tmp_path):
     # Every (sessions, rows) cell timed, with a positive time.
     cells = {(r["sessions"], r["rows"]) for r in report["verify_ms"]}
     assert cells == {(1, 1), (1, 5), (4, 1), (4, 5)}
-    assert all(r["ms"] > 0 for r in report["verify_ms"] + report["draft_ms"])
+    assert all(r["ms"] > 0 and r["ms_graphs"] > 0 for r in report["verify_ms"] + report["draft_ms"])
+    assert all(len(r["graphs_over_eager"]["rounds"]) == 3 for r in report["verify_ms"])
     assert [r["streams"] for r in report["streams"]] == [1, 2]
-    assert all(r["off_tokens_per_s"] > 0 and r["k4_tokens_per_s"] > 0 for r in report["streams"])
-    assert all(r["default_tokens_per_s"] > 0 and r["default_vs_off"] > 0 for r in report["streams"])
+    for r in report["streams"]:  # both stacks served every setting
+        assert all(r[f"{s}_tokens_per_s"] > 0 for s in ("eager_off", "eager_k4", "off", "k4", "default"))
+        assert r["k4_vs_eager_k4"] > 0 and r["default_vs_off"] > 0
     # The forced acceptance holds: K = 4 chains are kept whole (4 drafts + a
     # bonus per cycle, less where max_new_tokens cuts the last cycle short).
     assert report["cycle"]["tokens_per_cycle"] >= 3.5
@@ -42,10 +44,11 @@ def test_gpu_benchmark_tiny_mode(tmp_path):
         assert r["verify_chain"]["syncs"] == 1 and r["verify_tree"]["syncs"] == 1
         assert r["draft_chain"]["syncs"] == 4
         assert "aten::scaled_dot_product_attention" in r["verify_chain"]["profile"]["attention"]
+        assert "aten::scaled_dot_product_attention" in r["verify_chain"]["profile_graphs"]["attention"]
         for kind in ("verify", "draft"):
             times = r["attention_settings"][kind]
-            for name in ("auto", "no_cudnn", "key_bucket_64"):
+            for name in ("eager", "no_cudnn", "key_bucket_64", "graphs"):
                 assert times[name] > 0
-            for name in ("no_cudnn", "key_bucket_64"):
-                assert len(times[f"{name}_over_auto"]["rounds"]) == 3
+            for name in ("no_cudnn", "key_bucket_64", "graphs"):
+                assert len(times[f"{name}_over_eager"]["rounds"]) == 3
     assert "forced" in report["meta"]["acceptance"]

@@ -14,6 +14,7 @@ from specd_core.runtime import lean_step
 from specd_core.runtime.kv_budget import KVPool
 from specd_core.runtime.lean import LeanModel
 from specd_core.runtime.models import dense_item, load_model
+from specd_core.runtime.paged_kv import NULL_BLOCK
 from specd_core.runtime.tree_tensors import TreeLevel, tree_attention
 from tests.tiny_models import build_model, build_tokenizer
 
@@ -99,7 +100,7 @@ def test_interleaved_blocks_and_a_pool_that_runs_out(llama):
             seq.append(50 + t)
             got = s.forward([seq[-1]])
             close(got[-1], hf_logits(llama, seq)[-1])
-    assert sorted(a.table + b.table) == list(range(1, 7)) and a.table != sorted(a.table + b.table)[:3]
+    assert sorted(a.table + b.table) == list(range(NULL_BLOCK, NULL_BLOCK + 6)) and a.table != sorted(a.table + b.table)[:3]
     assert pool.free_blocks == 0
     table, length = list(a.table), a.length
     with pytest.raises(CapacityExceeded, match="verifier KV budget full"):

@@ -15,7 +15,7 @@ import threading
 from specd_core.net.flags import add_flags, config_from_args
 from specd_core.net.grpc_util import prefer_latency, start_sync_server
 from specd_core.net.security import SecurityConfigError, TlsConfig, tls_from_args
-from specd_core.runtime import attention_backends
+from specd_core.runtime import attention_backends, step_graphs
 from specd_core.runtime.hub import ModelSpecError, resolve_model
 from specd_core.runtime.reaper import start_reaper
 from specd_core.telemetry import metrics, tracing
@@ -47,6 +47,7 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     try:  # read by the engine at load: checked before the (slow) model load
         attention_backends.from_env()
         attention_backends.key_bucket_from_env()
+        step_graphs.mode_from_env()
     except ValueError as exc:
         parser.exit(2, f"{name}: {exc}\n")
     try:  # a repo id: its directory in the Hugging Face cache, fetched now if missing

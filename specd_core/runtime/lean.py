@@ -18,7 +18,10 @@ the same number of operators whatever the number of sessions in it:
 * per layer, every weight matmul runs once over all rows, all new keys and
   values go to their blocks in one indexed write, and attention is one call
   over a padded batch (each session's keys gathered from its blocks by one
-  index; sessions of very different sizes in a few padded groups).
+  index; sessions of very different sizes in a few padded groups);
+* on CUDA, steps of a known shape (decode, verify, draft levels) replay a
+  CUDA graph of every layer instead of launching its kernels one by one
+  (specd_core/runtime/step_graphs.py).
 
 Configs this does not cover exactly (`supports`; e.g. MoE, other
 architectures, unknown RoPE types) fall back to the Hugging Face forward
@@ -52,7 +55,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from specd_core.runtime import attention_backends
+from specd_core.runtime import attention_backends, step_graphs
 from specd_core.runtime.arch import Arch, describe
 from specd_core.runtime.dense import Dense
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, kv_row_bytes
@@ -145,8 +148,35 @@ def _side_by_side(tapped: dict[int, torch.Tensor], taps: tuple[int, ...], sizes:
     return list(wide.split(sizes))
 
 
+def _layer_weights(model: LeanModel, i: int, layer) -> dict:
+    """Layer i's weights as plain tensors, and which window and RoPE it uses."""
+    a, mlp, arch = layer.self_attn, layer.mlp, model.arch
+    # One fused QKV matmul: fewer kernel launches is what matters at this size.
+    # Phi-3 stores QKV and gate/up fused already.
+    qkv = _fused(a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+    gate_up = _fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+    # The norm before the MLP: Gemma's pre_feedforward, the others' post_attention.
+    ln2 = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
+    return {
+        "ln1": model._norm_weight(layer.input_layernorm),
+        "ln2": model._norm_weight(ln2),
+        "post_attn": model._norm_weight(layer.post_attention_layernorm) if arch.sandwich else None,
+        "post_ff": model._norm_weight(layer.post_feedforward_layernorm) if arch.sandwich else None,
+        "q_norm": model._norm_weight(a.q_norm) if hasattr(a, "q_norm") else None,
+        "k_norm": model._norm_weight(a.k_norm) if hasattr(a, "k_norm") else None,
+        "qkv": qkv,
+        "o": _dense(a.o_proj),
+        "gate_up": gate_up,
+        "down": _dense(mlp.down_proj),
+        "kind": model.windows.index(arch.windows[i]),
+        "rope": model._rope_keys.index(arch.rope_keys[i]),
+    }
+
+
 class LeanModel:
     """Weights pulled out of a loaded HF model; forward on a LeanSession."""
+
+    graphable = True  # whether its steps may run through CUDA graphs (step_graphs.py)
 
     def __init__(self, hf_model):
         cfg = hf_model.config
@@ -188,34 +218,12 @@ class LeanModel:
         self.norm = self._norm_weight(m.norm)
         self.head, self.embed = _output_layer(hf_model)
         self.lm_head = self.head.weight
-        self.layers = [self._layer(i, layer) for i, layer in enumerate(m.layers)]
+        self.layers = [_layer_weights(self, i, layer) for i, layer in enumerate(m.layers)]
         self.vocab_size = self.lm_head.shape[0]
         # Sessions made without a pool (tests, tools) share this one, which grows.
         self.default_pool = KVPool(0, DEFAULT_BLOCK_ROWS, self.kv_row_bytes, "lean", growable=True)
-
-    def _layer(self, i: int, layer) -> dict:
-        """Layer i's weights as plain tensors, and which window and RoPE it uses."""
-        a, mlp, arch = layer.self_attn, layer.mlp, self.arch
-        # One fused QKV matmul: fewer kernel launches is what matters at this size.
-        # Phi-3 stores QKV and gate/up fused already.
-        qkv = _fused(a, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-        gate_up = _fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
-        # The norm before the MLP: Gemma's pre_feedforward, the others' post_attention.
-        ln2 = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
-        return {
-            "ln1": self._norm_weight(layer.input_layernorm),
-            "ln2": self._norm_weight(ln2),
-            "post_attn": self._norm_weight(layer.post_attention_layernorm) if arch.sandwich else None,
-            "post_ff": self._norm_weight(layer.post_feedforward_layernorm) if arch.sandwich else None,
-            "q_norm": self._norm_weight(a.q_norm) if hasattr(a, "q_norm") else None,
-            "k_norm": self._norm_weight(a.k_norm) if hasattr(a, "k_norm") else None,
-            "qkv": qkv,
-            "o": _dense(a.o_proj),
-            "gate_up": gate_up,
-            "down": _dense(mlp.down_proj),
-            "kind": self.windows.index(arch.windows[i]),
-            "rope": self._rope_keys.index(arch.rope_keys[i]),
-        }
+        # CUDA graphs of its bucketed steps (SPECD_CUDA_GRAPHS; None: off).
+        self.graphs = step_graphs.for_model(self, step_graphs.mode_from_env())
 
     def _norm_weight(self, norm) -> torch.Tensor | None:
         # Gemma's RMSNorm multiplies by (1 + weight) in float32: precomputed once.
@@ -288,7 +296,8 @@ class LeanModel:
         ids: the states entering those layers, id len(layers) the last
         layer's output before the final norm, side by side in that order,
         (n, len(ids) * C) (EAGLE-3's auxiliary layers)."""
-        step = plan(self, items, last_only)
+        graphs = self.graphs if self.graphs is not None and self.graphs.takes(items) else None
+        step = plan(self, items, last_only, step_graphs.key_columns if graphs is not None else None)
         top = max(e.end for e in step.entries)
         spans = [(e.start, e.end, e.positions is None and e.tree is None) for e in step.entries]
         rope = []
@@ -296,20 +305,32 @@ class LeanModel:
             cos, sin = r.cos_sin(step.positions, spans, top)
             rope.append((cos[:, None], sin[:, None]))
         taps = (len(self.layers),) if hidden is True else tuple(hidden or ())
-        tapped: dict[int, torch.Tensor] = {}
-        with attention_backends.restricted(self.attention_backends):
-            for i, L in enumerate(self.layers):
-                if i in taps:
-                    tapped[i] = x
-                x = x + self._attention(i, L, x, step, rope[L["rope"]])
-                x = x + self._mlp(L, x)
-        tapped[len(self.layers)] = x
+        ran = graphs.run(step, x, rope, taps) if graphs is not None else None
+        x, tapped = ran if ran is not None else self.run_layers(x, step, rope, taps)
         for e in step.entries:
             e.session.length = e.end
         sizes = [e.n for e in step.entries]
         states = _side_by_side(tapped, taps, sizes) if taps else None
         logits = self._logits(x, sizes, last_only, step.keep)
         return (logits, states) if taps else logits
+
+    def run_layers(
+        self, x: torch.Tensor, step: Step, rope: list, taps: tuple[int, ...], backends: list | None = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Every layer over a planned step: the last layer's output (R, C)
+        before the final norm, and the states entering the layers `taps`
+        (id len(layers): that output). What a CUDA graph captures
+        (specd_core/runtime/step_graphs.py): tensors in, tensors out.
+        backends: the attention implementations (None: the model's setting)."""
+        tapped: dict[int, torch.Tensor] = {}
+        with attention_backends.restricted(backends or self.attention_backends):
+            for i, L in enumerate(self.layers):
+                if i in taps:
+                    tapped[i] = x
+                x = x + self._attention(i, L, x, step, rope[L["rope"]])
+                x = x + self._mlp(L, x)
+        tapped[len(self.layers)] = x
+        return x, tapped
 
     def _attention(self, i: int, L: dict, x: torch.Tensor, step: Step, rope) -> torch.Tensor:
         """Layer i's attention block over all rows: its output projection, (R, C).

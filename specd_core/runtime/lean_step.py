@@ -53,7 +53,7 @@ included. A causal entry's keys start at its first row's window.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -258,8 +258,21 @@ def _k0(e: Entry, w: int | None) -> int:
     return max(0, e.start - w + 1)
 
 
+KeyRounding = Callable[[int], int]  # a group's key columns -> the columns it is given
+
+
+def round_to(bucket: int) -> KeyRounding | None:
+    """Key columns rounded up to a multiple of `bucket` (None: exact, for 0 or 1)."""
+    return None if bucket <= 1 else lambda k: -(-k // bucket) * bucket
+
+
 def _spec(
-    pack: _Pack, entries: list[Entry], members: list[int], windows: list[int | None], softcap: bool, bucket: int
+    pack: _Pack,
+    entries: list[Entry],
+    members: list[int],
+    windows: list[int | None],
+    softcap: bool,
+    round_keys: KeyRounding | None,
 ) -> _Spec:
     es = [entries[i] for i in members]
     rows = max(e.n for e in es)
@@ -268,9 +281,9 @@ def _spec(
         q_index = pack.put(e.r0 + min(r, e.n - 1) for e in es for r in range(rows))
     k0s = [[_k0(e, w) for e in es] for w in windows]
     keys = [max(e.end - k for e, k in zip(es, ks)) for ks in k0s]
-    if bucket > 1:  # key columns rounded up (masked past each entry's rows): fewer distinct shapes
-        keys = [-(-k // bucket) * bucket for k in keys]
-    lone = len(es) == 1 and bucket <= 1  # a lone entry's exact keys; a bucketed one takes the masked path
+    if round_keys is not None:  # key columns rounded up (masked past each entry's rows): fewer distinct shapes
+        keys = [round_keys(k) for k in keys]
+    lone = len(es) == 1 and round_keys is None  # a lone entry's exact keys; a rounded one takes the masked path
     b = es[0].session.block_rows
     width = max(-(-(k + ks[j]) // b) for k, ks in zip(keys, k0s) for j in range(len(es)))
     table = pack.put(t for e in es for t in (e.session.table[:width] + [0] * (width - len(e.session.table))))
@@ -326,15 +339,16 @@ def _lone_keys(pack: _Pack, e: Entry, k0: int) -> slice | range:
     return pack.put(s.slots(k0, e.end))
 
 
-def plan(model, items: list, last_only: bool | list[bool]) -> Step:
-    """The step of a forward_batch's items (see the module docstring)."""
+def plan(model, items: list, last_only: bool | list[bool], round_keys: KeyRounding | None = None) -> Step:
+    """The step of a forward_batch's items (see the module docstring); its
+    key columns rounded by `round_keys`, else by the model's key bucket."""
     entries = entries_of(items)
     if len({id(e.session.store) for e in entries}) > 1:
         raise ValueError("the sessions of one forward must share a KV pool")
     pack = _Pack()
     write = pack.put(s for e in entries for s in e.session.slots(e.start, e.end))
-    softcap, bucket = model.softcap is not None, model.key_bucket
-    specs = [_spec(pack, entries, m, model.windows, softcap, bucket) for m in group_entries(entries)]
+    softcap, rounding = model.softcap is not None, round_keys or round_to(model.key_bucket)
+    specs = [_spec(pack, entries, m, model.windows, softcap, rounding) for m in group_entries(entries)]
     order = _order(pack, entries, specs)
     keep = _keep(pack, entries, last_only)
     at, indexed = _positions(pack, entries)  # last: the tensors it appends follow every int

@@ -2,10 +2,13 @@
 replica, and sessions that each hold a table of block ids.
 
 Storage (`PagedKV.data`): (layers, rows, 2 (K, V), kv_heads, head_dim), rows
-= (blocks + 1) x block_rows. Block id b of the pool is storage block b + 1;
+= (blocks + 2) x block_rows. Block id b of the pool is storage block b + 2;
 storage block 0 is zeros and never handed out: attention reads it where a
 session of a padded batch has no row (specd_core/runtime/lean_step.py), and
 zeros are finite where the rest of the storage is uninitialised memory.
+Storage block 1 is never handed out either: the rows a CUDA graph's padding
+writes go there (specd_core/runtime/step_graphs.py), and nothing reads them
+unmasked.
 
 A row's keys and values are contiguous, so gathering a session's rows
 copies 2 x kv_heads x head_dim elements at a time (index_select on rows:
@@ -34,7 +37,8 @@ from specd_core.runtime.kv_budget import KVPool
 if TYPE_CHECKING:
     from specd_core.runtime.lean import LeanModel
 
-NULL_BLOCK = 1  # storage blocks before the pool's: block 0, zeros
+NULL_BLOCK = 2  # storage blocks before the pool's: block 0, zeros; block 1, padding's writes
+SCRATCH_BLOCK = 1
 
 
 class PagedKV:
