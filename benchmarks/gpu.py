@@ -159,8 +159,9 @@ def time_forwards(
     """(engine, [{sessions, rows, ms, ms_graphs, graphs_over_eager}]):
     forward_batch of `rows` new rows for each of `sessions` sessions that
     hold `context` tokens, eagerly and through the step graphs in
-    alternating calls (after one untimed call of each: the capture); median
-    of `reps` each, each call followed by a rollback to `context`."""
+    alternating calls (after two untimed calls of each: graphs capture a
+    shape when it is met again); median of `reps` each, each call followed
+    by a rollback to `context`."""
     from specd_core.runtime.step_graphs import StepGraphs
 
     runner = Runner(load_model(str(model_dir), device, dtype))
@@ -175,7 +176,7 @@ def time_forwards(
         for r in rows:
             items = [(c, token_ids[context : context + r], None, None) for c in caches]
             times: dict[str, list[float]] = {m: [] for m in modes}
-            for i in range(reps + 1):
+            for i in range(reps + 2):
                 for mode in alternating(list(modes), i):
                     if lean is not None:
                         lean.graphs = modes[mode]
@@ -183,7 +184,7 @@ def time_forwards(
                     start = time.perf_counter()
                     runner.forward_batch(items)
                     _sync(device)
-                    if i:
+                    if i >= 2:
                         times[mode].append((time.perf_counter() - start) * 1e3)
                     for c in caches:
                         c.rollback(context)
@@ -297,7 +298,8 @@ def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: l
             row[kind]["ms"] = row[kind].pop("host_ms")
         row["verify_chain"]["profile"] = profiled(_one_verify(verifier, ids, chain), device)
         _set(leans, STEP_SETTINGS["graphs"], graphs)
-        _one_verify(verifier, ids, chain)()  # captures this shape's graph
+        for _ in range(2):  # a shape is captured when met again (step_graphs.py)
+            _one_verify(verifier, ids, chain)()
         row["verify_chain"]["profile_graphs"] = profiled(_one_verify(verifier, ids, chain), device)
         _set(leans, STEP_SETTINGS["eager"], graphs)
         row["attention_settings"] = backend_ab(verifier, draft, ids, 3 if device == "cpu" else 6, device, graphs)

@@ -36,7 +36,7 @@ def models(tmp_path_factory):
 
 def steps(lm: LeanModel) -> list[torch.Tensor]:
     """The logits and hidden states of a served-like run over five sessions:
-    prefills (unbucketed: rows differ), lone decode rows, chains of 3 and 5
+    short prefills of different lengths, lone decode rows, chains of 3 and 5
     sessions (padded to 4 and 8), trees, a step past the sliding window, the
     same shapes again with fewer sessions (the padding must be put back)."""
     ss = [lm.new_session() for _ in range(5)]
@@ -52,6 +52,15 @@ def steps(lm: LeanModel) -> list[torch.Tensor]:
     out += logits + states
     out += lm.forward_batch([(s, [30], None, None) for s in ss])  # decode rows
     out += lm.forward_batch([(s, [31], None, None) for s in ss[3:]])  # the same bucket, two of five
+    # Sessions at different depths (adaptive chains), and a tree beside chains:
+    # rows padded to the longest, picked and put back by index.
+    out += lm.forward_batch([(s, list(range(40, 40 + k)), None, None) for s, k in zip(ss, (2, 5, 3, 1, 4))])
+    out += lm.forward_batch(
+        [(ss[0], [19, 20, 21, 22, 23, 24], None, tree), (ss[1], [7, 8, 9], None, None), (ss[2], [5], None, None)],
+        last_only=[False, True, False],
+    )
+    for s in ss:  # the blocks back: a second run finds the same storage
+        s.release()
     return out
 
 
@@ -63,15 +72,30 @@ def test_a_padded_static_step_gives_the_unpadded_steps_logits(models, family, mo
     padded = LeanModel(models[family])
     assert plain.graphs is None and padded.graphs is not None
     assert padded.graphs.capture == (DEVICE == "cuda")
-    exact, bucketed = steps(plain), steps(padded)
+    # Twice: on CUDA a shape is captured when met again, so the second run
+    # replays graphs (the first ran them eagerly); on a CPU both run padded.
+    exact, bucketed = steps(plain) + steps(plain), steps(padded) + steps(padded)
     for e, b in zip(exact, bucketed, strict=True):
         assert e.shape == b.shape
         assert torch.allclose(e, b, atol=1e-4), (e - b).abs().max()
         if e.dtype.is_floating_point and e.shape[-1] == plain.vocab_size:
             assert torch.equal(e.argmax(-1), b.argmax(-1))
     shapes = list(padded.graphs.statics)
-    # Through static buffers: 1 session as 1, 5 as 8, 3 as 4, 2 as 2; rows 1, 2, 5, 6.
-    assert {(s.sessions, s.rows) for s in shapes} == {(1, 1), (8, 5), (4, 5), (4, 6), (2, 2), (8, 1), (2, 1)}
+    # Through static buffers: 1 session as 1, 5 as 8, 3 as 4, 2 as 2; rows 1, 2,
+    # 5, 6; the mixed steps (indexed) as 8 x 5 and 4 x 6, and so the short
+    # prefills at the start (25-33 rows as 8 x 33: within the padding allowed).
+    assert {(s.sessions, s.rows, s.indexed) for s in shapes} == {
+        (8, 33, True),
+        (1, 1, False),
+        (8, 5, False),
+        (4, 5, False),
+        (4, 6, False),
+        (2, 2, False),
+        (8, 1, False),
+        (2, 1, False),
+        (8, 5, True),
+        (4, 6, True),
+    }
     assert all(k % 64 == 0 for s in shapes for k in s.keys)
     assert padded.graphs.captured == (len(shapes) if DEVICE == "cuda" else 0)
     data = padded.default_pool.storage.data
@@ -87,13 +111,19 @@ def test_the_graph_buckets():
         assert k <= key_columns(k) <= max(64, 1.25 * k)
 
 
-def test_prefills_and_mixed_steps_run_unpadded(models, monkeypatch):
+def test_prefills_and_steps_that_padding_would_swell_run_unpadded(models, monkeypatch):
     monkeypatch.setenv(ENV, "on")
     lm = LeanModel(models["llama3"])
-    a, b = lm.new_session(), lm.new_session()
-    lm.forward_batch([(a, list(range(5, 80)), None, None)])  # 75 rows: more than a graph takes
-    lm.forward_batch([(a, [1, 2], None, None), (b, [3], None, None)])  # rows differ
+    ss = [lm.new_session() for _ in range(5)]
+    lm.forward_batch([(ss[0], list(range(5, 80)), None, None)])  # 75 rows: more than a graph takes
+    # 60 rows beside four decode rows: 8 x 60 padded rows for 64 real ones
+    lm.forward_batch(
+        [(ss[1], list(range(5, 65)), None, None)] + [(s, [3], None, None) for s in ss[2:]] + [(ss[0], [4], None, None)]
+    )
     assert not lm.graphs.statics
+    for _ in range(2):  # 2 x 2 rows for 3: padded (on CUDA captured when met again)
+        lm.forward_batch([(ss[1], [1, 2], None, None), (ss[2], [3], None, None)])
+    assert [(s.sessions, s.rows, s.indexed) for s in lm.graphs.statics] == [(2, 2, True)]
 
 
 def test_the_setting(monkeypatch):

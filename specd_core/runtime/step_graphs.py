@@ -10,18 +10,23 @@ one only when its shape falls in a bucket:
 * sessions padded up to SESSION_BUCKETS (padding sessions see only the zero
   block's row, their rows' keys and values go to the pool's scratch block,
   specd_core/runtime/paged_kv.py, and their outputs are dropped);
-* every session the same number of rows, at most MAX_ROWS: a decode step
-  (1), a verify step of chains of one depth or trees of one size, a draft
-  level. Prefills and mixed steps run as they are, without a graph;
+* rows per session padded to the longest session's, at most MAX_ROWS: a
+  decode step (1), a verify step of chains or trees, a draft level, also
+  of sessions at different depths (the query rows picked and the outputs
+  put back by index, as the eager plan does for a group). Prefills, and
+  steps whose padding would multiply their rows (PADDED_ROWS_FACTOR), run
+  as they are, without a graph;
 * key columns rounded up by `key_columns` (at most a quarter more than
   needed), masked past each session's rows: a new graph once per stretch
   of growth, not per token.
 
 The step's plan (specd_core/runtime/lean_step.py) is made as usual, on the
 device, then copied into the graph's static inputs; the embeddings before
-the layers and the final norm and head after them run outside it. Graphs
-are captured when a shape is first seen and kept, the least recently used
-dropped past MAX_GRAPHS; they share one memory pool.
+the layers and the final norm and head after them run outside it. A shape
+is captured the second time it is met (the first time it runs eagerly, so
+one-off shapes, a batch of short prefills say, cost no capture) and kept,
+the least recently used dropped past MAX_GRAPHS; the graphs share one
+memory pool.
 
 `SPECD_CUDA_GRAPHS`: auto (the default: on on CUDA, off elsewhere), on, off.
 "on" on a CPU runs the same padded static steps without capturing (there is
@@ -51,6 +56,13 @@ log = logging.getLogger(__name__)
 ENV = "SPECD_CUDA_GRAPHS"
 SESSION_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MAX_ROWS = 64  # rows per session: a verify tree of up to 63 nodes
+# A step runs padded when its padded rows (sessions' bucket x the longest
+# session's rows) are at most this many times its real rows, or at most
+# FREE_ROWS: on a large GPU a step of a few hundred rows costs little more
+# than one of a few (reading the weights dominates), while an eager step
+# costs several times its graph (benchmarks/README.md).
+PADDED_ROWS_FACTOR = 4
+FREE_ROWS = 256
 MAX_GRAPHS = 256  # each holds only its static inputs; the memory of its work is one shared pool
 MODES = ("auto", "on", "off")
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -82,6 +94,7 @@ def sessions_bucket(n: int) -> int | None:
 class Shape(NamedTuple):
     sessions: int
     rows: int
+    indexed: bool  # sessions of different row counts: query rows picked by index, outputs put back by index
     keys: tuple[int, ...]  # key columns per window kind
     taps: tuple[int, ...]
     storage: tuple[int, tuple[int, ...]]  # the KV storage's address and shape
@@ -102,9 +115,15 @@ class _Static:
         self.write = torch.full((rows,), self.scratch, dtype=torch.long, device=dev)
         self.keys = [torch.zeros(shape.sessions, k, dtype=torch.long, device=dev) for k in shape.keys]
         self.masks = [_pad_mask(shape.sessions, shape.rows, k, model.kv_dtype, dev) for k in shape.keys]
-        group = Group(shape.sessions, shape.rows, None, list(self.keys), list(self.masks), False)
+        # Sessions of different row counts: x holds the real rows first, the
+        # rest is padding; q_index picks each session's query rows (its last
+        # repeated), order puts the outputs back in x's rows. Values past a
+        # step's own stay from earlier steps: any index into the buffers is valid.
+        self.q_index = torch.zeros(rows, dtype=torch.long, device=dev) if shape.indexed else None
+        self.order = torch.zeros(rows, dtype=torch.long, device=dev) if shape.indexed else None
+        group = Group(shape.sessions, shape.rows, self.q_index, list(self.keys), list(self.masks), False)
         no_positions = torch.empty(0, dtype=torch.long, device=dev)  # the layers read the RoPE tables only
-        self.step = Step([], data, no_positions, self.write, [group], None, None)
+        self.step = Step([], data, no_positions, self.write, [group], self.order, None)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.tapped: dict[int, torch.Tensor] = {}
@@ -119,6 +138,10 @@ class _Static:
         self.write[:n].copy_(step.write)
         if n < self.write.shape[0]:
             self.write[n:].fill_(self.scratch)
+        if self.q_index is not None and self.order is not None:
+            assert g.q_index is not None and step.order is not None
+            self.q_index[: g.q_index.shape[0]].copy_(g.q_index)
+            self.order[:n].copy_(step.order)
         for keys, masks, k, m in zip(self.keys, self.masks, g.keys, g.masks):
             assert isinstance(k, torch.Tensor) and m is not None  # StepGraphs.run took only such groups
             keys[: g.size].copy_(k)
@@ -144,23 +167,26 @@ class StepGraphs:
         self.model = model
         self.capture = capture
         self.statics: OrderedDict[Shape, _Static] = OrderedDict()
+        self.seen: set[Shape] = set()  # shapes that ran eagerly once: captured when met again
         self.pool: Any = None  # the graphs' shared memory pool, once one is captured
         self.captured = 0
         self.backends: list | None = None  # the attention implementations the captures use, once one succeeded
 
     def takes(self, items: list) -> bool:
         """Whether a forward's items can run as a bucketed step: few enough
-        sessions, each with the same number of rows, not too many."""
-        if not items or sessions_bucket(len(items)) is None:
+        sessions, none with more than MAX_ROWS rows, and the padded step not
+        much larger than the real one (every session padded to the longest)."""
+        bucket = sessions_bucket(len(items))
+        if not items or bucket is None:
             return False
-        n = len(items[0][1])
-        return 0 < n <= MAX_ROWS and all(len(it[1]) == n for it in items)
+        sizes = [len(it[1]) for it in items]
+        return 0 < max(sizes) <= MAX_ROWS and bucket * max(sizes) <= max(PADDED_ROWS_FACTOR * sum(sizes), FREE_ROWS)
 
     def run(self, step: Step, x: torch.Tensor, rope: list, taps: tuple[int, ...]):
         """The layers' output (R, C) and taps of a planned step through its
         graph, or None when the plan is not one padded group (then the
         caller runs it as it is)."""
-        if len(step.groups) != 1 or step.order is not None or step.groups[0].q_index is not None:
+        if len(step.groups) != 1:
             return None
         g = step.groups[0]
         keys = [k for k in g.keys if isinstance(k, torch.Tensor)]
@@ -168,7 +194,10 @@ class StepGraphs:
             return None
         bucket = sessions_bucket(g.size)
         assert bucket is not None
-        shape = Shape(bucket, g.rows, tuple(k.shape[1] for k in keys), taps, _storage(step.data))
+        indexed = g.q_index is not None
+        shape = Shape(bucket, g.rows, indexed, tuple(k.shape[1] for k in keys), taps, _storage(step.data))
+        if self.capture and shape not in self.statics and not self._seen_before(shape):
+            return None  # a shape met once (a prefill's, say) is not worth a capture yet
         st = self._static(shape, step)
         st.load(step, x, rope)
         if st.graph is None and self.capture:
@@ -180,6 +209,15 @@ class StepGraphs:
         n = x.shape[0]
         assert st.out is not None
         return st.out[:n], {i: t[:n].clone() for i, t in st.tapped.items()}
+
+    def _seen_before(self, shape: Shape) -> bool:
+        """Whether a step of this shape ran before (and note that it has now)."""
+        if shape in self.seen:
+            return True
+        if len(self.seen) >= 16 * MAX_GRAPHS:
+            self.seen.clear()
+        self.seen.add(shape)
+        return False
 
     def _static(self, shape: Shape, step: Step) -> _Static:
         st = self.statics.get(shape)
