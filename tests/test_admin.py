@@ -72,6 +72,7 @@ def test_status_reports_each_replicas_engine_model_and_kv(pairs, capsys):
         assert "note: verifier-0 runs the Hugging Face fallback engine for llama" in out and "docs/models.md" in out
         assert "METRICS" in out and "orchestrator metrics" not in out   # none known (started by hand)
         assert "drafter-0 drafts with draft_model: a draft model\n" in out
+        assert "CUDA graphs" not in out  # off on a CPU unless asked for
         assert main(["metrics-targets", "--address", stack.orchestrator.address]) == 0
         assert json.loads(capsys.readouterr().out) == []
     finally:

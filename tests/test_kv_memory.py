@@ -61,6 +61,7 @@ def test_budget_refuses_what_does_not_fit_and_others_go_on(pairs):
             info = _info(stub)
             assert (info.kv_capacity_tokens, info.kv_block_tokens, info.kv_used_tokens) == (128, 16, 0)
             assert info.engine == "lean" and info.architecture == "LlamaForCausalLM" and info.dtype == "float32"
+            assert info.cuda_graphs == "off"  # auto: off on a CPU
             _open(stub, "a", list(range(40, 80)))   # 40 rows: 3 blocks
             _open(stub, "b", list(range(40, 80)))   # 3 blocks
             msg = _refused(lambda: _open(stub, "c", list(range(40, 80))))

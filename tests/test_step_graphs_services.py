@@ -6,7 +6,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from specd.cli import main
 from specd.local_stack import Stack
+from specd_core.api.v1 import specdec_pb2 as pb
+from specd_core.api.v1 import specdec_pb2_grpc as pb_grpc
 from specd_core.runtime.models import load_model, load_tokenizer
 from specd_core.runtime.step_graphs import ENV
 from tests.test_family_services import MAX_NEW, _prompts
@@ -16,7 +19,7 @@ from tests.tiny_models import build_model, build_perturbed_drafter, build_tokeni
 pytestmark = pytest.mark.services
 
 
-def test_greedy_through_services_with_padded_steps_equals_target_only(tmp_path):
+def test_greedy_through_services_with_padded_steps_equals_target_only(tmp_path, capsys):
     """The real services with SPECD_CUDA_GRAPHS=on (on a CPU: every decode,
     verify and draft step through the padded static buffers), three streams
     at once so that steps hold 1-3 sessions padded to 1, 2 or 4: greedy output
@@ -30,6 +33,13 @@ def test_greedy_through_services_with_padded_steps_equals_target_only(tmp_path):
     try:
         for proc in (stack.verifier, stack.drafter_proc):  # both replicas run their steps padded
             assert any("CUDA graphs (SPECD_CUDA_GRAPHS=on): padded static steps" in line for line in proc.lines)
+        status = pb_grpc.AdminServiceStub(stack.channel).Status(pb.StatusRequest(), timeout=30)
+        assert {(r.kind, r.cuda_graphs) for r in status.replicas} == {
+            ("verifier", "on: padded static steps, no capture on cpu"),
+            ("drafter", "on: padded static steps, no capture on cpu"),
+        }
+        assert main(["status", "--address", stack.orchestrator.address]) == 0
+        assert "verifier-0 CUDA graphs on: padded static steps, no capture on cpu\n" in capsys.readouterr().out
         for draft in ({"num_speculative_tokens": 3}, {"tree": {"branching": [2, 2, 1]}}):
             with ThreadPoolExecutor(len(prompts)) as pool:
                 runs = list(

@@ -40,6 +40,7 @@ REPLICA_INFO_FIELDS = (
     "prefix_queried_tokens",
     "prefix_hit_tokens",
     "drafting",
+    "cuda_graphs",
 )
 # Status waits this long for a replica's Info: a stuck replica must not stall it.
 INFO_TIMEOUT_S = 2.0

@@ -68,10 +68,18 @@ def print_status(status) -> None:
         print(f"orchestrator metrics: {status.metrics_address}  (all targets: specd metrics-targets)")
     for model, names in _models(status.replicas).items():
         print(f"model {model}: {', '.join(names)}")
-    for r in sorted(status.replicas, key=lambda r: r.name):
+    print_replica_notes(status.replicas)
+
+
+def print_replica_notes(replicas) -> None:
+    """A line per replica for what its row does not say: its drafting, its
+    CUDA graphs, the fallback engine."""
+    for r in sorted(replicas, key=lambda r: r.name):
         if r.drafting:
             print(f"{r.name} drafts with {r.drafting}")
-    for r in status.replicas:
+        if r.cuda_graphs.startswith("on"):
+            print(f"{r.name} CUDA graphs {r.cuda_graphs}")
+    for r in replicas:
         if r.engine == "hf":
             print(
                 f"note: {r.name} runs the Hugging Face fallback engine for {r.model_type or r.architecture} "

@@ -16,6 +16,7 @@ from specd_core.errors import InvalidRequest
 from specd_core.rules.sampling import SamplingParams
 from specd_core.rules.structured import OutputConstraint
 from specd_core.rules.validation import check_token_ids
+from specd_core.runtime import step_graphs
 from specd_core.runtime.grammar import Constraint, GrammarEngine, engine_of, eos_ids, try_engine
 from specd_core.runtime.hub import model_label
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool, budget_bytes
@@ -120,6 +121,7 @@ class ModelCore:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "kv_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
             "sessions": self.num_sessions,
+            "cuda_graphs": step_graphs.describe(getattr(self.runner, "lean", None)),
             **self.kv_pool.describe(),
         }
 

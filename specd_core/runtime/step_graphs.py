@@ -172,6 +172,12 @@ class StepGraphs:
         self.captured = 0
         self.backends: list | None = None  # the attention implementations the captures use, once one succeeded
 
+    def describe(self) -> str:
+        """What a replica reports of its graphs (ReplicaInfo.cuda_graphs)."""
+        if not self.capture:
+            return f"on: padded static steps, no capture on {self.model.device.type}"
+        return f"on: {self.captured} shapes captured, {len(self.statics)} kept"
+
     def takes(self, items: list) -> bool:
         """Whether a forward's items can run as a bucketed step: few enough
         sessions, none with more than MAX_ROWS rows, and the padded step not
@@ -260,6 +266,12 @@ class StepGraphs:
         model.graphs = None
         self.statics.clear()
         st.out, st.tapped = model.run_layers(st.x, st.step, st.rope, taps)
+
+
+def describe(model) -> str:
+    """A model's graphs as a replica reports them: "off" unless a lean model has them on."""
+    graphs = getattr(model, "graphs", None)
+    return "off" if graphs is None else graphs.describe()
 
 
 def _storage(data: torch.Tensor) -> tuple[int, tuple[int, ...]]:

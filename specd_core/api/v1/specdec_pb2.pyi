@@ -207,7 +207,7 @@ class ReplicaInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("engine", "architecture", "model_type", "dtype", "kv_dtype", "sessions", "kv_block_tokens", "kv_capacity_blocks", "kv_used_blocks", "kv_capacity_tokens", "kv_used_tokens", "kv_capacity_bytes", "kv_used_bytes", "model", "prefix_caching", "prefix_cached_blocks", "prefix_idle_blocks", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_evicted_blocks", "drafting")
+    __slots__ = ("engine", "architecture", "model_type", "dtype", "kv_dtype", "sessions", "kv_block_tokens", "kv_capacity_blocks", "kv_used_blocks", "kv_capacity_tokens", "kv_used_tokens", "kv_capacity_bytes", "kv_used_bytes", "model", "prefix_caching", "prefix_cached_blocks", "prefix_idle_blocks", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_evicted_blocks", "drafting", "cuda_graphs")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class ReplicaInfo(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     engine: str
     architecture: str
     model_type: str
@@ -250,7 +251,8 @@ class ReplicaInfo(_message.Message):
     prefix_hit_tokens: int
     prefix_evicted_blocks: int
     drafting: str
-    def __init__(self, engine: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_idle_blocks: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., drafting: _Optional[str] = ...) -> None: ...
+    cuda_graphs: str
+    def __init__(self, engine: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_idle_blocks: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., drafting: _Optional[str] = ..., cuda_graphs: _Optional[str] = ...) -> None: ...
 
 class OpenVerifySessionRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "sampling", "resume", "return_hidden_states", "generated_from", "owner", "hidden_layers")
@@ -473,7 +475,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("kind", "name", "address", "node", "sessions", "draining", "lost", "engine", "architecture", "dtype", "kv_capacity_tokens", "kv_used_tokens", "kv_capacity_bytes", "kv_used_bytes", "model_type", "metrics_address", "model", "prefix_queried_tokens", "prefix_hit_tokens", "drafting")
+    __slots__ = ("kind", "name", "address", "node", "sessions", "draining", "lost", "engine", "architecture", "dtype", "kv_capacity_tokens", "kv_used_tokens", "kv_capacity_bytes", "kv_used_bytes", "model_type", "metrics_address", "model", "prefix_queried_tokens", "prefix_hit_tokens", "drafting", "cuda_graphs")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -494,6 +496,7 @@ class ReplicaStatus(_message.Message):
     PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     address: str
@@ -514,7 +517,8 @@ class ReplicaStatus(_message.Message):
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     drafting: str
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., lost: _Optional[bool] = ..., engine: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model_type: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model: _Optional[str] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., drafting: _Optional[str] = ...) -> None: ...
+    cuda_graphs: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., lost: _Optional[bool] = ..., engine: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., model_type: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model: _Optional[str] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., drafting: _Optional[str] = ..., cuda_graphs: _Optional[str] = ...) -> None: ...
 
 class OrchestratorStatus(_message.Message):
     __slots__ = ("name", "address", "node", "pid", "active_requests", "max_active_requests", "draining", "metrics_address", "http_address", "owner")
