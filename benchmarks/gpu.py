@@ -1,7 +1,7 @@
 """What a verify forward, a draft level and a cycle cost on a GPU, with a
 Llama-3.1-8B target and a Llama-3.2-1B drafter (shapes only: random weights).
 
-    python -m benchmarks.gpu                 # one CUDA device, bf16 (~5 min, half of it building the pair)
+    python -m benchmarks.gpu                 # one CUDA device, bf16 (~6 min; --parts picks some)
     python -m benchmarks.gpu --tiny          # the same steps, tiny shapes, on the CPU (the test suite runs this)
 
 1. Verify-forward ms by rows per session (1 = plain decoding, 5 = a chain of
@@ -15,13 +15,19 @@ Llama-3.1-8B target and a Llama-3.2-1B drafter (shapes only: random weights).
    static tree, a draft step of a chain K = 4, by sessions: their ms, operator
    calls and host syncs (counted at the dispatcher), and from torch's
    profiler the device kernels launched, the host's synchronize calls and the
-   attention operator and kernels that ran.
-4. Through the real services (specd.local_stack): tokens/s with
-   speculation off, with K = 4 and with the default (adaptive: the depth,
-   0 included, chosen by measured costs) at 1, 8, 32 and 64 concurrent streams, in
-   alternating rounds (the ratio's interval comes from them,
-   benchmarks/common.py ratio_interval), and the per-cycle overhead (wall time
-   minus draft and verify compute; GenerationStats.cycle_overhead_ms).
+   attention operator and kernels that ran, eagerly and through CUDA graphs;
+   then the same steps at the sessions' new lengths (as served), and a verify
+   step of chains of depths 1 to 5 across the sessions, under each setting of
+   STEP_SETTINGS (attention implementations, key buckets, CUDA graphs) in
+   alternating rounds.
+4. Through the real services (specd.local_stack), two stacks side by side,
+   one with CUDA graphs (the default on CUDA) and one without
+   (SPECD_CUDA_GRAPHS=off): tokens/s with speculation off and K = 4 on each,
+   and the default (adaptive: the depth, 0 included, chosen by measured
+   costs) with graphs, at 1, 8, 32 and 64 concurrent streams, in alternating
+   rounds (the ratios' intervals come from them, benchmarks/common.py
+   ratio_interval), and the per-cycle overhead (wall time minus draft and
+   verify compute; GenerationStats.cycle_overhead_ms).
 
 Acceptance is forced: both models are built to predict the token they read
 (benchmarks/synthetic.py), so the drafter copies the target's choice and every
@@ -344,8 +350,9 @@ def _set(cores_lean: list, setting: tuple[str | None, int, bool], graphs: dict) 
 
 
 def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str, graphs: dict) -> dict[str, Any]:
-    """A verify step of chains K = 4 and a draft step of a chain K = 4 under
-    each setting, in rounds that alternate the order: each step runs at the
+    """A verify step of chains K = 4, one of chains of depths 1 to 5 across
+    the sessions, and a draft step of a chain K = 4 under each setting, in
+    rounds that alternate the order: each step runs at the
     sessions' new lengths, as served steps do (a new shape every step; the
     graphs' shapes change once per key bucket). Per setting the median ms;
     each setting's ratio over eager, paired round by round, with its interval."""
@@ -353,17 +360,21 @@ def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str, graphs
     from specd_core.runtime.propose_call import ProposeCall
 
     chain, leans = DraftShape.chain(4), [verifier.runner.lean, draft.runner.lean]
-    times: dict[str, dict[str, list[float]]] = {k: {s: [] for s in STEP_SETTINGS} for k in ("verify", "draft")}
+    kinds = ("verify", "verify_mixed", "draft")
+    times: dict[str, dict[str, list[float]]] = {k: {s: [] for s in STEP_SETTINGS} for k in kinds}
     committed = iter(range(11, 10**6))
     for r in range(rounds):
         for name in alternating(list(STEP_SETTINGS), r):
             _set(leans, STEP_SETTINGS[name], graphs)
-            run = _one_verify(verifier, ids, chain)
-            _sync(device)
-            start = time.perf_counter()
-            run()
-            _sync(device)
-            times["verify"][name].append((time.perf_counter() - start) * 1e3)
+            for kind, run in (
+                ("verify", _one_verify(verifier, ids, chain)),
+                ("verify_mixed", _mixed_verify(verifier, ids)),
+            ):
+                _sync(device)
+                start = time.perf_counter()
+                run()
+                _sync(device)
+                times[kind][name].append((time.perf_counter() - start) * 1e3)
             jobs = [draft.prepare(ProposeCall(i, [], [next(committed)], chain)) for i in ids]
             start = time.perf_counter()
             draft.propose_batch(jobs)
@@ -376,6 +387,13 @@ def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str, graphs
         for name in list(STEP_SETTINGS)[1:]:
             out[kind][f"{name}_over_eager"] = paired_ratio(by[name], by["eager"])
     return out
+
+
+def _mixed_verify(verifier, ids: list[str]):
+    """A prepared verify step of chains of depths 1 to 5 across the sessions
+    (as adaptive depths differ between sessions), as a call."""
+    jobs = [verifier.prepare(i, list(range(7, 8 + n % 5)), None) for n, i in enumerate(ids)]
+    return lambda: verifier.verify_batch(jobs)
 
 
 def _one_verify(verifier, ids: list[str], shape):
@@ -643,7 +661,7 @@ def report_steps(result: dict) -> None:
     last = result["steps"][-1]
     print(f"attention at {last['sessions']} sessions: {last['verify_chain']['profile']['attention']}")
     others = list(STEP_SETTINGS)[1:]
-    for kind in ("verify", "draft"):
+    for kind in ("verify", "verify_mixed", "draft"):
         print(f"\n{kind} step ms by setting (over eager, interval)")
         print("| sessions | eager | " + " | ".join(others) + " |")
         print("|---" * (2 + len(others)) + "|")

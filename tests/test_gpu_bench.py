@@ -45,7 +45,7 @@ def test_gpu_benchmark_tiny_mode(tmp_path):
         assert r["draft_chain"]["syncs"] == 4
         assert "aten::scaled_dot_product_attention" in r["verify_chain"]["profile"]["attention"]
         assert "aten::scaled_dot_product_attention" in r["verify_chain"]["profile_graphs"]["attention"]
-        for kind in ("verify", "draft"):
+        for kind in ("verify", "verify_mixed", "draft"):
             times = r["attention_settings"][kind]
             for name in ("eager", "no_cudnn", "key_bucket_64", "graphs"):
                 assert times[name] > 0
