@@ -392,13 +392,17 @@ def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str, graphs
 def _mixed_verify(verifier, ids: list[str]):
     """A prepared verify step of chains of depths 1 to 5 across the sessions
     (as adaptive depths differ between sessions), as a call."""
-    jobs = [verifier.prepare(i, list(range(7, 8 + n % 5)), None) for n, i in enumerate(ids)]
-    return lambda: verifier.verify_batch(jobs)
+    return _verify_call(verifier, ids, [1 + n % 5 for n in range(len(ids))])
 
 
 def _one_verify(verifier, ids: list[str], shape):
     """A prepared verify step of chains of `shape` for `ids`, as a call."""
-    jobs = [verifier.prepare(i, list(range(7, 7 + shape.depth)), None) for i in ids]
+    return _verify_call(verifier, ids, [shape.depth] * len(ids))
+
+
+def _verify_call(verifier, ids: list[str], depths: list[int]):
+    """A prepared verify step of a chain of depths[i] drafts for session ids[i], as a call."""
+    jobs = [verifier.prepare(i, list(range(7, 7 + d)), None) for i, d in zip(ids, depths)]
     return lambda: verifier.verify_batch(jobs)
 
 
