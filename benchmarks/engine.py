@@ -30,7 +30,10 @@ cache grows). Beside each verify step, its arithmetic floor
 least any engine's step costs on this machine.
 
 Verify steps: chains of K = 4 (5 rows per session) and a static tree
-(branching 2, 2: 6 nodes, 7 rows). Draft steps: a chain of K = 4 (its 4 levels
+(branching 2, 2: 6 nodes, 7 rows), greedy; and chains of K = 4 of sampled
+sessions (temperature 0.8, drafts chosen without sampling). The sampled
+sessions' uniforms come from their host generators (on any device): their
+operators and reads are not counted. Draft steps: a chain of K = 4 (its 4 levels
 and the forward of the committed tokens); per level = per step / 4.
 
 Writes benchmarks/results/engine.json (or --out) and prints the tables.
@@ -58,6 +61,7 @@ from drafter_svc.core import Drafter
 from specd_core.rules.draft_shape import DraftShape
 from specd_core.rules.sampling import SamplingParams
 from specd_core.runtime.propose_call import ProposeCall
+from verifier_svc import batch as verifier_batch
 from verifier_svc.config import VerifierConfig
 from verifier_svc.core import Verifier
 
@@ -103,6 +107,7 @@ TARGET_SHAPE: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 TREE = DraftShape(branching=(2, 2))
+SAMPLED = SamplingParams(temperature=0.8, seed=3)
 
 
 class OpCounter(TorchDispatchMode):
@@ -111,9 +116,11 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
+        if not self.paused:
+            self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -128,22 +135,40 @@ def counting():
     wrapped here."""
     reads: Counter[str] = Counter()
     originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+    counter = OpCounter()
 
     def wrap(name, fn):
         def wrapped(self, *a, **k):
-            reads[name] += 1
+            if not counter.paused:
+                reads[name] += 1
             return fn(self, *a, **k)
 
         return wrapped
 
+    # A sampled session's uniforms come from its generator on the host, on
+    # any device: neither their operator nor their read is the device's.
+    host_uniforms = getattr(verifier_batch, "uniforms", None)  # None: a checkout from before them
+
+    def uncounted_uniforms(*a, **k):
+        assert host_uniforms is not None
+        counter.paused = True
+        try:
+            return host_uniforms(*a, **k)
+        finally:
+            counter.paused = False
+
     for name, fn in originals.items():
         setattr(torch.Tensor, name, wrap(name, fn))
+    if host_uniforms is not None:
+        verifier_batch.uniforms = uncounted_uniforms
     try:
-        with OpCounter() as ops:
+        with counter as ops:
             yield ops, reads
     finally:
         for name, fn in originals.items():
             setattr(torch.Tensor, name, fn)
+        if host_uniforms is not None:
+            verifier_batch.uniforms = host_uniforms
 
 
 def summarize(ops: Counter, reads: Counter) -> dict[str, int]:
@@ -309,8 +334,11 @@ def measure(args: argparse.Namespace, target: Path, drafter_dir: Path) -> list[d
     rows, names = [], itertools.count()
     for n in args.sessions:
         ids = [f"s{next(names)}" for _ in range(n)]
+        sampled = [f"s{next(names)}" for _ in range(n)]  # the same prompts, sampled
         prompts = _prompts(n, args.context, verifier.vocab_size)
-        for r in verifier.verify_batch([verifier.prepare_open(i, p, params) for i, p in zip(ids, prompts)]):
+        opens = [verifier.prepare_open(i, p, params) for i, p in zip(ids, prompts)]
+        opens += [verifier.prepare_open(i, p, SAMPLED) for i, p in zip(sampled, prompts)]
+        for r in verifier.verify_batch(opens):
             assert not isinstance(r, Exception), r
         for i, p in zip(ids, prompts):
             drafter.open_session(i, p, params)
@@ -318,6 +346,7 @@ def measure(args: argparse.Namespace, target: Path, drafter_dir: Path) -> list[d
             "sessions": n,
             "verify_chain": verify_steps(verifier, ids, DraftShape.chain(4), args.reps),
             "verify_tree": verify_steps(verifier, ids, TREE, args.reps),
+            "verify_chain_sampled": verify_steps(verifier, sampled, DraftShape.chain(4), args.reps),
             "draft_chain": draft_steps(drafter, ids, DraftShape.chain(4), args.reps),
             "draft_tree": draft_steps(drafter, ids, TREE, args.reps),
         }
@@ -332,6 +361,8 @@ def measure(args: argparse.Namespace, target: Path, drafter_dir: Path) -> list[d
         for i in ids:  # the next point starts from empty caches
             verifier.close_session(i)
             drafter.close_session(i)
+        for i in sampled:
+            verifier.close_session(i)
     return rows
 
 
@@ -365,7 +396,7 @@ def run(args: argparse.Namespace) -> dict:
                 else {}
             ),
         }
-        for kind in ("verify_chain", "verify_tree", "draft_chain", "draft_tree")
+        for kind in ("verify_chain", "verify_tree", "verify_chain_sampled", "draft_chain", "draft_tree")
     }
     result = {
         "when": utc_now(),
@@ -383,6 +414,7 @@ def report(result: dict, args: argparse.Namespace) -> None:
     for kind, what in (
         ("verify_chain", "verify, chain K=4"),
         ("verify_tree", "verify, tree 2x2"),
+        ("verify_chain_sampled", "verify, chain K=4, sampled (temperature 0.8)"),
         ("draft_chain", "draft, chain K=4 (one step: 4 levels)"),
         ("draft_tree", "draft, tree 2x2 (one step: 1 level forwarded)"),
     ):

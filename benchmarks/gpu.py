@@ -11,8 +11,8 @@ Llama-3.1-8B target and a Llama-3.2-1B drafter (shapes only: random weights).
    alternating calls.
 2. Draft ms per level (one row per session) by sessions, the same way.
 3. Whole steps through the services' own cores in-process (as
-   benchmarks/engine.py runs them): a verify step of chains K = 4 and of a
-   static tree, a draft step of a chain K = 4, by sessions: their ms, operator
+   benchmarks/engine.py runs them): a verify step of chains K = 4 (greedy
+   and sampled) and of a static tree, a draft step of a chain K = 4, by sessions: their ms, operator
    calls and host syncs (counted at the dispatcher), and from torch's
    profiler the device kernels launched, the host's synchronize calls and the
    attention operator and kernels that ran, eagerly and through CUDA graphs;
@@ -261,8 +261,9 @@ def profiled(run, device: str) -> dict[str, Any]:
 def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: list[int], context: int) -> list[dict]:
     """Whole steps through the services' own cores (benchmarks/engine.py's
     verify_steps / draft_steps, random drafts: mostly rejected): per number of
-    sessions, a verify step of chains K = 4 and of the static tree and a draft
-    step of a chain K = 4, each with its dispatcher counts, min ms of 3 steps,
+    sessions, a verify step of chains K = 4 (greedy, and sampled: their chains
+    decided on the device) and of the static tree and a draft step of a
+    chain K = 4, each with its dispatcher counts, min ms of 3 steps,
     and one more step under the profiler."""
     from drafter_svc.config import DrafterConfig
     from drafter_svc.core import Drafter
@@ -271,7 +272,7 @@ def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: l
     from verifier_svc.config import VerifierConfig
     from verifier_svc.core import Verifier
 
-    from .engine import TREE, _prompts, draft_steps, verify_steps
+    from .engine import SAMPLED, TREE, _prompts, draft_steps, verify_steps
 
     # Byte budgets: both cores share one device, so neither may take a
     # fraction of what is free when it starts.
@@ -289,18 +290,23 @@ def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: l
     kinds = {
         "verify_chain": functools.partial(verify_steps, verifier, shape=chain, reps=3),
         "verify_tree": functools.partial(verify_steps, verifier, shape=TREE, reps=3),
+        # Sampled sessions of the same prompts: their chains decided on the device.
+        "verify_chain_sampled": functools.partial(verify_steps, verifier, shape=chain, reps=3),
         "draft_chain": functools.partial(draft_steps, draft, shape=chain, reps=3),
     }
     for n in sessions:
         ids = [f"c{n}-{i}" for i in range(n)]
+        sampled = [f"c{n}-s{i}" for i in range(n)]
         prompts = _prompts(n, context, verifier.vocab_size)
-        for r in verifier.verify_batch([verifier.prepare_open(i, p, params) for i, p in zip(ids, prompts)]):
+        opens = [verifier.prepare_open(i, p, params) for i, p in zip(ids, prompts)]
+        opens += [verifier.prepare_open(i, p, SAMPLED) for i, p in zip(sampled, prompts)]
+        for r in verifier.verify_batch(opens):
             assert not isinstance(r, Exception), r
         for i, p in zip(ids, prompts):
             draft.open_session(i, p, params)
         row: dict[str, Any] = {"sessions": n}
         for kind, step in kinds.items():
-            row[kind] = step(ids)
+            row[kind] = step(sampled if kind.endswith("sampled") else ids)
             row[kind]["ms"] = row[kind].pop("host_ms")
         row["verify_chain"]["profile"] = profiled(_one_verify(verifier, ids, chain), device)
         _set(leans, STEP_SETTINGS["graphs"], graphs)
@@ -319,6 +325,8 @@ def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: l
         for i in ids:
             verifier.close_session(i)
             draft.close_session(i)
+        for i in sampled:
+            verifier.close_session(i)
     del verifier, draft, kinds, leans, graphs  # the pools and weights go before the services load theirs
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -638,11 +646,11 @@ def report_forwards(result: dict) -> None:
 def report_steps(result: dict) -> None:
     print(
         "\n| sessions | verify chain ms | kernel-like ops | host syncs | device kernels | sync calls "
-        "| verify tree ms | draft chain ms (4 levels) | draft syncs |"
+        "| verify tree ms | sampled verify chain ms, syncs | draft chain ms (4 levels) | draft syncs |"
     )
-    print("|---" * 9 + "|")
+    print("|---" * 10 + "|")
     for r in result["steps"]:
-        vc, vt, dc = r["verify_chain"], r["verify_tree"], r["draft_chain"]
+        vc, vt, dc, vs = r["verify_chain"], r["verify_tree"], r["draft_chain"], r["verify_chain_sampled"]
         prof = vc["profile"]
         cells = [
             r["sessions"],
@@ -652,6 +660,7 @@ def report_steps(result: dict) -> None:
             prof["device_kernels"],
             prof["sync_calls"],
             vt["ms"],
+            f"{vs['ms']}, {vs['syncs']}",
             dc["ms"],
             dc["syncs"],
         ]

@@ -1,6 +1,8 @@
 """This checkout against an earlier commit, through the real services: the
 same concurrent greedy streams sent to both, in alternating rounds, aggregate
-tokens/s and whether the outputs are identical.
+tokens/s and whether the outputs are identical (or sampled streams,
+--temperature, new seeds each round, the same for both: identical only
+where both commits draw alike; the first round's are compared).
 
     python -m benchmarks.versus                          # 64 streams, 32-layer tiny-width pair, vs e571d85
     python -m benchmarks.versus --pair demo --streams 1 8
@@ -133,20 +135,29 @@ class Host:
             self.proc.kill()
 
 
-def generate(stub, prompt: list[int], max_new: int, k: int | None) -> list[int]:
+def generate(
+    stub, prompt: list[int], max_new: int, k: int | None, temperature: float = 0.0, seed: int = 0
+) -> list[int]:
     request = pb.GenerateRequest(prompt_token_ids=pb.PromptTokenIds(ids=prompt), max_new_tokens=max_new)
     if k is not None:
         request.num_speculative_tokens = k
+    if temperature:
+        request.temperature, request.seed = temperature, seed
     ids: list[int] = []
     for r in stub.Generate(request, timeout=1800):
         ids += r.token_ids
     return ids
 
 
-def one_round(host: Host, prompts: list[list[int]], max_new: int, k: int | None) -> tuple[float, list[list[int]]]:
-    """All prompts at once, one stream each: (tokens/s, each stream's tokens)."""
+def one_round(
+    host: Host, prompts: list[list[int]], max_new: int, k: int | None, temperature: float = 0.0, seeds: int = 0
+) -> tuple[float, list[list[int]]]:
+    """All prompts at once, one stream each (sampled: stream i seeded
+    seeds + i): (tokens/s, each stream's tokens)."""
     try:
-        outs, wall = all_at_once(lambda i: generate(host.stub, prompts[i], max_new, k), len(prompts))
+        outs, wall = all_at_once(
+            lambda i: generate(host.stub, prompts[i], max_new, k, temperature, seeds + i), len(prompts)
+        )
     except RuntimeError as e:
         raise RuntimeError(f"{host.name}: {e}") from None
     return sum(len(o) for o in outs) / wall, outs
@@ -186,6 +197,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--torch-threads", type=int, default=0, help="torch threads per service, both (0: torch's default; Ray gives 1)"
     )
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="sampled streams, new seeds each round (default 0: greedy)"
+    )
     ap.add_argument("--goal", type=float, default=None, help="the ratio this checkout should reach (lower bound)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
@@ -207,16 +221,23 @@ def run(args: argparse.Namespace) -> dict:
         for n in args.streams:
             prompts = prompts_for(args, n, target)
             for h in hosts:  # warm-up, a whole round: first forwards, thread pools, connections, adaptive depth
-                one_round(h, prompts, args.max_new_tokens, args.speculative_tokens)
+                one_round(h, prompts, args.max_new_tokens, args.speculative_tokens, args.temperature)
             tps: dict[str, list[float]] = {h.name: [] for h in hosts}
             outputs: dict[str, list[list[int]]] = {}
             differ = 0
             for r in range(args.rounds):
                 for h in alternating(hosts, r):
-                    rate, outs = one_round(h, prompts, args.max_new_tokens, args.speculative_tokens)
+                    # Sampled rounds draw new seeds each round (both systems the
+                    # same ones): two commits that draw differently take different
+                    # paths from one seed, and only over many do they cost alike.
+                    seeds = (r + 1) * 100_000
+                    rate, outs = one_round(
+                        h, prompts, args.max_new_tokens, args.speculative_tokens, args.temperature, seeds
+                    )
                     tps[h.name].append(rate)
                     first = outputs.setdefault(h.name, outs)
-                    differ += sum(a != b for a, b in zip(first, outs))  # across rounds of one system
+                    if not args.temperature:
+                        differ += sum(a != b for a, b in zip(first, outs))  # across rounds of one system
                 print(f"  {n} streams, round {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in tps.items()))
             ours, theirs = (outputs[h.name] for h in hosts)
             levels.append(
@@ -241,6 +262,7 @@ def run(args: argparse.Namespace) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "prompt_tokens": args.prompt_tokens,
         "speculative_tokens": args.speculative_tokens,
+        "temperature": args.temperature,
         "levels": levels,
     }
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd_core.rules.acceptance import accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled
+from specd_core.rules.chain_batch import ChainDraw, decide_chains, uniforms
 from specd_core.rules.tree import TokenTree
 
 
@@ -51,3 +52,16 @@ def accept_deterministic(p: torch.Tensor, draft_ids: list[int], generator: torch
     """Drafts chosen without sampling: keep x with probability p(x), else sample
     p without x."""
     return _as_chain(accept_tree_deterministic(p, chain(draft_ids), generator), len(draft_ids))
+
+
+def accept_on_device(p: torch.Tensor, draft_ids: list[int], q: torch.Tensor | None,
+                     generator: torch.Generator | None) -> Acceptance:
+    """The verifier's batched chain rule (specd_core.rules.chain_batch) for one
+    chain: q (K, V) dense as the other rules take it, sent sparse as the
+    verifier sends it; None: drafts chosen without sampling."""
+    laws = None
+    if q is not None:
+        laws = [(torch.nonzero(row).flatten().tolist(), row[row > 0].tolist()) for row in q[: len(draft_ids)]]
+    draw = ChainDraw(0, draft_ids, laws, uniforms(len(draft_ids), generator))
+    k, token = decide_chains(p, [draw])[0].tolist()
+    return Acceptance(k, list(draft_ids[:k]) + [token], [i < k for i in range(len(draft_ids))])

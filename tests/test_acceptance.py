@@ -45,8 +45,9 @@ import pytest
 import torch
 
 from specd_core.rules.acceptance import dense_q, residual
+from specd_core.rules.chain_batch import ChainDraw, decide_chains, uniforms
 from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample, truncate_top
-from tests.chain_rules import accept_deterministic, accept_greedy, accept_sampled
+from tests.chain_rules import accept_deterministic, accept_greedy, accept_on_device, accept_sampled
 
 pytestmark = pytest.mark.unit
 
@@ -280,6 +281,46 @@ def rule_deterministic(p, draft_ids, q, g):
     return accept_deterministic(p, draft_ids, g)
 
 
+def run_pipeline_on_device(p_table: torch.Tensor, drafter: Drafter, n_trials: int, seed: int,
+                           batch: int = 2_000) -> PipelineResult:
+    """run_pipeline with the verifier's batched chain rule (specd_core.rules.chain_batch):
+    `batch` sequences in lock-step, each cycle ONE decide_chains call over all of
+    them, their p rows stacked as the verifier stacks its sessions' (so a row
+    read at the wrong offset would show in the law)."""
+    g = torch.Generator().manual_seed(seed)
+    p_rows = RowCache(p_table)
+    counts = [0] * V**L
+    accepted_hist = [0] * (K + 1)
+    for start in range(0, n_trials, batch):
+        seqs: list[list[int]] = [[] for _ in range(min(batch, n_trials - start))]
+        while live := [seq for seq in seqs if len(seq) < L]:
+            draws, rows = [], []
+            for i, seq in enumerate(live):
+                last = seq[-1] if seq else BOS
+                draft_ids, q = drafter(last)
+                laws = None if q is None else [
+                    ([x for x, v in enumerate(row) if v > 0], [v for v in row if v > 0]) for row in q.tolist()
+                ]
+                draws.append(ChainDraw(i * (K + 1), draft_ids, laws, uniforms(K, g)))
+                rows.append(p_rows[(last, *draft_ids)])
+            for seq, d, (n, token) in zip(live, draws, decide_chains(torch.cat(rows), draws).tolist()):
+                accepted_hist[n] += 1
+                seq += list(d.tokens[:n]) + [token]
+        for seq in seqs:
+            counts[(seq[0] * V + seq[1]) * V + seq[2]] += 1
+    return PipelineResult(np.array(counts).reshape((V,) * L), np.array(accepted_hist))
+
+
+RULES = ["tree_rule", "on_device"]  # the host walk of one session, the verifier's batched chain rule
+
+
+def run_rule(rule: str, p_table: torch.Tensor, drafter: Drafter, n_trials: int, seed: int,
+             deterministic: bool = False) -> PipelineResult:
+    if rule == "on_device":
+        return run_pipeline_on_device(p_table, drafter, n_trials, seed)
+    return run_pipeline(p_table, drafter, rule_deterministic if deterministic else rule_sampled, n_trials, seed)
+
+
 # ---------------------------------------------------------------- wrong rules
 
 @dataclass
@@ -360,9 +401,10 @@ def assert_covers_all_branches(res: PipelineResult) -> None:
 
 # ---------------------------------------------------------------- tests: sampled chains
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("params", [PLAIN, NUCLEUS, TOPK_NUCLEUS], ids=["T1", "T0.7-p0.8", "T1.3-k4-p0.9"])
 @pytest.mark.statistical
-def test_accept_sampled_sequences_follow_target(params):
+def test_accept_sampled_sequences_follow_target(params, rule):
     """Speculative sampling with accept_sampled emits L-token sequences distributed
     exactly as target-only sampling with the same temperature / top-k / top-p,
     although the drafter's q is very different from p."""
@@ -370,9 +412,9 @@ def test_accept_sampled_sequences_follow_target(params):
     p_table = logits_to_probs(target, params)
     q_table = logits_to_probs(draft, params)
     law = exact_sequence_law(p_table)
-    res = run_pipeline(p_table, sampled_drafter(q_table, seed=1), rule_sampled, N_TRIALS, seed=2)
+    res = run_rule(rule, p_table, sampled_drafter(q_table, seed=1), N_TRIALS, seed=2)
     fit = goodness_of_fit(res.counts, law)
-    report(f"accept_sampled {params}", fit, res)
+    report(f"accept_sampled {rule} {params}", fit, res)
     assert_covers_all_branches(res)
     assert fit.ok, f"accept_sampled is not lossless: {fit}"
 
@@ -417,9 +459,10 @@ def test_wrong_sampled_rules_are_detected(name, params, bug, p_kind, trials):
 
 # ---------------------------------------------------------------- tests: deterministic drafts
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("params", [PLAIN, NUCLEUS], ids=["T1", "T0.7-p0.8"])
 @pytest.mark.statistical
-def test_accept_deterministic_sequences_follow_target(params):
+def test_accept_deterministic_sequences_follow_target(params, rule):
     """Point-mass drafts (the drafter's argmax, as an argmax drafter or n-gram
     lookup would produce) accepted with accept_deterministic are lossless too.
     The drafter's argmax is often not the target's favourite (and, under top-p,
@@ -427,9 +470,9 @@ def test_accept_deterministic_sequences_follow_target(params):
     target, _, greedy_draft = model_tables()
     p_table = logits_to_probs(target, params)
     law = exact_sequence_law(p_table)
-    res = run_pipeline(p_table, argmax_drafter(greedy_draft), rule_deterministic, N_TRIALS, seed=3)
+    res = run_rule(rule, p_table, argmax_drafter(greedy_draft), N_TRIALS, seed=3, deterministic=True)
     fit = goodness_of_fit(res.counts, law)
-    report(f"accept_deterministic {params}", fit, res)
+    report(f"accept_deterministic {rule} {params}", fit, res)
     assert_covers_all_branches(res)
     assert fit.ok, f"accept_deterministic is not lossless: {fit}"
 
@@ -480,8 +523,9 @@ def test_point_mass_rule_is_exact_for_any_drafts():
 
 # ---------------------------------------------------------------- tests: sparse truncated q
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.statistical
-def test_truncated_sparse_q_is_lossless():
+def test_truncated_sparse_q_is_lossless(rule):
     """A drafter sampling from truncate_top(q, 3) and sending that truncated q as
     ids + probs (densified by the verifier with dense_q) stays exact; sending the
     untruncated q instead (what the draft was NOT drawn from) is detected."""
@@ -489,14 +533,13 @@ def test_truncated_sparse_q_is_lossless():
     p_table = logits_to_probs(target, PLAIN)
     q_table = logits_to_probs(draft, PLAIN)
     law = exact_sequence_law(p_table)
-    res = run_pipeline(p_table, truncated_drafter(q_table, 3, seed=4), rule_sampled, N_TRIALS, seed=5)
+    res = run_rule(rule, p_table, truncated_drafter(q_table, 3, seed=4), N_TRIALS, seed=5)
     fit = goodness_of_fit(res.counts, law)
     report("accept_sampled truncated top-3 sparse q", fit, res)
     assert_covers_all_branches(res)
     assert fit.ok, fit
 
-    res = run_pipeline(p_table, truncated_drafter(q_table, 3, seed=4, send="full"), rule_sampled,
-                       N_TRIALS_WRONG, seed=5)
+    res = run_rule(rule, p_table, truncated_drafter(q_table, 3, seed=4, send="full"), N_TRIALS_WRONG, seed=5)
     fit = goodness_of_fit(res.counts, law)
     report("WRONG truncated draws, full q sent", fit, res)
     assert not fit.ok, fit
@@ -511,8 +554,9 @@ def test_dense_q_round_trip():
 
 # ---------------------------------------------------------------- tests: one position, directly
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.statistical
-def test_single_position_residual():
+def test_single_position_residual(rule):
     """One draft position, checked directly (K=1): with x ~ q,
     - the acceptance rate is sum_v min(p(v), q(v)),
     - the token emitted after a rejection follows norm(max(0, p - q)),
@@ -541,7 +585,7 @@ def test_single_position_residual():
                 after_reject[out.tokens[0]] += 1
         return first, after_reject, kept
 
-    first, after_reject, kept = simulate(rule_sampled)
+    first, after_reject, kept = simulate(rule_sampled if rule == "tree_rule" else accept_on_device)
     alpha = float(torch.minimum(p0, q0).sum())
     z = (kept - n * alpha) / math.sqrt(n * alpha * (1 - alpha))
     fit_first = goodness_of_fit(first, p0.numpy())
@@ -563,7 +607,8 @@ def test_no_drafts_samples_p():
     """K=0: accept_sampled / accept_deterministic just sample p[0]."""
     p = torch.tensor([[0.5, 0.0, 0.25, 0.25]])
     for rule in (lambda g: accept_sampled(p, [], torch.zeros(0, 4), g),
-                 lambda g: accept_deterministic(p, [], g)):
+                 lambda g: accept_deterministic(p, [], g),
+                 lambda g: accept_on_device(p, [], None, g)):
         g = torch.Generator().manual_seed(5)
         counts = np.zeros(4)
         for _ in range(4000):

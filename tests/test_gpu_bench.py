@@ -42,6 +42,7 @@ def test_gpu_benchmark_tiny_mode(tmp_path):
     assert [r["sessions"] for r in report["steps"]] == [1, 4]
     for r in report["steps"]:
         assert r["verify_chain"]["syncs"] == 1 and r["verify_tree"]["syncs"] == 1
+        assert r["verify_chain_sampled"]["syncs"] == 1  # decided on the device, read with nothing else
         assert r["draft_chain"]["syncs"] == 4
         assert "aten::scaled_dot_product_attention" in r["verify_chain"]["profile"]["attention"]
         assert "aten::scaled_dot_product_attention" in r["verify_chain"]["profile_graphs"]["attention"]

@@ -6,15 +6,17 @@ No grpc, no lock here."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from specd_core.errors import CapacityExceeded
-from specd_core.rules.acceptance import accept_tree_deterministic, accept_tree_sampled
-from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample
-from specd_core.rules.tree import TokenTree, accept_tree_argmax, compaction_indices
+from specd_core.rules.acceptance import accept_tree_deterministic, accept_tree_sampled, dense_q
+from specd_core.rules.chain_batch import ChainDraw, SparseLaw, decide_chains, to_device, uniforms
+from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from specd_core.rules.tree import TokenTree, accept_tree_argmax, compaction_indices, finish
 from specd_core.runtime.features import HiddenStates
 from specd_core.runtime.grammar import Constraint, apply_masks
 from specd_core.runtime.jobs import device_oom, halves
@@ -87,7 +89,7 @@ class VerifyJob:
     session_id: str
     session: VerifySession
     tree: TokenTree
-    q: torch.Tensor | None  # dense per-row q when children were sampled
+    q: list[SparseLaw] | None  # each row's draft law (the root's, then each node's) when children were sampled
     ahead: Ahead | None = None  # its row computed ahead (verifier_svc/ahead.py)
 
     @property
@@ -146,17 +148,51 @@ def masked(c: Constraint, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor
     return apply_masks(logits, c.tree_masks(list(tree.tokens), list(tree.parents)))
 
 
-def argmaxes(logits: list[torch.Tensor]) -> list[list[int]]:
-    """Each greedy session's per-row argmax, in one device call and one
-    transfer to the host (not a host sync per session)."""
+def sampled_chains(live: list[VerifyJob], logits: list[torch.Tensor]) -> tuple[torch.Tensor, list[ChainDraw]]:
+    """The sampled sessions whose draft is a chain (or none), stacked for the
+    batched chain rule: their rows' law, on the device, and each one's draw
+    (its uniforms from its own generator, its drafts' sparse laws)."""
+    draws, row = [], 0
+    for j, lg in zip(live, logits):
+        n = len(j.tree.tokens)
+        draws.append(ChainDraw(row, j.tree.tokens, None if j.q is None else j.q[:n], uniforms(n, j.session.generator)))
+        row += lg.shape[0]
+    return stacked_law([j.session.params for j in live], logits), draws
+
+
+def stacked_law(params: list[SamplingParams], logits: list[torch.Tensor]) -> torch.Tensor:
+    """Each session's rows through logits_to_probs with its own parameters,
+    stacked: one pass for all the sessions that share temperature, top-k and
+    top-p (most often all of them), not one per session."""
     if not logits:
-        return []
-    flat = torch.cat(logits).argmax(-1).tolist() if len(logits) > 1 else logits[0].argmax(-1).tolist()
+        return torch.zeros(0)
+    rows = torch.cat(logits) if len(logits) > 1 else logits[0]
+    groups: dict[tuple, list[int]] = {}
+    r0 = 0
+    for p, lg in zip(params, logits):
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).extend(range(r0, r0 + lg.shape[0]))
+        r0 += lg.shape[0]
+    if len(groups) == 1:
+        return logits_to_probs(rows, params[0])
+    law = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+    for (temperature, top_k, top_p), idx in groups.items():
+        at = to_device(torch.tensor(idx), rows.device)
+        law[at] = logits_to_probs(rows[at], SamplingParams(temperature, top_p, top_k))
+    return law
+
+
+def read_back(greedy: list[torch.Tensor], verdicts: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """The greedy sessions' per-row argmaxes and the chains' verdicts (kept
+    drafts, token), in ONE transfer to the host: a step reads the device once,
+    whatever its sessions."""
+    parts = [torch.cat(greedy).argmax(-1) if len(greedy) > 1 else greedy[0].argmax(-1)] if greedy else []
+    parts += [verdicts.flatten()] if verdicts.numel() else []
+    flat = (torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()) if parts else []
     out, r0 = [], 0
-    for lg in logits:
+    for lg in greedy:
         out.append(flat[r0 : r0 + lg.shape[0]])
         r0 += lg.shape[0]
-    return out
+    return out, [flat[i : i + 2] for i in range(r0, len(flat), 2)]
 
 
 def on_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -169,32 +205,41 @@ def on_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def accept_all(live: list[VerifyJob], logits: list[torch.Tensor]) -> list[VerifyResult]:
     """Each verify's lossless outcome from its rows' logits, masked first
-    where a constraint holds; the greedy sessions' argmaxes in one go, the
-    sampled sessions' laws brought over in one go."""
+    where a constraint holds: the greedy sessions' argmaxes and the sampled
+    chains' verdicts (decided on the device, specd_core/rules/chain_batch.py)
+    read in one transfer; sampled trees' laws brought over in one more."""
     logits = [
         lg if j.session.constraint is None else masked(j.session.constraint, lg, j.tree) for j, lg in zip(live, logits)
     ]
-    best = iter(argmaxes([lg for j, lg in zip(live, logits) if j.session.params.greedy]))
-    # The sampled rules walk the tree with host-side decisions and draw from
-    # each session's CPU generator: its rows' law comes over once, not per node.
-    laws = iter(
-        on_host([logits_to_probs(lg, j.session.params) for j, lg in zip(live, logits) if not j.session.params.greedy])
-    )
-    return [accept(j, next(best) if j.session.params.greedy else next(laws)) for j in live]
+    kind = ["greedy" if j.session.params.greedy else "chain" if is_chain(j.tree) else "tree" for j in live]
+    chains = [(j, lg) for j, lg, k in zip(live, logits, kind) if k == "chain"]
+    law, draws = sampled_chains([j for j, _ in chains], [lg for _, lg in chains])
+    best, verdicts = read_back([lg for lg, k in zip(logits, kind) if k == "greedy"], decide_chains(law, draws))
+    # A sampled tree's walk takes host-side decisions at every node, reading
+    # whole residual rows: its rows' law comes over once, not per node.
+    trees = [(j, lg) for j, lg, k in zip(live, logits, kind) if k == "tree"]
+    laws = on_host([logits_to_probs(lg, j.session.params) for j, lg in trees])
+    out: dict[str, Iterator[Any]] = {"greedy": iter(best), "chain": iter(verdicts), "tree": iter(laws)}
+    return [accept(j, next(out[k])) for j, k in zip(live, kind)]
 
 
 def accept(job: VerifyJob, rows: list[int] | torch.Tensor) -> VerifyResult:
-    """rows: a greedy session's per-row argmaxes (argmaxes), or a sampled
-    one's per-row law p on the host."""
+    """rows: a greedy session's per-row argmaxes (read_back), a sampled
+    chain's verdict [kept drafts, token] (decide_chains), or a sampled
+    tree's per-row law p on the host."""
     s, tree = job.session, job.tree
     if s.params.greedy:
         assert isinstance(rows, list)
         result = accept_tree_argmax(rows, tree)
+    elif isinstance(rows, list):
+        kept, token = rows
+        result = finish(tree, list(range(kept)), token)
     else:
-        assert isinstance(rows, torch.Tensor)
         p = rows
         result = (
-            accept_tree_sampled(p, tree, job.q, s.generator)
+            accept_tree_sampled(
+                p, tree, dense_q([[*i] for i, _ in job.q], [[*w] for _, w in job.q], p.shape[-1]), s.generator
+            )
             if job.q is not None
             else accept_tree_deterministic(p, tree, s.generator)
         )
@@ -265,16 +310,35 @@ def out_of_memory(j, reason: str) -> CapacityExceeded:
     return device_oom(j.session_id, f"a verify of {len(j.tree.tokens)} draft tokens", "a smaller draft", reason)
 
 
-def first_token(j: OpenJob, s: VerifySession, logits: torch.Tensor, states, hidden_dtype: str) -> object:
-    """An open job's result from its prefill's last row (Verifier.prepare_open)."""
-    if j.resume:
+def first_tokens(admitted: list[tuple[OpenJob, VerifySession]], rows: list[torch.Tensor]) -> list[int | None]:
+    """Each prefill's first token from its prompt's last row (None after a
+    resume: its pending token is known), masked where a constraint holds:
+    the greedy ones' argmaxes and the sampled ones' draws (chains of no
+    drafts) read in one transfer."""
+    wanted = [(s, first_row(s, lg)) for (j, s), lg in zip(admitted, rows) if not j.resume]
+    greedy = [lg[None] for s, lg in wanted if s.params.greedy]
+    sampled = [(s, lg) for s, lg in wanted if not s.params.greedy]
+    law = stacked_law([s.params for s, _ in sampled], [lg[None] for _, lg in sampled])
+    draws = [ChainDraw(i, (), None, uniforms(0, s.generator)) for i, (s, _) in enumerate(sampled)]
+    best, verdicts = read_back(greedy, decide_chains(law, draws))
+    picked = {"greedy": iter(b[0] for b in best), "sampled": iter(token for _, token in verdicts)}
+    return [None if j.resume else next(picked["greedy" if s.params.greedy else "sampled"]) for j, s in admitted]
+
+
+def first_row(s: VerifySession, logits: torch.Tensor) -> torch.Tensor:
+    """A new session's last prompt row, masked to what its constraint allows."""
+    if s.constraint is None:
+        return logits
+    allowed = s.constraint.allowed()
+    assert allowed is not None  # the empty path is never forbidden
+    return apply_masks(logits, allowed)
+
+
+def opened(j: OpenJob, s: VerifySession, first: int | None, states, hidden_dtype: str) -> object:
+    """An open job's result (Verifier.prepare_open): its first token, which
+    the session commits as its pending one, and its features if it asked."""
+    if first is None:
         return (None, None) if j.hidden else None
-    params = s.params
-    if s.constraint is not None:
-        allowed = s.constraint.allowed()
-        assert allowed is not None  # the empty path is never forbidden
-        logits = apply_masks(logits, allowed)
-    first = sample(logits_to_probs(logits, params), s.generator) if not params.greedy else int(logits.argmax())
     s.tokens.append(first)
     if s.constraint is not None:
         s.constraint.commit([first])

@@ -3,30 +3,30 @@ rule's q), the feature layers a new session asks for and a resumed session's tok
 
 from __future__ import annotations
 
-import torch
-
 from specd_core.errors import InvalidRequest
-from specd_core.rules.acceptance import dense_q
+from specd_core.rules.chain_batch import SparseLaw
 from specd_core.rules.tree import TokenTree, children
 from specd_core.rules.validation import check_token_ids
 
 
-def dense_draft_q(tree: TokenTree, rows: list[tuple[list[int], list[float]]], vocab_size: int) -> torch.Tensor:
+def draft_laws(tree: TokenTree, rows: list[tuple[list[int], list[float]]], vocab_size: int) -> list[SparseLaw]:
     """A Verify's draft distributions (one sparse q per row: the root and each
-    node) checked and made dense, (N+1, V); InvalidRequest for a bad one."""
+    node), checked; InvalidRequest for a bad one. They stay sparse: a chain's
+    rule reads them so (specd_core/rules/chain_batch.py), a tree's makes them
+    dense."""
     if len(rows) != len(tree.tokens) + 1:
         raise InvalidRequest(
             f"got {len(rows)} draft distributions for a tree of {len(tree.tokens)} "
             f"nodes (one per row: the root and each node)"
         )
     kids = children(tree)
-    used: list[tuple[list[int], list[float]]] = []
+    used: list[SparseLaw] = []
     for r, (ids, probs) in enumerate(rows):
         if len(ids) != len(probs):
             raise InvalidRequest(f"draft distribution {r}: {len(ids)} ids but {len(probs)} probs")
         if not kids[r]:
             # Childless rows carry nothing, and nothing of them is read: they
-            # must not reach dense_q either (an id outside the vocabulary there
+            # must not reach a rule either (an id outside the vocabulary there
             # would be an IndexError, i.e. INTERNAL).
             used.append(([], []))
             continue
@@ -34,15 +34,15 @@ def dense_draft_q(tree: TokenTree, rows: list[tuple[list[int], list[float]]], vo
         if any(not (0.0 <= p <= 1.0) for p in probs) or abs(sum(probs) - 1.0) > 1e-3:
             raise InvalidRequest(f"draft distribution {r} is not a probability distribution (sum {sum(probs):.4f})")
         if len(set(ids)) != len(ids):
-            # dense_q would keep only one of the repeated entries, so the q the
-            # rule uses would not sum to 1.
+            # A dense q would keep only one of the repeated entries, so the q
+            # the rule uses would not sum to 1.
             raise InvalidRequest(f"draft distribution {r} lists a token id more than once")
         support = set(ids)
         missing = [tree.tokens[c] for c in kids[r] if tree.tokens[c] not in support]
         if missing:
             raise InvalidRequest(f"draft distribution {r} gives probability 0 to drafted token(s) {missing}")
-        used.append((ids, probs))
-    return dense_q([ids for ids, _ in used], [p for _, p in used], vocab_size)
+        used.append((list(ids), list(probs)))
+    return used
 
 
 def feature_layers(hidden: bool | tuple[int, ...], layers: int | None) -> tuple[int, ...]:

@@ -35,15 +35,16 @@ from verifier_svc.batch import (
     accept_all,
     attach_features,
     compact,
-    first_token,
+    first_tokens,
     oom_parts,
+    opened,
     out_of_memory,
     own_layers,
     plan_rows,
     reserve_verify,
     stamp,
 )
-from verifier_svc.checks import check_resume, dense_draft_q, feature_layers
+from verifier_svc.checks import check_resume, draft_laws, feature_layers
 from verifier_svc.config import VerifierConfig
 
 
@@ -151,7 +152,7 @@ class Verifier(ModelCore):
             raise InvalidRequest(
                 f"draft depth {deepest} is over this verifier's limit of {self.config.max_draft_tokens}"
             )
-        q = dense_draft_q(tree, row_dists, self.vocab_size) if row_dists else None
+        q = draft_laws(tree, row_dists, self.vocab_size) if row_dists else None
         job = VerifyJob(session_id, s, tree, q)
         self._check_room_left(job)
         return job
@@ -288,8 +289,9 @@ class Verifier(ModelCore):
     def _open_sessions(self, admitted: list, logits: list, states: list) -> dict:
         """The prefills' first tokens (by id(job)); their sessions join the table."""
         done = {}
-        for (j, s), lg, h in zip(admitted, logits, states):
+        firsts = first_tokens(admitted, [lg[0] for lg in logits])
+        for (j, s), first, h in zip(admitted, firsts, states):
             publish_prefix(s.cache)  # its prompt's rows are written now
-            done[id(j)] = first_token(j, s, lg[0], h, self.config.hidden_dtype)
+            done[id(j)] = opened(j, s, first, h, self.config.hidden_dtype)
             self.sessions.add(j.session_id, s, j.owner)
         return done

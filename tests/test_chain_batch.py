@@ -1,0 +1,104 @@
+"""The batched chain rule (specd_core/rules/chain_batch.py) decides each chain of a
+batch as it decides that chain alone, and its draws never pick a token of weight 0.
+Its law is tested in tests/test_acceptance.py (the chain pipelines, on both rules)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd_core.rules.chain_batch import ChainDraw, decide_chains, inverse_cdf, uniforms
+from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from verifier_svc.batch import stacked_law
+
+pytestmark = pytest.mark.unit
+
+V = 40
+
+
+def sparse_law(g: torch.Generator, must: int) -> tuple[list[int], list[float]]:
+    """A draft law over 6 tokens including `must` (the drafted one), as a drafter sends it."""
+    others = [t for t in torch.randperm(V, generator=g).tolist() if t != must][:5]
+    ids = [must] + others
+    w = torch.rand(len(ids), generator=g) + 0.05
+    return ids, (w / w.sum()).tolist()
+
+
+def random_chain(g: torch.Generator, row: int, sampled: bool) -> tuple[ChainDraw, torch.Tensor]:
+    """A chain of 0-4 drafts whose tokens the target likes fairly often (so
+    that every number of kept drafts occurs), its law's rows and its draw."""
+    n = int(torch.randint(0, 5, (), generator=g))
+    logits = torch.randn(n + 1, V, generator=g)
+    logits[:, :3] += 4.0  # the target likes tokens 0-2, which the chains draft
+    logits[:, 3] = -torch.inf  # a token the target never emits
+    p = torch.softmax(logits, -1)
+    tokens = [int(torch.randint(0, 4, (), generator=g)) for _ in range(n)]
+    laws = [sparse_law(g, x) for x in tokens] if sampled else None
+    return ChainDraw(row, tokens, laws, uniforms(n, g)), p
+
+
+def test_a_batch_decides_each_chain_as_alone():
+    """Sessions of different lengths, sampled and point-mass drafts, stacked as
+    the verifier stacks them: each verdict equals the one the same chain gets
+    alone with the same uniforms. Every number of kept drafts occurs, and no
+    emitted token is one the target gives probability 0."""
+    g = torch.Generator().manual_seed(11)
+    kept_seen: set[tuple[int, int]] = set()
+    for _ in range(60):
+        draws, rows, row = [], [], 0
+        for i in range(7):
+            d, p = random_chain(g, row, sampled=i % 2 == 0)
+            draws.append(d)
+            rows.append(p)
+            row += p.shape[0]
+        together = decide_chains(torch.cat(rows), draws).tolist()
+        for d, p, (k, token) in zip(draws, rows, together):
+            alone = decide_chains(p, [ChainDraw(0, d.tokens, d.q, d.u)]).tolist()
+            assert alone == [[k, token]]
+            assert 0 <= k <= len(d.tokens) and p[k, token] > 0
+            kept_seen.add((len(d.tokens), k))
+    assert {(4, k) for k in range(5)} <= kept_seen, sorted(kept_seen)
+
+
+def test_a_draft_of_q_zero_is_rejected_and_the_residual_drawn():
+    """A drafted token outside its sparse law could not have been drawn: rejected,
+    and the emitted token comes from max(0, p - q): here only token 0 is left."""
+    p = torch.tensor([[0.2, 0.8, 0.0], [0.5, 0.5, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        draw = ChainDraw(0, [0], [([1], [1.0])], uniforms(1, g))
+        assert decide_chains(p, [draw]).tolist() == [[0, 0]]
+
+
+def test_inverse_cdf_never_picks_a_token_of_weight_zero():
+    weights = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0], [0.5, 0.0, 0.5, 0.0, 0.0]])
+    for u, want in [(0.0, [1, 3, 0]), (1.0 - 2.0**-53, [2, 3, 2]), (0.5, [2, 3, 2]), (0.29, [1, 3, 0])]:
+        picked = inverse_cdf(weights.double(), torch.full((3,), u, dtype=torch.float64))
+        assert picked.tolist() == want, u
+
+
+def test_bad_draws_are_refused():
+    p = torch.full((3, 4), 0.25)
+    with pytest.raises(ValueError, match="needs 3 uniforms"):
+        decide_chains(p, [ChainDraw(0, [1, 2], None, [0.5, 0.5])])
+    with pytest.raises(ValueError, match="as many draft laws"):
+        decide_chains(p, [ChainDraw(0, [1, 2], [([1], [1.0])], [0.5, 0.5, 0.5])])
+    assert decide_chains(p, []).shape == (0, 2)
+
+
+def test_the_verifier_stacks_each_sessions_law_with_its_own_parameters():
+    """Sessions sharing temperature / top-k / top-p go through logits_to_probs
+    together; the stacked rows equal each session's own, whatever the mix."""
+    g = torch.Generator().manual_seed(5)
+    params = [
+        SamplingParams(temperature=0.7, seed=1),
+        SamplingParams(temperature=1.2, top_k=5, seed=2),
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=4),
+    ]
+    logits = [torch.randn(r, V, generator=g) for r in (3, 1, 5, 2)]
+    law = stacked_law(params, logits)
+    own = torch.cat([logits_to_probs(lg, p) for p, lg in zip(params, logits)])
+    torch.testing.assert_close(law, own, rtol=0, atol=0)
+    same = stacked_law(params[::2], logits[::2])
+    torch.testing.assert_close(same, torch.cat([logits_to_probs(lg, params[0]) for lg in logits[::2]]), rtol=0, atol=0)
