@@ -30,8 +30,8 @@ cache grows). Beside each verify step, its arithmetic floor
 least any engine's step costs on this machine.
 
 Verify steps: chains of K = 4 (5 rows per session) and a static tree
-(branching 2, 2: 6 nodes, 7 rows), greedy; and chains of K = 4 of sampled
-sessions (temperature 0.8, drafts chosen without sampling). The sampled
+(branching 2, 2: 6 nodes, 7 rows), greedy; and the same chains and trees of
+sampled sessions (temperature 0.8, drafts chosen without sampling). The sampled
 sessions' uniforms come from their host generators (on any device): their
 operators and reads are not counted. Draft steps: a chain of K = 4 (its 4 levels
 and the forward of the committed tokens); per level = per step / 4.
@@ -108,6 +108,7 @@ TARGET_SHAPE: dict[str, Any] = {
 }
 TREE = DraftShape(branching=(2, 2))
 SAMPLED = SamplingParams(temperature=0.8, seed=3)
+KINDS = ("verify_chain", "verify_tree", "verify_chain_sampled", "verify_tree_sampled", "draft_chain", "draft_tree")
 
 
 class OpCounter(TorchDispatchMode):
@@ -347,6 +348,7 @@ def measure(args: argparse.Namespace, target: Path, drafter_dir: Path) -> list[d
             "verify_chain": verify_steps(verifier, ids, DraftShape.chain(4), args.reps),
             "verify_tree": verify_steps(verifier, ids, TREE, args.reps),
             "verify_chain_sampled": verify_steps(verifier, sampled, DraftShape.chain(4), args.reps),
+            "verify_tree_sampled": verify_steps(verifier, sampled, TREE, args.reps),
             "draft_chain": draft_steps(drafter, ids, DraftShape.chain(4), args.reps),
             "draft_tree": draft_steps(drafter, ids, TREE, args.reps),
         }
@@ -396,7 +398,7 @@ def run(args: argparse.Namespace) -> dict:
                 else {}
             ),
         }
-        for kind in ("verify_chain", "verify_tree", "verify_chain_sampled", "draft_chain", "draft_tree")
+        for kind in KINDS
     }
     result = {
         "when": utc_now(),
@@ -415,6 +417,7 @@ def report(result: dict, args: argparse.Namespace) -> None:
         ("verify_chain", "verify, chain K=4"),
         ("verify_tree", "verify, tree 2x2"),
         ("verify_chain_sampled", "verify, chain K=4, sampled (temperature 0.8)"),
+        ("verify_tree_sampled", "verify, tree 2x2, sampled (temperature 0.8)"),
         ("draft_chain", "draft, chain K=4 (one step: 4 levels)"),
         ("draft_tree", "draft, tree 2x2 (one step: 1 level forwarded)"),
     ):

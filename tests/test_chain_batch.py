@@ -1,6 +1,8 @@
-"""The batched chain rule (specd_core/rules/chain_batch.py) decides each chain of a
-batch as it decides that chain alone, and its draws never pick a token of weight 0.
-Its law is tested in tests/test_acceptance.py (the chain pipelines, on both rules)."""
+"""The batched chain rule (specd_core/rules/chain_batch.py) and tree walk
+(specd_core/rules/tree_batch.py) decide each chain or tree of a batch as they
+decide it alone, agree with each other on chains, and never draw a token of
+weight 0. Their laws are tested in tests/test_acceptance.py and
+tests/test_tree.py (the pipelines, on the host rules and these)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import torch
 
 from specd_core.rules.chain_batch import ChainDraw, decide_chains, inverse_cdf, uniforms
 from specd_core.rules.sampling import SamplingParams, logits_to_probs
+from specd_core.rules.tree import TokenTree, children, path_to
+from specd_core.rules.tree_batch import TreeDraw, decide_trees
 from verifier_svc.batch import stacked_law
 
 pytestmark = pytest.mark.unit
@@ -102,3 +106,121 @@ def test_the_verifier_stacks_each_sessions_law_with_its_own_parameters():
     torch.testing.assert_close(law, own, rtol=0, atol=0)
     same = stacked_law(params[::2], logits[::2])
     torch.testing.assert_close(same, torch.cat([logits_to_probs(lg, params[0]) for lg in logits[::2]]), rtol=0, atol=0)
+
+
+def random_tree(g: torch.Generator, row: int, sampled: bool) -> tuple[TreeDraw, torch.Tensor]:
+    """A tree of 0-7 nodes (each node's parent an earlier node or the root;
+    siblings distinct), its law's rows and its draw."""
+    n = int(torch.randint(0, 8, (), generator=g))
+    parents: list[int] = []
+    tokens: list[int] = []
+    for i in range(n):
+        parent = int(torch.randint(-1, i, (), generator=g))
+        taken = {t for t, p in zip(tokens, parents) if p == parent}
+        free = [t for t in range(5) if t not in taken]
+        if not free:
+            break
+        parents.append(parent)
+        tokens.append(free[int(torch.randint(0, len(free), (), generator=g))])
+    n = len(tokens)
+    logits = torch.randn(n + 1, V, generator=g)
+    logits[:, :3] += 3.0
+    logits[:, 3] = -torch.inf
+    p = torch.softmax(logits, -1)
+    tree = TokenTree(tuple(tokens), tuple(parents))
+    laws = None
+    if sampled:
+        kids = children(tree)
+        laws = []
+        for r in range(n + 1):
+            if not kids[r]:
+                laws.append(([], []))
+                continue
+            ids = sorted({tokens[c] for c in kids[r]} | {7, 9})
+            w = torch.rand(len(ids), generator=g) + 0.05
+            laws.append((ids, (w / w.sum()).tolist()))
+    return TreeDraw(row, tree, laws, uniforms(n, g)), p
+
+
+def test_the_tree_walk_decides_a_chain_as_the_chain_rule():
+    """On chains, the batched tree walk and the closed-form chain rule give the
+    same verdicts from the same uniforms (both rules' sampled and point-mass forms)."""
+    g = torch.Generator().manual_seed(12)
+    for _ in range(40):
+        draws, trees, rows, row = [], [], [], 0
+        for i in range(6):
+            d, p = random_chain(g, row, sampled=i % 2 == 0)
+            laws = None if d.q is None else list(d.q) + [([], [])]
+            chain = TokenTree(tuple(d.tokens), tuple(range(-1, len(d.tokens) - 1)))
+            draws.append(d)
+            trees.append(TreeDraw(row, chain, laws, d.u))
+            rows.append(p)
+            row += p.shape[0]
+        law = torch.cat(rows)
+        walked = decide_trees(law, trees).tolist()
+        for (k, token), w, d in zip(decide_chains(law, draws).tolist(), walked, draws):
+            assert w[:2] == [k, token] and w[2 : 2 + k] == list(range(k)), (w, k, token)
+
+
+def test_a_batch_of_trees_decides_each_tree_as_alone():
+    """Trees of 0-7 nodes, sampled and point-mass children, stacked: each
+    verdict equals the one the same tree gets alone; the kept path is a path
+    of the tree, and paths through later siblings and to depth 2 occur."""
+    g = torch.Generator().manual_seed(13)
+    later = deep = 0
+    for _ in range(40):
+        draws, rows, row = [], [], 0
+        for i in range(6):
+            d, p = random_tree(g, row, sampled=i % 2 == 0)
+            draws.append(d)
+            rows.append(p)
+            row += p.shape[0]
+        together = decide_trees(torch.cat(rows), draws).tolist()
+        for d, p, out in zip(draws, rows, together):
+            alone = decide_trees(p, [TreeDraw(0, d.tree, d.q, d.u)]).tolist()[0]
+            k, token, path = out[0], out[1], out[2 : 2 + out[0]]
+            assert alone[: 2 + k] == out[: 2 + k]
+            assert path == (path_to(d.tree, path[-1]) if path else [])
+            row_of_emit = path[-1] + 1 if path else 0
+            assert p[row_of_emit, token] > 0
+            later += any(d.tree.parents[c] == d.tree.parents[c - 1] for c in path if c > 0)
+            deep += k >= 2
+    assert later > 0 and deep > 0, (later, deep)
+
+
+def test_the_batched_walk_equals_the_walk_on_the_host():
+    """A GPU walks every tree at once (batched rounds), a CPU each tree in
+    Python (the law is on the host already): the same verdicts from the same
+    uniforms, for sampled and point-mass trees of 0-7 nodes side by side."""
+    g = torch.Generator().manual_seed(14)
+    for _ in range(40):
+        draws, rows, row = [], [], 0
+        for i in range(6):
+            d, p = random_tree(g, row, sampled=i % 3 != 0)
+            draws.append(d)
+            rows.append(p)
+            row += p.shape[0]
+        law = torch.cat(rows)
+        batched = decide_trees(law, draws, batched=True).tolist()
+        on_host = decide_trees(law, draws, batched=False).tolist()
+        assert [b[: 2 + b[0]] for b in batched] == [h[: 2 + h[0]] for h in on_host]
+
+
+def test_the_batched_walk_reads_nothing_back():
+    """The walk a GPU runs leaves its verdicts on the device: no read of
+    tensor data by the host (the verifier reads them with the greedy
+    sessions' argmaxes, once a step)."""
+    from benchmarks.engine import counting, summarize
+
+    g = torch.Generator().manual_seed(15)
+    draws, rows, row = [], [], 0
+    for i in range(5):
+        d, p = random_tree(g, row, sampled=i % 2 == 0)
+        draws.append(d)
+        rows.append(p)
+        row += p.shape[0]
+    law = torch.cat(rows)
+    with counting() as (ops, reads):
+        decide_trees(law, draws, batched=True)
+        decide_chains(law, [ChainDraw(0, [1], None, [0.5, 0.5])])
+    assert summarize(ops.ops, reads)["syncs"] == 0, (ops.ops, reads)

@@ -29,7 +29,9 @@ import torch
 
 from specd_core.errors import InvalidRequest
 from specd_core.rules.acceptance import accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled, residual
+from specd_core.rules.chain_batch import uniforms
 from specd_core.rules.sampling import SamplingParams, logits_to_probs, sample
+from specd_core.rules.tree_batch import TreeDraw, decide_trees
 from specd_core.rules.tree import (
     TokenTree,
     TreeAcceptance,
@@ -252,6 +254,42 @@ def run_pipeline(p_table, make_tree, rule: Rule, q_table, n_trials: int, seed: i
     return PipelineResult(np.array(counts).reshape((V,) * L), np.array(kept), later / cycles)
 
 
+def run_pipeline_on_device(p_table, make_tree, q_table, n_trials: int, seed: int, batch: int = 1_500) -> PipelineResult:
+    """run_pipeline with the verifier's batched tree walk (specd_core.rules.tree_batch):
+    `batch` sequences in lock-step, each cycle ONE decide_trees call over all of
+    them, their rows stacked as the verifier stacks its sessions'; q_table None:
+    children chosen without sampling."""
+    g = torch.Generator().manual_seed(seed)
+    p_rows = RowCache(p_table)
+    q_rows = RowCache(q_table) if q_table is not None else None
+    counts = [0] * V**L
+    kept = [0, 0, 0]
+    later = cycles = 0
+    for start in range(0, n_trials, batch):
+        seqs: list[list[int]] = [[] for _ in range(min(batch, n_trials - start))]
+        while live := [seq for seq in seqs if len(seq) < L]:
+            draws, rows, row = [], [], 0
+            for seq in live:
+                tree = make_tree(seq[-1] if seq else BOS)
+                key = (seq[-1] if seq else BOS, *tree.tokens)
+                laws = None
+                if q_rows is not None:
+                    laws = [([x for x, v in enumerate(r) if v > 0], [v for v in r if v > 0]) for r in q_rows[key].tolist()]
+                draws.append(TreeDraw(row, tree, laws, uniforms(len(tree.tokens), g)))
+                rows.append(p_rows[key])
+                row += len(tree.tokens) + 1
+            for seq, d, out in zip(live, draws, decide_trees(torch.cat(rows), draws).tolist()):
+                n, token, path = out[0], out[1], out[2 : 2 + out[0]]
+                assert path == (path_to(d.tree, path[-1]) if path else [])
+                kept[n] += 1
+                later += any(d.tree.parents[i - 1] == d.tree.parents[i] for i in path if i > 0)
+                cycles += 1
+                seq += [d.tree.tokens[i] for i in path] + [token]
+        for seq in seqs:
+            counts[(seq[0] * V + seq[1]) * V + seq[2]] += 1
+    return PipelineResult(np.array(counts).reshape((V,) * L), np.array(kept), later / cycles)
+
+
 def sampled_trees(q_table: torch.Tensor, seed: int) -> Callable[[int], TokenTree]:
     draw = WithoutReplacement(q_table, seed)
     return lambda last: tree_from_children(last, draw)
@@ -308,19 +346,26 @@ def report(name: str, fit: GoodnessOfFit, res: PipelineResult) -> None:
 
 @pytest.mark.parametrize("params", [PLAIN, NUCLEUS], ids=["T1", "T0.7-p0.8"])
 @pytest.mark.parametrize("kind", ["sampled", "deterministic"])
+@pytest.mark.parametrize("walk", ["host", "on_device"])
 @pytest.mark.statistical
-def test_tree_rules_follow_target(kind, params):
+def test_tree_rules_follow_target(walk, kind, params):
     """Tree speculative decoding emits L-token sequences distributed exactly as
-    target-only sampling, with paths of every length and non-first children kept."""
+    target-only sampling, with paths of every length and non-first children kept:
+    the host walk (acceptance.py) and the verifier's batched walk (tree_batch.py)."""
     target, drafter, topk_drafter = model_tables()
     p_table = logits_to_probs(target, params)
     if kind == "sampled":
         q_table = logits_to_probs(drafter, params)
-        res = run_pipeline(p_table, sampled_trees(q_table, seed=1), rule_sampled, q_table, N_TRIALS, seed=2)
+        if walk == "on_device":
+            res = run_pipeline_on_device(p_table, sampled_trees(q_table, seed=1), q_table, N_TRIALS, seed=2)
+        else:
+            res = run_pipeline(p_table, sampled_trees(q_table, seed=1), rule_sampled, q_table, N_TRIALS, seed=2)
+    elif walk == "on_device":
+        res = run_pipeline_on_device(p_table, topk_children(topk_drafter), None, N_TRIALS, seed=3)
     else:
         res = run_pipeline(p_table, topk_children(topk_drafter), rule_deterministic, None, N_TRIALS, seed=3)
     fit = goodness_of_fit(res.counts, exact_sequence_law(p_table))
-    report(f"accept_tree_{kind} {params}", fit, res)
+    report(f"accept_tree_{kind} {walk} {params}", fit, res)
     frac = res.kept_hist / res.kept_hist.sum()
     assert np.all(frac > 0.02) and res.later_sibling > 0.02, (frac, res.later_sibling)
     assert fit.ok, f"accept_tree_{kind} is not lossless: {fit}"

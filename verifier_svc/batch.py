@@ -6,17 +6,16 @@ No grpc, no lock here."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from specd_core.errors import CapacityExceeded
-from specd_core.rules.acceptance import accept_tree_deterministic, accept_tree_sampled, dense_q
 from specd_core.rules.chain_batch import ChainDraw, SparseLaw, decide_chains, to_device, uniforms
 from specd_core.rules.sampling import SamplingParams, logits_to_probs
 from specd_core.rules.tree import TokenTree, accept_tree_argmax, compaction_indices, finish
+from specd_core.rules.tree_batch import TreeDraw, decide_trees
 from specd_core.runtime.features import HiddenStates
 from specd_core.runtime.grammar import Constraint, apply_masks
 from specd_core.runtime.jobs import device_oom, halves
@@ -160,6 +159,16 @@ def sampled_chains(live: list[VerifyJob], logits: list[torch.Tensor]) -> tuple[t
     return stacked_law([j.session.params for j in live], logits), draws
 
 
+def sampled_trees(live: list[VerifyJob], logits: list[torch.Tensor]) -> tuple[torch.Tensor, list[TreeDraw]]:
+    """The sampled sessions whose draft branches, stacked for the batched tree
+    walk, as sampled_chains."""
+    draws, row = [], 0
+    for j, lg in zip(live, logits):
+        draws.append(TreeDraw(row, j.tree, j.q, uniforms(len(j.tree.tokens), j.session.generator)))
+        row += lg.shape[0]
+    return stacked_law([j.session.params for j in live], logits), draws
+
+
 def stacked_law(params: list[SamplingParams], logits: list[torch.Tensor]) -> torch.Tensor:
     """Each session's rows through logits_to_probs with its own parameters,
     stacked: one pass for all the sessions that share temperature, top-k and
@@ -181,68 +190,54 @@ def stacked_law(params: list[SamplingParams], logits: list[torch.Tensor]) -> tor
     return law
 
 
-def read_back(greedy: list[torch.Tensor], verdicts: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
-    """The greedy sessions' per-row argmaxes and the chains' verdicts (kept
-    drafts, token), in ONE transfer to the host: a step reads the device once,
-    whatever its sessions."""
+def read_back(
+    greedy: list[torch.Tensor], verdicts: list[torch.Tensor]
+) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """The greedy sessions' per-row argmaxes and each verdict table's rows
+    (decide_chains', decide_trees'), in ONE transfer to the host: a step reads
+    the device once, whatever its sessions."""
     parts = [torch.cat(greedy).argmax(-1) if len(greedy) > 1 else greedy[0].argmax(-1)] if greedy else []
-    parts += [verdicts.flatten()] if verdicts.numel() else []
+    parts += [v.flatten() for v in verdicts if v.numel()]
     flat = (torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()) if parts else []
-    out, r0 = [], 0
+    best, r0 = [], 0
     for lg in greedy:
-        out.append(flat[r0 : r0 + lg.shape[0]])
+        best.append(flat[r0 : r0 + lg.shape[0]])
         r0 += lg.shape[0]
-    return out, [flat[i : i + 2] for i in range(r0, len(flat), 2)]
-
-
-def on_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors of one width on the host, in ONE transfer for them all (not
-    a host sync per session)."""
-    if len(rows) < 2 or rows[0].device.type == "cpu":  # on a CPU they are there already
-        return [r.cpu() for r in rows]
-    return list(torch.cat(rows).cpu().split([r.shape[0] for r in rows]))
+    tables = []
+    for v in verdicts:
+        width = v.shape[1]
+        tables.append([flat[i : i + width] for i in range(r0, r0 + v.numel(), width)])
+        r0 += v.numel()
+    return best, tables
 
 
 def accept_all(live: list[VerifyJob], logits: list[torch.Tensor]) -> list[VerifyResult]:
     """Each verify's lossless outcome from its rows' logits, masked first
     where a constraint holds: the greedy sessions' argmaxes and the sampled
-    chains' verdicts (decided on the device, specd_core/rules/chain_batch.py)
-    read in one transfer; sampled trees' laws brought over in one more."""
+    sessions' verdicts (decided on the device: specd_core/rules/chain_batch.py
+    for chains, tree_batch.py for branching trees) read in one transfer."""
     logits = [
         lg if j.session.constraint is None else masked(j.session.constraint, lg, j.tree) for j, lg in zip(live, logits)
     ]
     kind = ["greedy" if j.session.params.greedy else "chain" if is_chain(j.tree) else "tree" for j in live]
-    chains = [(j, lg) for j, lg, k in zip(live, logits, kind) if k == "chain"]
-    law, draws = sampled_chains([j for j, _ in chains], [lg for _, lg in chains])
-    best, verdicts = read_back([lg for lg, k in zip(logits, kind) if k == "greedy"], decide_chains(law, draws))
-    # A sampled tree's walk takes host-side decisions at every node, reading
-    # whole residual rows: its rows' law comes over once, not per node.
-    trees = [(j, lg) for j, lg, k in zip(live, logits, kind) if k == "tree"]
-    laws = on_host([logits_to_probs(lg, j.session.params) for j, lg in trees])
-    out: dict[str, Iterator[Any]] = {"greedy": iter(best), "chain": iter(verdicts), "tree": iter(laws)}
-    return [accept(j, next(out[k])) for j, k in zip(live, kind)]
+    of = {k: ([j for j, x in zip(live, kind) if x == k], [lg for lg, x in zip(logits, kind) if x == k]) for k in kind}
+    chains, trees = of.get("chain", ([], [])), of.get("tree", ([], []))
+    best, (chain_verdicts, tree_verdicts) = read_back(
+        of.get("greedy", ([], []))[1], [decide_chains(*sampled_chains(*chains)), decide_trees(*sampled_trees(*trees))]
+    )
+    out = {"greedy": iter(best), "chain": iter(chain_verdicts), "tree": iter(tree_verdicts)}
+    return [accept(j, next(out[k]), k) for j, k in zip(live, kind)]
 
 
-def accept(job: VerifyJob, rows: list[int] | torch.Tensor) -> VerifyResult:
-    """rows: a greedy session's per-row argmaxes (read_back), a sampled
-    chain's verdict [kept drafts, token] (decide_chains), or a sampled
-    tree's per-row law p on the host."""
-    s, tree = job.session, job.tree
-    if s.params.greedy:
-        assert isinstance(rows, list)
-        result = accept_tree_argmax(rows, tree)
-    elif isinstance(rows, list):
-        kept, token = rows
-        result = finish(tree, list(range(kept)), token)
+def accept(job: VerifyJob, verdict: list[int], kind: str) -> VerifyResult:
+    """A verify's result from its verdict: a greedy session's per-row
+    argmaxes (read_back), a sampled chain's [kept drafts, token]
+    (decide_chains) or a sampled tree's [kept, token, path...] (decide_trees)."""
+    if kind == "greedy":
+        result = accept_tree_argmax(verdict, job.tree)
     else:
-        p = rows
-        result = (
-            accept_tree_sampled(
-                p, tree, dense_q([[*i] for i, _ in job.q], [[*w] for _, w in job.q], p.shape[-1]), s.generator
-            )
-            if job.q is not None
-            else accept_tree_deterministic(p, tree, s.generator)
-        )
+        kept, token = verdict[:2]
+        result = finish(job.tree, verdict[2 : 2 + kept] if kind == "tree" else list(range(kept)), token)
     return VerifyResult(result.path, result.tokens, 0.0)
 
 
@@ -320,9 +315,9 @@ def first_tokens(admitted: list[tuple[OpenJob, VerifySession]], rows: list[torch
     sampled = [(s, lg) for s, lg in wanted if not s.params.greedy]
     law = stacked_law([s.params for s, _ in sampled], [lg[None] for _, lg in sampled])
     draws = [ChainDraw(i, (), None, uniforms(0, s.generator)) for i, (s, _) in enumerate(sampled)]
-    best, verdicts = read_back(greedy, decide_chains(law, draws))
+    best, (verdicts,) = read_back(greedy, [decide_chains(law, draws)])
     picked = {"greedy": iter(b[0] for b in best), "sampled": iter(token for _, token in verdicts)}
-    return [None if j.resume else next(picked["greedy" if s.params.greedy else "sampled"]) for j, s in admitted]
+    return [None if j.resume else int(next(picked["greedy" if s.params.greedy else "sampled"])) for j, s in admitted]
 
 
 def first_row(s: VerifySession, logits: torch.Tensor) -> torch.Tensor:

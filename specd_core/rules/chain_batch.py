@@ -139,10 +139,11 @@ def decide_chains(probs: torch.Tensor, draws: Sequence[ChainDraw]) -> torch.Tens
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """(S,) draws from the rows of (S, V) non-negative weights: the first
     token whose cumulative weight passes u times the row's total. Never a
-    token of weight 0: round-off at the end is held to the last one with
-    weight."""
+    token of weight 0: adding 0 leaves a cumulative sum as it was, so a
+    first passing token always has weight; only round-off in u x total can
+    reach the total itself, and then the draw is the last token with weight
+    (the first whose cumulative sum is the total)."""
     cum = weights.cumsum(1)
-    picked = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True).squeeze(1)
-    positions = torch.arange(weights.shape[1], device=weights.device)
-    last = torch.where(weights > 0, positions, 0).amax(1)
-    return torch.minimum(picked, last)
+    total = cum[:, -1:].contiguous()
+    picked = torch.searchsorted(cum, u[:, None] * total, right=True)
+    return torch.minimum(picked, torch.searchsorted(cum, total)).squeeze(1)
