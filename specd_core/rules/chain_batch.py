@@ -124,16 +124,19 @@ def decide_chains(probs: torch.Tensor, draws: Sequence[ChainDraw]) -> torch.Tens
     keep = (steps < n[:, None]) & (q_at > 0) & (u[:, :m] * q_at < p_at)
     k = keep.long().cumprod(1).sum(1)
     law = probs[root + k].double()
-    # The residual norm(max(0, p_k - q_k)) after a rejection at node k; a
-    # chain kept whole owes p_N itself (its q weighs nothing here).
+    # The residual norm(max(0, p_k - q_k)) after a rejection at node k (a
+    # chain kept whole owes p_N itself): only q's entries change, so they
+    # alone are worked on (added to the row as a change, which pads add 0 to).
     at = k.clamp(max=m - 1)
     picked = torch.arange(s, device=probs.device)
-    owed = (k < n).double()[:, None]
-    r = law.scatter_add(1, ids[picked, at], -vals[picked, at] * owed).clamp_(min=0.0)
-    # A residual of zero mass only comes from round-off (the rejection had
-    # probability 0): draw from p_k then, as the tree rule does.
-    r = torch.where(r.sum(1, keepdim=True) > 0, r, law)
-    return torch.stack([k, inverse_cdf(r, u[:, m])], 1)
+    entries, q = ids[picked, at], vals[picked, at]
+    p = law.gather(1, entries)
+    cut = (p - q).clamp(min=0.0)
+    # Zero mass left only comes from round-off (the rejection had
+    # probability 0): draw from p_k then, as the tree rules do.
+    owes = (k < n) & (1.0 - (p - cut).sum(1) > 0)
+    law.scatter_add_(1, entries, torch.where(owes[:, None], cut - p, 0.0))
+    return torch.stack([k, inverse_cdf(law, u[:, m])], 1)
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

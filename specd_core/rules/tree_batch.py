@@ -170,12 +170,12 @@ def _walk(probs: torch.Tensor, lay: _Layout) -> torch.Tensor:
         kept = kept + keep.long()
         cur = torch.where(keep, row, cur)
         tried = torch.where(keep, 0, tried + drop.long())
-    # The law emitted from: its row, the set's entries replaced (a spare last
-    # column takes the pads' writes).
-    row_law = probs[t["root"] + cur].double()
-    weights = torch.cat([row_law, row_law.new_zeros(s, 1)], 1)
-    weights.scatter_(1, torch.where(ids >= 0, ids, probs.shape[1]), base)
-    return torch.cat([kept[:, None], inverse_cdf(weights[:, :-1], t["u"][:, n])[:, None], path], 1)
+    # The law emitted from: its row, the set's entries changed to `base`
+    # (added as a change, as decide_chains does: pads add 0).
+    weights = probs[t["root"] + cur].double()
+    entries = ids.clamp(min=0)
+    weights.scatter_add_(1, entries, torch.where(ids >= 0, base - weights.gather(1, entries), 0.0))
+    return torch.cat([kept[:, None], inverse_cdf(weights, t["u"][:, n])[:, None], path], 1)
 
 
 def _walk_on_host(probs: torch.Tensor, lay: _Layout, draws: Sequence[TreeDraw]) -> torch.Tensor:
@@ -185,16 +185,20 @@ def _walk_on_host(probs: torch.Tensor, lay: _Layout, draws: Sequence[TreeDraw]) 
     n = lay.n
     rows = (t["root"][:, None] + torch.arange(n + 1)).clamp(max=probs.shape[0] - 1)
     found = torch.where(t["set_ids"] >= 0, probs[rows[:, :, None], t["set_ids"].clamp(min=0)].double(), 0.0)
-    paths, ends, at, ids, base = [], [], [], [], []
+    paths, ends, at, ids, change = [], [], [], [], []
     for i, (d, kids, sets, entries) in enumerate(zip(draws, lay.kids, lay.sets, found.tolist())):
-        path, row, changed = _walk_one(d, kids, sets, entries)
+        path, row, base = _walk_one(d, kids, sets, entries)
         paths.append(path)
         ends.append(d.row + row)
-        at += [i] * len(changed)
+        at += [i] * len(base)
         ids += sets[row][0]
-        base += changed
+        change += [b - e for b, e in zip(base, entries[row])]  # as _walk adds it
     weights = probs[ends].double()
-    weights[at, ids] = torch.tensor(base, dtype=torch.float64)
+    weights.index_put_(
+        (torch.tensor(at, dtype=torch.long), torch.tensor(ids, dtype=torch.long)),
+        torch.tensor(change, dtype=torch.float64),
+        accumulate=True,
+    )
     tokens = inverse_cdf(weights, t["u"][:, n]).tolist()
     return torch.tensor([[len(p), tok] + p + [-1] * (n - len(p)) for p, tok in zip(paths, tokens)])
 
