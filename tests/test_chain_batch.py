@@ -41,6 +41,18 @@ def random_chain(g: torch.Generator, row: int, sampled: bool) -> tuple[ChainDraw
     return ChainDraw(row, tokens, laws, uniforms(n, g)), p
 
 
+def batch_of(g: torch.Generator, make, count: int, sampled) -> tuple[list, list[torch.Tensor]]:
+    """`count` drafts by make(g, row, sampled(i)), as the verifier stacks its
+    sessions: each one's rows after the previous ones'."""
+    draws, rows, row = [], [], 0
+    for i in range(count):
+        d, p = make(g, row, sampled(i))
+        draws.append(d)
+        rows.append(p)
+        row += p.shape[0]
+    return draws, rows
+
+
 def test_a_batch_decides_each_chain_as_alone():
     """Sessions of different lengths, sampled and point-mass drafts, stacked as
     the verifier stacks them: each verdict equals the one the same chain gets
@@ -49,12 +61,7 @@ def test_a_batch_decides_each_chain_as_alone():
     g = torch.Generator().manual_seed(11)
     kept_seen: set[tuple[int, int]] = set()
     for _ in range(60):
-        draws, rows, row = [], [], 0
-        for i in range(7):
-            d, p = random_chain(g, row, sampled=i % 2 == 0)
-            draws.append(d)
-            rows.append(p)
-            row += p.shape[0]
+        draws, rows = batch_of(g, random_chain, 7, lambda i: i % 2 == 0)
         together = decide_chains(torch.cat(rows), draws).tolist()
         for d, p, (k, token) in zip(draws, rows, together):
             alone = decide_chains(p, [ChainDraw(0, d.tokens, d.q, d.u)]).tolist()
@@ -143,23 +150,22 @@ def random_tree(g: torch.Generator, row: int, sampled: bool) -> tuple[TreeDraw, 
 
 
 def test_the_tree_walk_decides_a_chain_as_the_chain_rule():
-    """On chains, the batched tree walk and the closed-form chain rule give the
-    same verdicts from the same uniforms (both rules' sampled and point-mass forms)."""
+    """On chains, the tree walk and the closed-form chain rule give the same
+    verdicts from the same uniforms (sampled and point-mass drafts), in their
+    CPU and their batched forms."""
     g = torch.Generator().manual_seed(12)
     for _ in range(40):
-        draws, trees, rows, row = [], [], [], 0
-        for i in range(6):
-            d, p = random_chain(g, row, sampled=i % 2 == 0)
-            laws = None if d.q is None else list(d.q) + [([], [])]
-            chain = TokenTree(tuple(d.tokens), tuple(range(-1, len(d.tokens) - 1)))
-            draws.append(d)
-            trees.append(TreeDraw(row, chain, laws, d.u))
-            rows.append(p)
-            row += p.shape[0]
+        draws, rows = batch_of(g, random_chain, 6, lambda i: i % 2 == 0)
+        trees = [
+            TreeDraw(d.row, TokenTree(tuple(d.tokens), tuple(range(-1, len(d.tokens) - 1))),
+                     None if d.q is None else [*d.q, ([], [])], d.u)
+            for d in draws
+        ]
         law = torch.cat(rows)
-        walked = decide_trees(law, trees).tolist()
-        for (k, token), w, d in zip(decide_chains(law, draws).tolist(), walked, draws):
-            assert w[:2] == [k, token] and w[2 : 2 + k] == list(range(k)), (w, k, token)
+        for batched in (False, True):  # a CPU's forms, a GPU's
+            walked = decide_trees(law, trees, batched=batched).tolist()
+            for (k, token), w in zip(decide_chains(law, draws, batched=batched).tolist(), walked):
+                assert w[:2] == [k, token] and w[2 : 2 + k] == list(range(k)), (batched, w, k, token)
 
 
 def test_a_batch_of_trees_decides_each_tree_as_alone():
@@ -169,12 +175,7 @@ def test_a_batch_of_trees_decides_each_tree_as_alone():
     g = torch.Generator().manual_seed(13)
     later = deep = 0
     for _ in range(40):
-        draws, rows, row = [], [], 0
-        for i in range(6):
-            d, p = random_tree(g, row, sampled=i % 2 == 0)
-            draws.append(d)
-            rows.append(p)
-            row += p.shape[0]
+        draws, rows = batch_of(g, random_tree, 6, lambda i: i % 2 == 0)
         together = decide_trees(torch.cat(rows), draws).tolist()
         for d, p, out in zip(draws, rows, together):
             alone = decide_trees(p, [TreeDraw(0, d.tree, d.q, d.u)]).tolist()[0]
@@ -194,12 +195,7 @@ def test_the_batched_walk_equals_the_walk_on_the_host():
     uniforms, for sampled and point-mass trees of 0-7 nodes side by side."""
     g = torch.Generator().manual_seed(14)
     for _ in range(40):
-        draws, rows, row = [], [], 0
-        for i in range(6):
-            d, p = random_tree(g, row, sampled=i % 3 != 0)
-            draws.append(d)
-            rows.append(p)
-            row += p.shape[0]
+        draws, rows = batch_of(g, random_tree, 6, lambda i: i % 3 != 0)
         law = torch.cat(rows)
         batched = decide_trees(law, draws, batched=True).tolist()
         on_host = decide_trees(law, draws, batched=False).tolist()
@@ -213,14 +209,20 @@ def test_the_batched_walk_reads_nothing_back():
     from benchmarks.engine import counting, summarize
 
     g = torch.Generator().manual_seed(15)
-    draws, rows, row = [], [], 0
-    for i in range(5):
-        d, p = random_tree(g, row, sampled=i % 2 == 0)
-        draws.append(d)
-        rows.append(p)
-        row += p.shape[0]
+    draws, rows = batch_of(g, random_tree, 5, lambda i: i % 2 == 0)
     law = torch.cat(rows)
     with counting() as (ops, reads):
         decide_trees(law, draws, batched=True)
-        decide_chains(law, [ChainDraw(0, [1], None, [0.5, 0.5])])
+        decide_chains(law, [ChainDraw(0, [1], None, [0.5, 0.5])], batched=True)
     assert summarize(ops.ops, reads)["syncs"] == 0, (ops.ops, reads)
+
+
+def test_the_batched_chain_rule_equals_the_one_on_the_host():
+    """A GPU decides chains by batched operations, a CPU in Python on the same
+    numbers: the same verdicts from the same uniforms, sampled and point-mass
+    drafts, chains of 0-4, side by side."""
+    g = torch.Generator().manual_seed(16)
+    for _ in range(40):
+        draws, rows = batch_of(g, random_chain, 7, lambda i: i % 2 == 0)
+        law = torch.cat(rows)
+        assert decide_chains(law, draws, batched=True).tolist() == decide_chains(law, draws, batched=False).tolist()

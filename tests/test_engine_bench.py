@@ -49,12 +49,12 @@ def test_a_small_run_through_the_cores(tmp_path):
         assert all(row[kind]["floor_ms"] > 0 for row in result["rows"]), kind
         assert result["ratio_3_to_1"][kind]["floor_over_first_host_ms"] > 0
     one, three = result["rows"]
-    # Sampled chains and trees are decided on the device and read with the
-    # greedy sessions' verdicts: one read a step, however many sampled sessions.
-    # (A CPU walks sampled trees over the host's copy of the law, whose reads
-    # this counter sees too: a few, as many at 3 sessions as at 1.)
-    assert one["verify_chain_sampled"]["syncs"] == three["verify_chain_sampled"]["syncs"] == 1, result["rows"]
-    assert one["verify_tree_sampled"]["syncs"] == three["verify_tree_sampled"]["syncs"] <= 3, result["rows"]
+    # Sampled chains and trees are decided without a read per session: on a
+    # CPU, in Python over the host's copy of the law, whose few reads this
+    # counter sees too (as many at 3 sessions as at 1); a GPU's batched form
+    # reads nothing (tests/test_chain_batch.py).
+    for kind in ("verify_chain_sampled", "verify_tree_sampled"):
+        assert one[kind]["syncs"] == three[kind]["syncs"] <= 4, (kind, result["rows"])
     # A tree's mask and positions are built for all sessions at once: more
     # sessions add no upload and no more operators than they add to a chain.
     assert three["verify_tree"]["uploads"] == one["verify_tree"]["uploads"]

@@ -311,6 +311,8 @@ def first_tokens(admitted: list[tuple[OpenJob, VerifySession]], rows: list[torch
     the greedy ones' argmaxes and the sampled ones' draws (chains of no
     drafts) read in one transfer."""
     wanted = [(s, first_row(s, lg)) for (j, s), lg in zip(admitted, rows) if not j.resume]
+    if not wanted:
+        return [None] * len(admitted)
     greedy = [lg[None] for s, lg in wanted if s.params.greedy]
     sampled = [(s, lg) for s, lg in wanted if not s.params.greedy]
     law = stacked_law([s.params for s, _ in sampled], [lg[None] for _, lg in sampled])

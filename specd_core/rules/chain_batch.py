@@ -102,12 +102,20 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def decide_chains(probs: torch.Tensor, draws: Sequence[ChainDraw]) -> torch.Tensor:
+def decide_chains(probs: torch.Tensor, draws: Sequence[ChainDraw], batched: bool | None = None) -> torch.Tensor:
     """(S, 2) int64 on probs' device: each chain's kept drafts k and the
     token it emits. probs (R, V): the step's stacked law (row `row + i` is
-    chain i's law after its first i drafts: row 0 its pending token's)."""
+    chain i's law after its first i drafts: row 0 its pending token's).
+
+    On a GPU the chains are decided by batched operations (nothing read
+    back); on a CPU, where the law is in host memory and each of those
+    dozens of small operators costs microseconds, the decisions are taken
+    in Python on the same numbers (`_chains_on_host`). batched: force one
+    or the other (None: by device)."""
     if not draws:
         return torch.zeros(0, 2, dtype=torch.long, device=probs.device)
+    if batched is False or (batched is None and probs.device.type == "cpu"):
+        return _chains_on_host(probs, draws)
     s = len(draws)
     packed, m, w = _packed(draws)
     x = to_device(packed, probs.device)
@@ -118,18 +126,19 @@ def decide_chains(probs: torch.Tensor, draws: Sequence[ChainDraw]) -> torch.Tens
     tok, q_at, u = tok.view(s, m).long(), q_at.view(s, m), u.view(s, m + 1)
     ids, vals = ids.view(s, m, w).long(), vals.view(s, m, w)
     steps = torch.arange(m, device=probs.device)
+    # Gathers by flat index (take, index_select): one operator each, where
+    # advanced indexing costs several on the host.
     rows = (root[:, None] + steps).clamp(max=probs.shape[0] - 1)  # past a chain's end: unread
-    p_at = probs[rows, tok].double()
+    p_at = probs.view(-1).take(rows * probs.shape[1] + tok).double()
     # u < min(1, p/q) as u * q < p (u < 1); q = 0: x could not have been drawn.
     keep = (steps < n[:, None]) & (q_at > 0) & (u[:, :m] * q_at < p_at)
     k = keep.long().cumprod(1).sum(1)
-    law = probs[root + k].double()
+    law = probs.index_select(0, root + k).double()
     # The residual norm(max(0, p_k - q_k)) after a rejection at node k (a
     # chain kept whole owes p_N itself): only q's entries change, so they
     # alone are worked on (added to the row as a change, which pads add 0 to).
-    at = k.clamp(max=m - 1)
-    picked = torch.arange(s, device=probs.device)
-    entries, q = ids[picked, at], vals[picked, at]
+    node = torch.arange(s, device=probs.device) * m + k.clamp(max=m - 1)
+    entries, q = ids.view(s * m, w).index_select(0, node), vals.view(s * m, w).index_select(0, node)
     p = law.gather(1, entries)
     cut = (p - q).clamp(min=0.0)
     # Zero mass left only comes from round-off (the rejection had
@@ -137,6 +146,48 @@ def decide_chains(probs: torch.Tensor, draws: Sequence[ChainDraw]) -> torch.Tens
     owes = (k < n) & (1.0 - (p - cut).sum(1) > 0)
     law.scatter_add_(1, entries, torch.where(owes[:, None], cut - p, 0.0))
     return torch.stack([k, inverse_cdf(law, u[:, m])], 1)
+
+
+def _chains_on_host(probs: torch.Tensor, draws: Sequence[ChainDraw]) -> torch.Tensor:
+    """decide_chains' steps in Python floats: the drafted tokens' p in one
+    read, the rows drawn from in one gather, the residuals' entries in one
+    more, one batched draw."""
+    vocab = probs.shape[1]
+    laws = [_node_laws(d) for d in draws]
+    for d in draws:
+        if len(d.u) != len(d.tokens) + 1:
+            raise ValueError(f"a chain of {len(d.tokens)} drafts needs {len(d.tokens) + 1} uniforms, got {len(d.u)}")
+    at = [(d.row + i) * vocab + x for d in draws for i, x in enumerate(d.tokens)]
+    p_at = probs.view(-1).take(torch.tensor(at, dtype=torch.long)).tolist() if at else []
+    kept, first = [], 0
+    for d, ls in zip(draws, laws):
+        k = len(d.tokens)
+        for i, (x, (ids, ps)) in enumerate(zip(d.tokens, ls)):
+            q = dict(zip(ids, ps)).get(x, 0.0)
+            if not (q > 0 and d.u[i] * q < p_at[first + i]):
+                k = i
+                break
+        kept.append(k)
+        first += len(d.tokens)
+    law = probs.index_select(0, torch.tensor([d.row + k for d, k in zip(draws, kept)])).double()
+    owed = [(i, ls[k]) for i, (d, ls, k) in enumerate(zip(draws, laws, kept)) if k < len(d.tokens)]
+    if owed:
+        rows = [i for i, (ids, _) in owed for _ in ids]
+        cols = [c for _, (ids, _) in owed for c in ids]
+        found = law.view(-1).take(torch.tensor([r * vocab + c for r, c in zip(rows, cols)])).tolist()
+        change, j = [], 0
+        for _, (ids, ps) in owed:
+            p = found[j : j + len(ids)]
+            cut = [max(0.0, a - b) for a, b in zip(p, ps)]
+            # Zero mass left: round-off (the rejection had probability 0).
+            owes = 1.0 - sum(a - c for a, c in zip(p, cut)) > 0
+            change += [c - a if owes else 0.0 for a, c in zip(p, cut)]
+            j += len(ids)
+        law.index_put_(
+            (torch.tensor(rows), torch.tensor(cols)), torch.tensor(change, dtype=torch.float64), accumulate=True
+        )
+    tokens = inverse_cdf(law, torch.tensor([d.u[-1] for d in draws], dtype=torch.float64))
+    return torch.tensor([[k, t] for k, t in zip(kept, tokens.tolist())])
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
