@@ -1,5 +1,6 @@
 """The lossless chain rules for every sampled chain of a step at once, on the
-device that holds the target's law (docs/rules.md, "Sampled sessions on a GPU").
+device that holds the target's law (docs/rules.md, "Sampled sessions: decided
+on the device, read once").
 
 The tree rules in specd_core/rules/acceptance.py walk one session's tree on
 the host and need its rows' law there: (rows x vocabulary) floats per session,
@@ -10,7 +11,9 @@ norm(max(0, p_k - q_k)), a chain kept whole a draw from p_N. So the host
 sends each session's uniforms and its drafts' sparse q, the device decides
 every chain in a handful of batched operations, and one small
 (sessions x 2) tensor comes back: no per-session transfer, no host sync of
-its own (the caller reads it with the greedy sessions' argmaxes).
+its own (the caller reads it with the greedy sessions' argmaxes). On a CPU
+the law is in host memory already, and the same decisions are taken in
+Python (decide_chains says why).
 
 Pure core: tensors in, tensors out.
 

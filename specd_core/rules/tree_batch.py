@@ -13,7 +13,8 @@ token: r loses x); a kept child -> its row; no child left -> emit a draw of r.
 Every session walks at once: each round of batched operations tests one
 child per session (or finds its node exhausted), and a node is tested at most
 once, so N + 1 rounds finish a tree of N nodes with no read by the host. The
-emitted token is drawn once after the last round, by inverse CDF.
+emitted token is drawn once after the last round, by inverse CDF. On a CPU
+each tree walks in Python over the same numbers (decide_trees says why).
 
 Randomness as for chains: N + 1 uniforms per tree from the session's host
 generator, node i's test reads uniform i, the emitted token the last one.
