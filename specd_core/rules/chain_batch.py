@@ -84,8 +84,6 @@ def _packed(draws: Sequence[ChainDraw]) -> tuple[torch.Tensor, int, int]:
     u: list[float] = []
     for d, ls in zip(draws, laws):
         n = len(d.tokens)
-        if len(d.u) != n + 1:
-            raise ValueError(f"a chain of {n} drafts needs {n + 1} uniforms, got {len(d.u)}")
         head += [d.row, n]
         tok += [*d.tokens] + [0] * (m - n)
         q_at += [dict(zip(lid, lp)).get(x, 0.0) for x, (lid, lp) in zip(d.tokens, ls)] + [0.0] * (m - n)
@@ -117,6 +115,9 @@ def decide_chains(probs: torch.Tensor, draws: Sequence[ChainDraw], batched: bool
     or the other (None: by device)."""
     if not draws:
         return torch.zeros(0, 2, dtype=torch.long, device=probs.device)
+    for d in draws:  # checked once here for both forms
+        if len(d.u) != len(d.tokens) + 1:
+            raise ValueError(f"a chain of {len(d.tokens)} drafts needs {len(d.tokens) + 1} uniforms, got {len(d.u)}")
     if batched is False or (batched is None and probs.device.type == "cpu"):
         return _chains_on_host(probs, draws)
     s = len(draws)
@@ -157,9 +158,6 @@ def _chains_on_host(probs: torch.Tensor, draws: Sequence[ChainDraw]) -> torch.Te
     more, one batched draw."""
     vocab = probs.shape[1]
     laws = [_node_laws(d) for d in draws]
-    for d in draws:
-        if len(d.u) != len(d.tokens) + 1:
-            raise ValueError(f"a chain of {len(d.tokens)} drafts needs {len(d.tokens) + 1} uniforms, got {len(d.u)}")
     at = [(d.row + i) * vocab + x for d in draws for i, x in enumerate(d.tokens)]
     p_at = probs.view(-1).take(torch.tensor(at, dtype=torch.long)).tolist() if at else []
     kept, first = [], 0
