@@ -150,6 +150,52 @@ def test_lean_session_takes_only_what_fits(llama):
     assert a.blocks == 21
 
 
+def test_sessions_growing_in_turn_keep_their_blocks_in_runs(llama):
+    """New sessions are placed with room after them, so that sessions growing
+    in turn each take the blocks right after their own: every table stays
+    one run of storage (read in place by attention, lean_step.in_place).
+    Once the room is used up a session takes what is free elsewhere, and
+    its table says where its last run starts."""
+    lm = LeanModel(llama)
+    pool = KVPool(60, 4, lm.kv_row_bytes)
+    sessions = [lm.new_session(pool=pool) for _ in range(3)]
+    for i, s in enumerate(sessions):
+        s.forward(list(range(40 + i, 48 + i)))  # 2 blocks each
+    for t in range(24):  # grow in turn: 8 + 24 rows = 8 blocks each, within the room
+        for s in sessions:
+            s.forward([t + 1])
+    for s in sessions:
+        assert s.table == list(range(s.table[0], s.table[0] + s.blocks)) and s.run_from == 0, s.table
+        assert s.in_one_run(0)
+    starts = sorted(s.table[0] for s in sessions)
+    assert all(b - a >= 8 for a, b in zip(starts, starts[1:]))  # room between them
+    first = sessions[0]
+    for t in range(80):  # past the room: first runs into the next session's blocks
+        first.forward([t % 50 + 1])
+    assert first.run_from > 0 and not first.in_one_run(0) and first.in_one_run(first.run_from * 4)
+    assert sorted(b for s in sessions for b in s.table) == sorted(set(b for s in sessions for b in s.table))
+    for s in sessions:
+        s.release()
+    pool.check()
+    assert pool.used_blocks == 0
+
+
+def test_placement_uses_every_block():
+    """Room is a preference: a full pool hands out every block, runs or not,
+    and refuses only past its total."""
+    pool = KVPool(10, 4, 8)
+    got = [pool.take_blocks(1, room=8) for _ in range(3)]  # no run of 17: lowest free ids
+    assert got == [[0], [1], [2]]
+    assert pool.take_blocks(2, after=0) == [3, 4]  # 1 is taken: the lowest run of 2
+    assert pool.take_blocks(2, after=4) == [5, 6]  # right after 4
+    pool.give_blocks([1, 5])
+    assert pool.take_blocks(3) == [7, 8, 9]  # a run of 3 where there is one
+    assert sorted(pool.take_blocks(2)) == [1, 5]  # then the scattered ones
+    with pytest.raises(CapacityExceeded):
+        pool.take_blocks(1)
+    pool.check()
+
+
 def test_hf_session_accounts_its_rows(llama):
     pool = KVPool(3, 4, Runner(llama, "hf").kv_row_bytes)
     s = SessionCache(llama, pool)

@@ -129,16 +129,19 @@ def family_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gemma3"])
-@pytest.mark.parametrize("spread", [lean_step.SPREAD, 0])
+@pytest.mark.parametrize("spread", [lean_step.SPREAD, 0, "in place"])
 def test_padded_batch_equals_each_session_alone(family, spread, family_model, monkeypatch):
     """Sessions of different lengths and row counts - a long prefill, decode
     rows, a chain after a past, a tree as a dense mask, trees as TokenTrees
     and a drafter's tree level as a TreeLevel (their masks built in the step;
     alone, the same dense masks) - in one step give each the logits and cache
-    of its own forward, in one padded group and (spread 0: every session its
-    own group) in several."""
-    monkeypatch.setattr(lean_step, "SPREAD", spread)
+    of its own forward, in one padded group, (spread 0: every session its
+    own group) in several, and ("in place": every session whose rows lie in
+    one range of storage read there, lean_step.in_place) with most of them
+    groups of their own."""
+    monkeypatch.setattr(lean_step, "SPREAD", spread if spread != "in place" else lean_step.SPREAD)
     monkeypatch.setattr(lean_step, "SLACK", 1 << 15 if spread else 0)
+    monkeypatch.setattr(lean_step, "IN_PLACE_BYTES", 1 if spread == "in place" else 1 << 60)
     lean = LeanModel(family_model(family))
     pool = KVPool(200, 4, lean.kv_row_bytes)
     solo = [lean.new_session(pool=pool) for _ in range(8)]
@@ -168,8 +171,13 @@ def test_padded_batch_equals_each_session_alone(family, spread, family_model, mo
             ([63, 64, 65], None, level)]
     items = [(s, ids, p, m) for s, (ids, p, m) in zip(batched, work)]
     want = [s.forward(ids, **dense_item(s, p, m)) for s, (ids, p, m) in zip(solo, work)]
-    groups = len(lean_step.group_entries(lean_step.entries_of(items)))
-    assert groups == (1 if spread else len(work))
+    entries = lean_step.entries_of(items)
+    alone = lean_step.in_place(lean, entries)
+    if spread == "in place":  # the pool placed most sessions' blocks in one run each
+        assert len(alone) >= 6, [s.table for s in batched]
+    else:
+        assert not alone
+        assert len(lean_step.group_entries(entries)) == (1 if spread else len(work))
     got = lean.forward_batch(items)
     for w, g in zip(want, got):
         close(g, w)

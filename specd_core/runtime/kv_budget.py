@@ -121,6 +121,9 @@ def kv_row_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) 
     return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+FREE, TAKEN = b"\x01", b"\x00"  # a block's entry in a pool's free map
+
+
 class KVPool:
     """`total_blocks` blocks of `block_rows` rows, `row_bytes` bytes per row,
     shared by the sessions of one replica. Thread-safe: the batcher's thread
@@ -140,14 +143,15 @@ class KVPool:
         self.growable = growable
         self._used = 0
         self._lock = threading.Lock()
-        # Free block ids, lowest last: pop() hands out low ids first, and a
-        # block given back is the next one taken (its pages are warm).
-        self._free_ids = list(range(total_blocks - 1, -1, -1))
+        # Free block ids as a map (FREE at a free id), so that a session's
+        # blocks can be placed in runs (`take_blocks`); searched by
+        # bytearray.find, in C, lowest ids first.
+        self._free = bytearray(FREE * total_blocks)
         # The engine's tensor of the blocks (paged_kv.PagedKV), made on first use.
         self.storage: object | None = None
         # Automatic prefix caching (specd_core/runtime/prefix_cache.py), set by
         # the replica's core for the lean engine; None: off. Its idle blocks
-        # are neither used nor in _free_ids, and count as free.
+        # are neither used nor in _free, and count as free.
         self.prefix: PrefixCache | None = None
 
     @classmethod
@@ -201,7 +205,7 @@ class KVPool:
         free = self.total_blocks - self._used
         if free < want and self.growable:
             grown = max(2 * self.total_blocks, self._used + want)
-            self._free_ids[:0] = range(grown - 1, self.total_blocks - 1, -1)
+            self._free += FREE * (grown - self.total_blocks)
             self.total_blocks, free = grown, grown - self._used
         if free < need:
             raise CapacityExceeded(
@@ -213,12 +217,46 @@ class KVPool:
         self._used += got
         return got
 
-    def take_blocks(self, want: int, need: int | None = None, what: str = "a session") -> list[int]:
+    def take_blocks(
+        self, want: int, need: int | None = None, what: str = "a session", after: int | None = None, room: int = 0
+    ) -> list[int]:
         """`take`, returning the ids of the blocks taken (0 <= id < total_blocks):
-        never-used blocks first, then the least recently used idle cached ones."""
+        free blocks first, then the least recently used idle cached ones.
+
+        Placed in runs where the free map allows, so that a session's rows
+        lie in one range of storage, which attention can read in place
+        (specd_core/runtime/lean_step.py): `after` (a growing session's last
+        block) the blocks right after it; else, with `room` (a new
+        session's), a run with `room` free blocks on each side, so that it
+        and the session before it can grow in place. Otherwise (or where no
+        such run is free) the lowest free ids, wherever they are."""
         with self._lock:
             got = self._take(want, need, what)
-            return [self._free_ids.pop() if self._free_ids else self._evict() for _ in range(got)]
+            return self._place(got, after, room)
+
+    def _place(self, n: int, after: int | None, room: int) -> list[int]:
+        run, free = FREE * n, self._free
+        start = -1
+        if after is not None:
+            if free[after + 1 : after + 1 + n] == run:
+                start = after + 1
+        elif room:
+            at = free.find(FREE * (n + 2 * room))
+            start = -1 if at < 0 else at + room if at > 0 else 0  # nothing before id 0 needs room
+        if start < 0:
+            start = free.find(run)  # any run of n, else one at a time
+        if start >= 0:
+            free[start : start + n] = TAKEN * n
+            return list(range(start, start + n))
+        ids = []
+        for _ in range(n):
+            b = free.find(FREE)
+            if b < 0:  # no free block: an idle cached one (_take counted them)
+                ids.append(self._evict())
+            else:
+                free[b] = TAKEN[0]
+                ids.append(b)
+        return ids
 
     def _evict(self) -> int:
         assert self.prefix is not None  # _take counted idle blocks as free
@@ -243,7 +281,8 @@ class KVPool:
             own = [b for b in ids if cache is None or b not in cache]
             idle = sum(cache.unref(b) for b in ids if b not in own) if cache is not None else 0
             self._give(len(own) + idle)
-            self._free_ids.extend(reversed(own))
+            for b in own:
+                self._free[b] = FREE[0]
 
     def share(self, names: list[bytes]) -> list[int]:
         """The cached blocks of the longest run of `names` (prefix_cache.py),
@@ -267,8 +306,9 @@ class KVPool:
         """Every block is used, free or idle cached, once (tests: no block leaked)."""
         with self._lock:
             idle = list(self.prefix.idle) if self.prefix is not None else []
-            held = self.total_blocks - len(self._free_ids) - len(idle)
-            if held != self._used or len(set(self._free_ids) | set(idle)) != len(self._free_ids) + len(idle):
+            free = [b for b, f in enumerate(self._free) if f == FREE[0]]
+            held = self.total_blocks - len(free) - len(idle)
+            if held != self._used or len(set(free) | set(idle)) != len(free) + len(idle):
                 raise AssertionError(f"{self.owner} pool: {self._used} used, {held} neither free nor idle")
 
     def describe(self) -> dict:

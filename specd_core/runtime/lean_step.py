@@ -29,6 +29,13 @@ ancestors' cached rows and itself) goes the same way: its positions are
 host integers and the rows it hides (other nodes' rows, the level's earlier
 rows) are pairs of the pack.
 
+On a CPU a session whose keys lie in one range of storage (the pool places
+blocks in runs) and are long enough is read in place instead, a group of
+its own (in_place): the gather is a copy of every key row per layer, bound by
+memory bandwidth, and past IN_PLACE_BYTES it costs more than a call. A lone
+entry's causal mask over the end of its keys is a view of one cached tensor
+(tail_mask).
+
 Key buckets (`SPECD_KEY_BUCKET`, off by default): each group's key columns
 rounded up to a multiple of the bucket, the columns past a session's rows
 masked like a group's padding, and a lone session taking the masked path
@@ -66,6 +73,13 @@ if TYPE_CHECKING:
 
 SPREAD = 2  # a group's padded attention area may be this many times its real area ...
 SLACK = 1 << 15  # ... plus this many (row, key) pairs
+# A session's keys of one layer from this many bytes on are read in place on a
+# CPU (in_place). One thread of a 2-core x86 VM, float32, per layer, 8 sessions
+# of 1 / 5 query rows: keys of 2 KiB rows (4 KV heads of 64) x 200 each,
+# gathered and one call 427 / 522 us, a call each in place 274 / 380 us; x 400:
+# 804 / 971 against 429 / 622; 1 KiB rows x 200: 198 / 241 against 200 / 255
+# (even), 4 sessions x 200: 75 / 96 against 101 / 126 (the gather wins).
+IN_PLACE_BYTES = 256 * 1024
 
 
 class Entry(NamedTuple):
@@ -94,7 +108,8 @@ class Group(NamedTuple):
 
     size: int
     rows: int  # query rows per entry
-    q_index: torch.Tensor | None  # (size * rows,) the x row of each query; None: x as it is
+    # (size * rows,) the x row of each query (a lone entry's: a slice of x); None: x as it is
+    q_index: torch.Tensor | slice | None
     keys: list[torch.Tensor | range]  # per window kind: (size, K) storage rows of the keys, or their range
     masks: list[torch.Tensor | None]  # per kind: additive (size, 1, rows, K); None: `causal` says
     causal: bool  # no mask: causal (a lone prefill) or not (a lone decode row)
@@ -180,12 +195,16 @@ def _host_positions(e: Entry) -> Sequence[int]:
     return [e.start + d for d in tree_layout(e.tree.parents).depths]
 
 
-def group_entries(entries: list[Entry]) -> list[list[int]]:
-    """Indices of the entries of each group (see the module docstring), each in item order."""
-    groups: list[list[int]] = []
+def group_entries(entries: list[Entry], alone: Sequence[int] = ()) -> list[list[int]]:
+    """Indices of the entries of each group (see the module docstring), each
+    in item order; the entries `alone` (in_place) a group each."""
+    groups: list[list[int]] = [[i] for i in alone]
+    rest = sorted(set(range(len(entries))) - set(alone), key=lambda i: -entries[i].end)
+    if not rest:
+        return groups
     cur: list[int] = []
     rows = keys = real = 0
-    for i in sorted(range(len(entries)), key=lambda i: -entries[i].end):
+    for i in rest:
         e = entries[i]
         r, k, a = max(rows, e.n), max(keys, e.end), real + e.n * e.end
         if cur and (len(cur) + 1) * r * k > SPREAD * a + SLACK:
@@ -195,6 +214,27 @@ def group_entries(entries: list[Entry]) -> list[list[int]]:
         rows, keys, real = r, k, a
     groups.append(sorted(cur))
     return groups
+
+
+def in_place(model, entries: list[Entry]) -> list[int]:
+    """On a CPU, the entries of a batch whose keys attention reads in place:
+    their rows lie in one range of storage (the pool places a session's
+    blocks in runs) and are at least IN_PLACE_BYTES per layer. Each is then
+    a group of its own, one attention call per layer reading its rows where
+    they are, instead of a part of the gathered copy that a group's call
+    reads: the gather is a copy of every key row per layer, bound by memory
+    bandwidth, which costs more than a call's overhead for long rows. On
+    CUDA every entry stays in the batched groups (one call per layer
+    whatever the sessions; a launch costs more there than a copy)."""
+    if len(entries) < 2 or model.device.type != "cpu":
+        return []
+    row = 2 * model.n_kv * model.head_dim * model.kv_dtype.itemsize
+    out = []
+    for i, e in enumerate(entries):
+        k0 = min(_k0(e, w) for w in model.windows)
+        if (e.end - k0) * row >= IN_PLACE_BYTES and e.session.in_one_run(k0):
+            out.append(i)
+    return out
 
 
 def _positions(pack: _Pack, entries: list[Entry]) -> tuple[slice, bool]:
@@ -226,7 +266,8 @@ class _Spec(NamedTuple):
     members: list[int]
     rows: int
     block_rows: int
-    q_index: slice | None
+    q_index: slice | None  # where the pack lists the query rows; q_rows: a lone entry's, in x
+    q_rows: slice | None
     table: slice
     width: int  # blocks per table row
     start: slice
@@ -239,6 +280,7 @@ class _Spec(NamedTuple):
     hidden: list[slice] | None  # per window kind: the pairs its token trees hide (_hidden)
     masked_end: int  # the largest end of members with a caller's mask or a tree (0: none)
     causal: bool | None  # None: masks; else the lone entry's is_causal
+    tail: bool  # a lone entry's mask is the causal one of its last rows (tail_mask), every window kind
 
 
 def _lone(e: Entry, windows: list[int | None], softcap: bool) -> bool | None:
@@ -276,8 +318,10 @@ def _spec(
 ) -> _Spec:
     es = [entries[i] for i in members]
     rows = max(e.n for e in es)
-    q_index = None
-    if len(es) < len(entries) or any(e.n != rows for e in es):
+    q_index = q_rows = None
+    if len(es) == 1 and len(entries) > 1:
+        q_rows = slice(es[0].r0, es[0].r0 + rows)  # a view of x, not an index
+    elif len(es) < len(entries) or any(e.n != rows for e in es):
         q_index = pack.put(e.r0 + min(r, e.n - 1) for e in es for r in range(rows))
     k0s = [[_k0(e, w) for e in es] for w in windows]
     keys = [max(e.end - k for e, k in zip(es, ks)) for ks in k0s]
@@ -287,11 +331,13 @@ def _spec(
     b = es[0].session.block_rows
     width = max(-(-(k + ks[j]) // b) for k, ks in zip(keys, k0s) for j in range(len(es)))
     table = pack.put(t for e in es for t in (e.session.table[:width] + [0] * (width - len(e.session.table))))
+    causal = _lone(es[0], windows, softcap) if lone else None
     return _Spec(
         members,
         rows,
         b,
         q_index,
+        q_rows,
         table,
         width,
         pack.put(e.start for e in es),
@@ -304,7 +350,8 @@ def _spec(
         pack.put(j for j, e in enumerate(es) if e.mask is not None) if any(e.mask is not None for e in es) else None,
         _hidden(pack, es, rows, keys),
         max((e.end for e in es if e.masked), default=0),
-        _lone(es[0], windows, softcap) if lone else None,
+        causal,
+        lone and causal is None and not es[0].masked and all(w is None or w >= es[0].end for w in windows),
     )
 
 
@@ -348,7 +395,8 @@ def plan(model, items: list, last_only: bool | list[bool], round_keys: KeyRoundi
     pack = _Pack()
     write = pack.put(s for e in entries for s in e.session.slots(e.start, e.end))
     softcap, rounding = model.softcap is not None, round_keys or round_to(model.key_bucket)
-    specs = [_spec(pack, entries, m, model.windows, softcap, rounding) for m in group_entries(entries)]
+    alone = in_place(model, entries) if rounding is None else []
+    specs = [_spec(pack, entries, m, model.windows, softcap, rounding) for m in group_entries(entries, alone)]
     order = _order(pack, entries, specs)
     keep = _keep(pack, entries, last_only)
     at, indexed = _positions(pack, entries)  # last: the tensors it appends follow every int
@@ -395,7 +443,7 @@ def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.T
     """A group's key rows and masks per window kind, on the device."""
     size, b = len(s.members), s.block_rows
     q_row = None
-    if s.causal is None:  # each query's own cache row; padding rows repeat their entry's last
+    if s.causal is None and not s.tail:  # each query's own cache row; padding rows repeat their entry's last
         r = ar[: s.rows][None] if s.q_index is None else torch.minimum(ar[: s.rows][None], pack[s.n][:, None] - 1)
         q_row = (pack[s.start][:, None] + r)[:, :, None]
     placed = None if trees is None or s.trees is None else (pack[s.trees], trees.to(model.device))
@@ -410,6 +458,9 @@ def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.T
             key_row = pack[s.k0[kind]][:, None] + ar[: s.keys[kind]][None]  # (size, K)
             slot = pack[s.table].view(size, s.width).gather(1, key_row // b) * b + key_row % b
             keys.append(torch.where(key_row < pack[s.end][:, None], slot, 0))  # past its rows: the zero block
+        if s.tail:
+            masks.append(tail_mask(s.rows, s.keys[kind], model.kv_dtype, model.device))
+            continue
         if q_row is None:
             masks.append(None)
             continue
@@ -417,7 +468,28 @@ def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.T
             key_row = pack[s.k0[kind]][:, None] + ar[: s.keys[kind]][None]
         shown = _Shown(placed, None if s.hidden is None else pack[s.hidden[kind]], s.masked_end)
         masks.append(_mask(key_row, q_row, w, shown, model.kv_dtype))
-    return Group(size, s.rows, None if s.q_index is None else pack[s.q_index], keys, masks, bool(s.causal))
+    q_index = s.q_rows if s.q_index is None else pack[s.q_index]
+    return Group(size, s.rows, q_index, keys, masks, bool(s.causal))
+
+
+_TAILS: dict[tuple, torch.Tensor] = {}
+
+
+def tail_mask(rows: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive mask (1, 1, rows, keys) of `rows` queries at the last
+    `rows` of `keys` consecutive key rows, each seeing the keys up to its
+    own (causal, aligned at the bottom right, which SDPA's is_causal is
+    not): a view of one tensor per (rows, dtype, device), widened as keys
+    grow, so that a lone entry's mask costs no operator."""
+    at = (rows, dtype, device)
+    t = _TAILS.get(at)
+    if t is None or t.shape[-1] < keys:
+        width = max(keys, 2 * t.shape[-1] if t is not None else 1024)
+        t = torch.zeros(1, 1, rows, width, dtype=dtype, device=device)
+        col = torch.arange(width, device=device)[None]
+        t[0, 0].masked_fill_(col > width - rows + torch.arange(rows, device=device)[:, None], float("-inf"))
+        _TAILS[at] = t
+    return t[..., t.shape[-1] - keys :]
 
 
 def _mask(key_row: torch.Tensor, q_row: torch.Tensor, w: int | None, shown: _Shown, kvt: torch.dtype) -> torch.Tensor:

@@ -18,7 +18,9 @@ written: `torch.empty` costs no RAM for blocks never used).
 
 The pool (specd_core/runtime/kv_budget.py) owns the storage (`pool.storage`)
 and the block ids; the budget's pool is sized at the replica's start. A
-session reserves by taking block ids (nothing is copied, ever), rolls back by
+session reserves by taking block ids (nothing is copied, ever; the pool
+places them in runs where it can, so that a session's rows usually lie in one
+range of storage, `run_from` / `in_one_run`), rolls back by
 setting its length, compacts by moving kept rows within its own blocks, and
 releases by giving its ids back. With prefix caching (prefix_cache.py) a new
 session starts on the cached blocks of its prompt's longest cached prefix,
@@ -93,6 +95,7 @@ class LeanSession:
     (tests, tools) the model's own growable pool serves (LeanModel.default_pool)."""
 
     GROWTH = 0.25  # a grow adds at least this fraction of the capacity (and at least one block)
+    ROOM = 8  # free blocks a new session's first ones are placed before (when the pool has such a run)
 
     def __init__(self, model: LeanModel, max_len: int, pool: KVPool | None = None):
         self.lean = model
@@ -101,6 +104,7 @@ class LeanSession:
         self.store = storage_of(model, self.pool)
         self.block_rows = self.pool.block_rows
         self.table: list[int] = []  # storage block of each block of rows, in order
+        self.run_from = 0  # table[run_from:] are consecutive storage blocks (one range of rows)
         self.length = 0
         # Prefix caching (specd_core/runtime/prefix_cache.py): the names of the
         # full blocks of the prompt rows, and the rows below which every block
@@ -145,17 +149,33 @@ class LeanSession:
         have, limit = self.blocks, -(-self.max_len // self.block_rows)
         need = -(-rows // self.block_rows) - have
         want = min(max(need, max(1, int(have * self.GROWTH))), limit - have)
-        ids = self.pool.take_blocks(want, need, what)
+        # In a run after its last block, or a new session's with room to grow
+        # into (as much again as it takes, at least ROOM): rows read in place.
+        after = self.table[-1] - NULL_BLOCK if self.table else None
+        room = 0 if self.table else min(max(want, self.ROOM), limit - want)
+        ids = self.pool.take_blocks(want, need, what, after, room)
         try:
             self.store.cover(max(ids) + 1)
         except BaseException:  # out of memory growing a default pool's storage
             self.pool.give_blocks(ids)
             raise
-        self.table += [i + NULL_BLOCK for i in ids]
+        self._extend([i + NULL_BLOCK for i in ids])
+
+    def _extend(self, blocks: list[int]) -> None:
+        """Append storage blocks to the table, keeping `run_from`."""
+        t = self.table
+        for b in blocks:
+            if t and t[-1] + 1 != b:
+                self.run_from = len(t)
+            t.append(b)
+
+    def in_one_run(self, start: int) -> bool:
+        """Whether the rows from `start` to the capacity lie in one range of storage."""
+        return start // self.block_rows >= self.run_from
 
     def release(self) -> None:
         """Give the blocks back (the session is over)."""
-        ids, self.table, self.length = [b - NULL_BLOCK for b in self.table], [], 0
+        ids, self.table, self.length, self.run_from = [b - NULL_BLOCK for b in self.table], [], 0, 0
         self.names, self.frozen, self.salt = [], 0, None
         self.pool.give_blocks(ids)
 
@@ -169,7 +189,7 @@ class LeanSession:
             return 0
         self.names, self.salt = cache.names(prompt_rows, self.block_rows, salt), salt
         ids = self.pool.share(self.names[: max(0, limit) // self.block_rows])
-        self.table = [b + NULL_BLOCK for b in ids]
+        self._extend([b + NULL_BLOCK for b in ids])
         self.length = self.frozen = len(ids) * self.block_rows
         cache.observe(len(prompt_rows), self.length)
         return self.length

@@ -139,7 +139,7 @@ class _Static:
         if n < self.write.shape[0]:
             self.write[n:].fill_(self.scratch)
         if self.q_index is not None and self.order is not None:
-            assert g.q_index is not None and step.order is not None
+            assert isinstance(g.q_index, torch.Tensor) and step.order is not None  # a lone entry's slice: not one group
             self.q_index[: g.q_index.shape[0]].copy_(g.q_index)
             self.order[:n].copy_(step.order)
         for keys, masks, k, m in zip(self.keys, self.masks, g.keys, g.masks):
