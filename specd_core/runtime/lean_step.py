@@ -280,7 +280,7 @@ class _Spec(NamedTuple):
     hidden: list[slice] | None  # per window kind: the pairs its token trees hide (_hidden)
     masked_end: int  # the largest end of members with a caller's mask or a tree (0: none)
     causal: bool | None  # None: masks; else the lone entry's is_causal
-    tail: bool  # a lone entry's mask is the causal one of its last rows (tail_mask), every window kind
+    tail: bool  # a lone entry's mask is the causal one of its last rows (tail_mask on a CPU), every window kind
 
 
 def _lone(e: Entry, windows: list[int | None], softcap: bool) -> bool | None:
@@ -442,8 +442,10 @@ class _Shown(NamedTuple):
 def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.Tensor) -> Group:
     """A group's key rows and masks per window kind, on the device."""
     size, b = len(s.members), s.block_rows
+    # On a CPU only: elsewhere an offset view may not meet a kernel's alignment for masks.
+    tail = s.tail and model.device.type == "cpu"
     q_row = None
-    if s.causal is None and not s.tail:  # each query's own cache row; padding rows repeat their entry's last
+    if s.causal is None and not tail:  # each query's own cache row; padding rows repeat their entry's last
         r = ar[: s.rows][None] if s.q_index is None else torch.minimum(ar[: s.rows][None], pack[s.n][:, None] - 1)
         q_row = (pack[s.start][:, None] + r)[:, :, None]
     placed = None if trees is None or s.trees is None else (pack[s.trees], trees.to(model.device))
@@ -458,7 +460,7 @@ def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.T
             key_row = pack[s.k0[kind]][:, None] + ar[: s.keys[kind]][None]  # (size, K)
             slot = pack[s.table].view(size, s.width).gather(1, key_row // b) * b + key_row % b
             keys.append(torch.where(key_row < pack[s.end][:, None], slot, 0))  # past its rows: the zero block
-        if s.tail:
+        if tail:
             masks.append(tail_mask(s.rows, s.keys[kind], model.kv_dtype, model.device))
             continue
         if q_row is None:
