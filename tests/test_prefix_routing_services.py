@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -160,7 +161,7 @@ def test_a_popular_prefix_spreads_within_the_bound(stack):
     prompts += [popular + tail() for _ in range(10)]
     rule = Pool("verifier", routing=PrefixRouting())
     for i in range(len(stack.verifiers)):
-        rule.add(ReplicaSpec("verifier", f"verifier-{i}", f"h:{i}"), type("Count", (), {"active": 0})())
+        rule.add(ReplicaSpec("verifier", f"verifier-{i}", f"h:{i}"), SimpleNamespace(active=0))  # a count only
 
     admin = pb_grpc.AdminServiceStub(stack.channel)
     stub = pb_grpc.OrchestratorServiceStub(stack.channel)
