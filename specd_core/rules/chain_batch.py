@@ -67,6 +67,11 @@ def _node_laws(d: ChainDraw) -> list[SparseLaw]:
     return list(d.q)
 
 
+def _q_at_drafts(d: ChainDraw, laws: list[SparseLaw]) -> list[float]:
+    """Each drafted token's probability in its node's law (0: not in it)."""
+    return [dict(zip(ids, ps)).get(x, 0.0) for x, (ids, ps) in zip(d.tokens, laws)]
+
+
 def _packed(draws: Sequence[ChainDraw]) -> tuple[torch.Tensor, int, int]:
     """Every chain's inputs in one float64 tensor (ids are exact in float64),
     so that they reach the device in one copy; with the widest chain M and
@@ -86,7 +91,7 @@ def _packed(draws: Sequence[ChainDraw]) -> tuple[torch.Tensor, int, int]:
         n = len(d.tokens)
         head += [d.row, n]
         tok += [*d.tokens] + [0] * (m - n)
-        q_at += [dict(zip(lid, lp)).get(x, 0.0) for x, (lid, lp) in zip(d.tokens, ls)] + [0.0] * (m - n)
+        q_at += _q_at_drafts(d, ls) + [0.0] * (m - n)
         for lid, lp in ls + [((), ())] * (m - n):
             ids += [*lid] + [0] * (w - len(lid))
             vals += [*lp] + [0.0] * (w - len(lp))
@@ -163,8 +168,7 @@ def _chains_on_host(probs: torch.Tensor, draws: Sequence[ChainDraw]) -> torch.Te
     kept, first = [], 0
     for d, ls in zip(draws, laws):
         k = len(d.tokens)
-        for i, (x, (ids, ps)) in enumerate(zip(d.tokens, ls)):
-            q = dict(zip(ids, ps)).get(x, 0.0)
+        for i, q in enumerate(_q_at_drafts(d, ls)):
             if not (q > 0 and d.u[i] * q < p_at[first + i]):
                 k = i
                 break
