@@ -15,7 +15,8 @@
       top_k: 4
     medusa_choices: [[0], [1], [0, 0]] # the Medusa authors' name for tree.paths (either, not both)
     adaptive: true             # depth per cycle from measured acceptance and costs (false: always K)
-    pipeline: false            # draft the next chain during each verify (draft_model chains)
+    pipeline: auto             # draft the next chain during each verify (draft_model chains):
+                               # auto (while the session has its drafter to itself) | true | false
     pipeline_alternatives: 2   # ... also for this many rejection outcomes per depth (0: all-kept only)
     confidence_threshold: auto # draft nothing below a token the drafter is less sure of than this:
                                # auto (learned, adaptive requests) | a number in [0, 1) | 0 (off)
@@ -64,10 +65,15 @@ class SpeculativeConfig:
     # tree's depth), 0 included (orchestrator/cycle/adaptive.py); false = always K.
     adaptive: bool = True
     # Pipelined drafting: draft the next chain while the verifier checks this
-    # one (draft_model chains). Pays when drafter and verifier run on separate
-    # hardware and the drafter has spare time; off by default because each
-    # failed guess is drafting thrown away (docs/architecture.md, "Pipelined drafting").
-    pipeline: bool = False
+    # one (draft_model chains). Pays where the drafter has spare time: each
+    # ahead call drafts 1 + N(K+1) chains, of which one at most is used, work
+    # that other sessions on the same drafter would wait behind. "auto": a
+    # cycle drafts ahead only while its session is the one session this
+    # orchestrator has open on its drafter replica (a lone stream, the last
+    # stream of a burst), and not for a sampled request with a seed of its
+    # own, whose output would then depend on the load; true: every cycle;
+    # false: never (docs/architecture.md, "Pipelined drafting").
+    pipeline: bool | str = "auto"
     # With pipeline: per depth of the chain in flight, the drafter's next choices
     # there (besides the drafted token) pre-drafted as the verifier's possible
     # correction, and as many further bonus guesses (drafter_svc/branches.py).
@@ -102,9 +108,10 @@ class SpeculativeConfig:
         ):
             if not isinstance(getattr(self, key), int) or isinstance(getattr(self, key), bool):
                 raise ConfigError(f"speculative_config.{key}: must be an integer, got {getattr(self, key)!r}")
-        for key in ("adaptive", "pipeline"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"speculative_config.{key}: must be true or false, got {getattr(self, key)!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_config.adaptive: must be true or false, got {self.adaptive!r}")
+        if not isinstance(self.pipeline, bool) and self.pipeline != "auto":
+            raise ConfigError(f'speculative_config.pipeline: must be "auto", true or false, got {self.pipeline!r}')
         check_confidence_threshold(self.confidence_threshold)
         if not 0 <= self.pipeline_alternatives <= MAX_PIPELINE_ALTERNATIVES:
             raise ConfigError(
@@ -159,6 +166,13 @@ def check_confidence_threshold(value) -> None:
         raise ConfigError(
             f'speculative_config.confidence_threshold: "auto" or a number in [0, 1) (0 = off), got {value!r}'
         )
+
+
+def pipeline_arg(text: str) -> bool | str:  # argparse type
+    choices: dict[str, bool | str] = {"auto": "auto", "on": True, "true": True, "off": False, "false": False}
+    if text.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"want auto, on or off; got {text!r}")
+    return choices[text.lower()]
 
 
 def confidence_arg(text: str) -> str | float:  # argparse type
@@ -223,10 +237,15 @@ def add_draft_shape_flags(g) -> None:
     )
     g.add_argument(
         "--pipeline",
-        action=argparse.BooleanOptionalAction,
+        type=pipeline_arg,
+        nargs="?",
+        const=True,
         default=None,
-        help="pipelined drafting: draft the next chain while the verifier checks this one",
+        metavar="auto|on|off",
+        help="pipelined drafting: draft the next chain while the verifier checks this one; auto (the "
+        "default): while a session has its drafter replica to itself; --pipeline alone: on",
     )
+    g.add_argument("--no-pipeline", dest="pipeline", action="store_const", const=False, help="--pipeline off")
     g.add_argument(
         "--pipeline-alternatives",
         type=int,

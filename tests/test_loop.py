@@ -135,6 +135,71 @@ def test_pipelined_loop_is_exact_and_reports_each_ahead_draft():
     assert [c.cycle.draft.ahead for c in chunks[1:]].count(True) == stats.pipelined_drafts
 
 
+def test_pipelining_while_alone_switches_either_way_and_stays_exact():
+    """pipeline "auto": a cycle drafts ahead only when the drafter says the
+    session is alone on it; otherwise its next Propose leaves once the
+    verdict is known, as plain drafting's. Switching between the two in any
+    order keeps the drafter's state and the output exact (the Drafter fake
+    checks every call against the committed tokens)."""
+    n = 150
+    spec = GenerationSpec(
+        prompt_ids=PROMPT,
+        max_new_tokens=n,
+        sampling=SamplingParams(seed=1),
+        method="draft_model",
+        shape=DraftShape.chain(4),
+        pipeline=True,
+        pipeline_alone=True,
+        pipeline_alternatives=1,
+    )
+    verifier = Verifier()
+    events = []  # ("alone", answer) and ("propose", ahead), in order
+
+    class SharedDrafter(Drafter):
+        """Alone in runs of cycles: 4 alone, 3 not, 1 alone, 2 not, ..."""
+
+        pattern = [True] * 4 + [False] * 3 + [True] + [False] * 2
+
+        def alone(self):
+            answer = self.pattern[sum(e[0] == "alone" for e in events) % len(self.pattern)]
+            events.append(("alone", answer))
+            return answer
+
+        async def propose(self, call):
+            events.append(("propose", call.ahead))
+            return await super().propose(call)
+
+    drafter = SharedDrafter(verifier)
+    tracker = OutputTracker(Tok(), set(), n, 1000)
+
+    async def go():
+        replicas = SessionReplicas("s", verifier, drafter)
+        chunks, marks = [], []
+        async for c in run_generation(spec, replicas, tracker, ContextLengths(1000, 1000)):
+            chunks.append(c)
+            marks.append(len(events))
+        return chunks, marks
+
+    chunks, marks = asyncio.run(go())
+    stats = chunks[-1].stats
+    assert PROMPT + tracker.ids == truth(n)
+    # A cycle not alone has sent its plain Propose before its chunk is handed over (the last sends none).
+    assert all(events[m - 1] != ("alone", False) for m in marks[1:-1])
+    # An ahead call only right after "alone"; after "not alone", the next call is a plain one.
+    for i, (kind, value) in enumerate(events):
+        if kind == "propose" and value:
+            assert events[i - 1] == ("alone", True), events[max(0, i - 3) : i + 1]
+        if kind == "alone" and not value and i + 1 < len(events):
+            assert events[i + 1] == ("propose", False), events[i : i + 3]
+    asked = [v for k, v in events if k == "alone"]
+    assert asked.count(True) >= 10 and asked.count(False) >= 10
+    # Both ways ran, pre-drafts were used and undone, and switches went both ways.
+    rewinds = sum(c.rewind for c in drafter.calls)
+    assert stats.pipelined_drafts and rewinds and sum(not c.ahead for c in drafter.calls) > asked.count(False) / 2
+    ahead = [c.cycle.draft.ahead for c in chunks[1:]]
+    assert any(a and not b for a, b in zip(ahead, ahead[1:])) and any(b and not a for a, b in zip(ahead, ahead[1:]))
+
+
 def truth(n):
     seq = list(PROMPT)
     while len(seq) < len(PROMPT) + n:

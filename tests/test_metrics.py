@@ -16,8 +16,10 @@ pytestmark = pytest.mark.services
 
 PROMPT = {"ids": [40, 41, 42, 43, 44]}
 # (fields, method that runs): chains, a static and a dynamic tree, sampling, ngram, off.
+# Nothing drafted ahead (pipeline_drafting off; a lone greedy stream would by
+# default): the drafter's counts then equal the drafts verified.
 TRAFFIC = [
-    (dict(num_speculative_tokens=3), "draft_model"),
+    (dict(num_speculative_tokens=3, pipeline_drafting=False), "draft_model"),
     (dict(num_speculative_tokens=5, temperature=0.8, seed=3), "draft_model"),
     (dict(tree={"branching": [2, 2, 1]}), "draft_model"),
     (dict(tree={"node_budget": 6, "max_depth": 4}), "draft_model"),

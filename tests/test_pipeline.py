@@ -249,6 +249,43 @@ def test_pipelined_greedy_equals_target_only(pairs, stacks):
 
 
 @pytest.mark.services
+def test_by_default_a_lone_stream_pipelines_and_a_shared_drafter_does_not_change_outputs(pairs, stacks):
+    """The service's default (pipeline "auto"): a greedy stream alone on its
+    drafter pipelines, with no request field asking; a seeded sampled one does
+    not (its output must not depend on the load); two streams at once, the
+    short one ending first, leave the long one alone for its last cycles, and
+    it keeps the target's greedy output through the switch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target_dir, _ = pairs["llama"]
+    model, tok = load_model(target_dir, "cpu"), load_tokenizer(target_dir)
+    stack = stacks["llama"]
+    q, *rest = prompts(tok, 12)
+    # A prompt whose greedy output runs long, for many cycles after the short stream ends.
+    for p in rest:
+        out = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=64, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        want = out.sequences[0, len(p):].tolist()
+        if len(want) == 64:
+            break
+    gaps = [float(torch.topk(x[0], 2).values.diff().abs()) for x in out.logits]
+    got, last = stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=len(want), num_speculative_tokens=3)
+    assert_same_or_near_tie(got, want, gaps, "lone stream, default settings")
+    assert last.stats.pipelined_drafts > 0 and last.stats.draft_call_ms > 0
+    _, last = stack.generate(prompt_token_ids={"ids": p}, max_new_tokens=24, num_speculative_tokens=3,
+                             temperature=0.8, seed=5)
+    assert last.stats.drafts > 1 and last.stats.pipelined_drafts == 0
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(stack.generate, prompt_token_ids={"ids": p}, max_new_tokens=len(want),
+                           num_speculative_tokens=3)
+        short = pool.submit(stack.generate, prompt_token_ids={"ids": q}, max_new_tokens=4, num_speculative_tokens=3)
+        short.result()
+        got, last = long.result()
+    assert_same_or_near_tie(got, want, gaps, "two streams, the long one alone at the end")
+    assert last.stats.pipelined_drafts > 0
+
+
+@pytest.mark.services
 def test_pipelining_needs_a_drafter_chain(stacks):
     with pytest.raises(grpc.RpcError) as e:
         stacks["llama"].generate(prompt="hello", max_new_tokens=4, speculative_method="ngram",

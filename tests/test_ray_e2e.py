@@ -166,7 +166,8 @@ def check_drafter_restart(ray_cluster, address, prompt, want, client_tls, metada
 
         def generate():
             chunks = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokenIds(ids=prompt),
-                                        max_new_tokens=len(want), num_speculative_tokens=3), timeout=120,
+                                        max_new_tokens=len(want), num_speculative_tokens=3,
+                                        pipeline_drafting=False), timeout=120,
                                         metadata=metadata))
             assert [t for c in chunks for t in c.token_ids] == want
             return chunks[-1].stats
@@ -185,7 +186,8 @@ def check_drafter_restart(ray_cluster, address, prompt, want, client_tls, metada
         assert listed(targets_file)["specd-drafter-0"] == ("drafter", drafter.metrics_address)
         stats = generate()
         assert stats.accepted_tokens > 0           # speculating on the restarted drafter
-        # The least-loaded tie goes to the first drafter: the restarted process proposed them.
+        # The least-loaded tie goes to the first drafter: the restarted process proposed them
+        # (nothing drafted ahead: each proposal was verified).
         assert sample(scrape(drafter.metrics_address), "specdec:spec_decode_num_drafts_total") == stats.drafts
 
 

@@ -18,6 +18,7 @@ BAD = [
     ({"tree": {"width": 3}}, "speculative_config.tree.width: unknown key"),
     ({"method": "ngram", "tree": {"branching": [2]}}, "speculative_config.tree"),
     ({"num_speculative_tokens": "four"}, "speculative_config.num_speculative_tokens"),
+    ({"pipeline": "sometimes"}, "speculative_config.pipeline"),
 ]
 
 
@@ -74,3 +75,48 @@ def test_tree_paths_in_config_and_flags():
                         ([[0], [0]], "listed twice"), ([[0], []], "non-empty"), ([[0], "ab"], "speculative_config.tree")]:
         with pytest.raises(ConfigError, match=needle):
             SpeculativeConfig.from_dict({"tree": {"paths": bad}})
+
+
+@pytest.mark.unit
+def test_pipeline_settings_and_who_gets_pipelined():
+    """pipeline: auto (the default), on or off, as a file key or flags; with
+    auto, greedy and unseeded draft_model chains pipeline while alone on their
+    drafter, a seeded sampled request never (its output must not depend on
+    the load); a request's own pipeline_drafting pipelines every cycle."""
+    from orchestrator.edge.request import InvalidRequest, pipelining
+    from orchestrator.spec_config import speculative_config_from_args
+    from specd.cli import build_parser
+    from specd_core.api.v1 import specdec_pb2 as pb
+    from specd_core.rules.draft_shape import DraftShape
+
+    assert SpeculativeConfig().pipeline == "auto"
+    for flags, want in [([], "auto"), (["--pipeline"], True), (["--pipeline", "auto"], "auto"),
+                        (["--pipeline", "off"], False), (["--no-pipeline"], False), (["--pipeline", "on"], True)]:
+        args = build_parser().parse_args(["up", "--target", "t", *flags])
+        assert speculative_config_from_args(args).pipeline == want, flags
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--target", "t", "--pipeline", "maybe"])
+    assert SpeculativeConfig.from_dict({"pipeline": True}).pipeline is True
+    from specd.cli.client import generate_request
+    for flags, want in [([], None), (["--pipeline"], True), (["--no-pipeline"], False), (["--pipeline", "auto"], None)]:
+        req = generate_request(build_parser().parse_args(["generate", "hi", *flags]))
+        assert (req.pipeline_drafting if req.HasField("pipeline_drafting") else None) == want, flags
+
+    chain, tree = DraftShape.chain(4), DraftShape(branching=(2, 1))
+    auto, on, off = SpeculativeConfig(), SpeculativeConfig(pipeline=True), SpeculativeConfig(pipeline=False)
+    greedy, unseeded = pb.GenerateRequest(), pb.GenerateRequest(temperature=0.8)
+    seeded, seeded_greedy = pb.GenerateRequest(temperature=0.8, seed=3), pb.GenerateRequest(seed=3)
+    assert pipelining(greedy, auto, "draft_model", chain) == (True, True)
+    assert pipelining(unseeded, auto, "draft_model", chain) == (True, True)
+    assert pipelining(seeded_greedy, auto, "draft_model", chain) == (True, True)
+    assert pipelining(seeded, auto, "draft_model", chain)[0] is False
+    assert pipelining(greedy, auto, "draft_model", tree)[0] is False
+    assert pipelining(greedy, auto, "eagle", chain)[0] is False
+    assert pipelining(greedy, auto, "draft_model", chain, constrained=True)[0] is False
+    assert pipelining(seeded, on, "draft_model", chain) == (True, False)
+    assert pipelining(greedy, off, "draft_model", chain) == (False, False)
+    asked = pb.GenerateRequest(temperature=0.8, seed=3, pipeline_drafting=True)
+    assert pipelining(asked, auto, "draft_model", chain) == (True, False)
+    assert pipelining(pb.GenerateRequest(pipeline_drafting=False), on, "draft_model", chain) == (False, False)
+    with pytest.raises(InvalidRequest, match="draft_model"):
+        pipelining(asked, auto, "draft_model", tree)

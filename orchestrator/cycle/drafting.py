@@ -13,7 +13,11 @@
   pre-drafts likely rejection outcomes (d1..dj kept, its next choice at j+1 as
   the correction) and further bonus guesses; whichever branch the verdict
   matches is verified at once (drafter_svc/branches.py), and the next Propose
-  names it (`branch`).
+  names it (`branch`). With `alone` (SpeculativeConfig.pipeline "auto") a
+  cycle drafts ahead only while the session has its drafter replica to
+  itself; the others make their Propose once the verdict is known, as plain
+  drafting does. Either way works from any cycle on: the first cycle of every
+  stream is a plain one, and an ahead call names the verdict it assumes.
 
 EOF drafting (spec.features) needs no strategy of its own: the features ride
 on the Propose a cycle makes anyway (CycleState.news).
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from orchestrator.cycle.depth import DraftShaper, draft_budget
 from orchestrator.cycle.ports import DrafterClient
@@ -145,11 +150,20 @@ class PlainDrafting(Drafting):
 
 
 class PipelinedDrafting(PlainDrafting):
-    """Each chain's successor drafted during its verify (module docstring)."""
+    """Each chain's successor drafted during its verify (module docstring);
+    with `alone`, only in the cycles where it says the session is alone on
+    its drafter."""
 
-    def __init__(self, drafter: DrafterClient, session_id: str, shaper: DraftShaper, alternatives: int = 0):
+    def __init__(
+        self,
+        drafter: DrafterClient,
+        session_id: str,
+        shaper: DraftShaper,
+        alternatives: int = 0,
+        alone: Callable[[], bool] | None = None,
+    ):
         super().__init__(drafter, session_id, shaper)
-        self.alternatives = alternatives
+        self.alternatives, self.alone = alternatives, alone
         self._ahead: asyncio.Future[Draft] | None = None  # the next cycle's draft, in the making
 
     async def draft(self, state: CycleState, remaining: int) -> Draft:
@@ -164,10 +178,13 @@ class PipelinedDrafting(PlainDrafting):
         return branch_draft(pre, hit)
 
     async def prefetch(self, state: CycleState, remaining: int) -> None:
-        """Nothing: a draft is already made during each verify (draft_ahead)."""
+        """Nothing when a draft was made during the verify (draft_ahead);
+        else the plain Propose, sent now."""
+        if self._ahead is None:
+            await super().prefetch(state, remaining)
 
     def draft_ahead(self, draft: Draft, state: CycleState, remaining: int) -> None:
-        if not draft.tokens:
+        if not draft.tokens or (self.alone is not None and not self.alone()):
             return
         # Assume every draft token kept plus a bonus: what the next cycle would start from
         # (a branch that keeps fewer commits fewer tokens, so the same shape fits it).

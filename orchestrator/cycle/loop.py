@@ -80,7 +80,8 @@ def drafting_for(
     if drafter is None or shaper is None:
         return NoDrafting()
     if spec.pipeline:
-        return PipelinedDrafting(drafter, session_id, shaper, spec.pipeline_alternatives)
+        alone = drafter.alone if spec.pipeline_alone else None
+        return PipelinedDrafting(drafter, session_id, shaper, spec.pipeline_alternatives, alone)
     return PlainDrafting(drafter, session_id, shaper, spec.forced_room if spec.method in DRAFTER_METHODS else 0)
 
 

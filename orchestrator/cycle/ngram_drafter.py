@@ -41,6 +41,9 @@ class NgramDrafter:
         # verifier applies the deterministic rule (lossless at any temperature).
         return Draft(tokens, list(range(-1, len(tokens) - 1)), [], (time.perf_counter() - start) * 1e3)
 
+    def alone(self) -> bool:
+        return False  # never asked: only draft_model chains are pipelined
+
     async def close(self, session_id: str) -> None:
         self.contexts.pop(session_id, None)
 

@@ -35,6 +35,9 @@ class DrafterClient(Protocol):
     # The call's fields are ProposeRequest's (specd_core/net/wire.py converts).
     async def propose(self, call: ProposeCall) -> Draft: ...
     async def close(self, session_id: str) -> None: ...
+    # Whether the session is the one session this orchestrator has open on the
+    # replica (pipelined drafting's "auto" drafts ahead only then).
+    def alone(self) -> bool: ...
 
 
 class NoTrace:

@@ -23,6 +23,9 @@ class GenerationSpec:
     stop: tuple[str, ...] = ()
     adaptive: bool = False  # choose the depth per cycle (orchestrator/cycle/adaptive.py), up to shape's
     pipeline: bool = False  # draft the next chain during each verify (orchestrator/cycle/drafting.py)
+    # ... only while the session is the one this orchestrator has open on its
+    # drafter replica (SpeculativeConfig.pipeline "auto")
+    pipeline_alone: bool = False
     pipeline_alternatives: int = 0  # ... also for this many rejection outcomes per depth
     # The drafter stops below a node less confident than this (0 = off; None =
     # learned per cycle, adaptive requests: orchestrator/cycle/confidence.py).

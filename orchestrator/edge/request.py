@@ -61,7 +61,7 @@ def build_spec(
         adaptive = req.adaptive_speculation
     else:  # a request that names its own K or tree gets exactly that
         adaptive = config.speculative.adaptive and not (req.HasField("num_speculative_tokens") or req.HasField("tree"))
-    pipeline = pipelining(req, config.speculative, method, shape, constraint is not None)
+    pipeline, alone = pipelining(req, config.speculative, method, shape, constraint is not None)
     adaptive = adaptive and shape is not None
     return GenerationSpec(
         prompt_ids=prompt_ids,
@@ -72,6 +72,7 @@ def build_spec(
         stop=tuple(req.stop),
         adaptive=adaptive,
         pipeline=pipeline,
+        pipeline_alone=alone,
         pipeline_alternatives=alternatives(req, config.speculative) if pipeline else 0,
         confidence=confidence_threshold(req, config.speculative, method, shape, adaptive),
         forced_room=forced_room(req, config.speculative, constraint is not None),
@@ -192,11 +193,15 @@ def confidence_threshold(
     return float(sc.confidence_threshold)
 
 
-def pipelining(req, sc: SpeculativeConfig, method: str, shape: DraftShape | None, constrained: bool = False) -> bool:
-    """Pipelined drafting needs a drafter service drafting chains: the drafter
-    guesses the bonus token after the last chain token, a single position.
-    Not with structured output: the guess would advance the constraint on a
-    token nobody committed."""
+def pipelining(
+    req, sc: SpeculativeConfig, method: str, shape: DraftShape | None, constrained: bool = False
+) -> tuple[bool, bool]:
+    """(pipelined, only while alone on its drafter). Pipelined drafting needs a
+    drafter service drafting chains: the drafter guesses the bonus token after
+    the last chain token, a single position. Not with structured output: the
+    guess would advance the constraint on a token nobody committed. The
+    service's "auto" leaves out a sampled request with a seed of its own: the
+    drafts, and so the seed's output, would depend on the load."""
     able = method == "draft_model" and shape is not None and shape.is_chain
     if req.HasField("pipeline_drafting"):
         if req.pipeline_drafting and constrained:
@@ -206,8 +211,11 @@ def pipelining(req, sc: SpeculativeConfig, method: str, shape: DraftShape | None
                 "pipeline_drafting needs speculative_method draft_model with a chain "
                 f"(got method {method!r}{' and a tree' if shape is not None and not shape.is_chain else ''})"
             )
-        return req.pipeline_drafting
-    return sc.pipeline and able and not constrained
+        return req.pipeline_drafting, False
+    if sc.pipeline == "auto":
+        seeded = req.temperature > 0 and req.HasField("seed")
+        return able and not constrained and not seeded, True
+    return bool(sc.pipeline) and able and not constrained, False
 
 
 def speculation(

@@ -331,6 +331,10 @@ class FailoverDrafter:
     def release(self) -> None:
         self.lease.release()
 
+    def alone(self) -> bool:
+        """The session is the only one this orchestrator has open on its replica."""
+        return self.opened and self.lease.client is not None and self.lease.client.active <= 1
+
     def _lose(self, session_id: str, exc: ServiceError) -> None:
         self.lease.lose(session_id, exc)
         self.opened = self.fresh = False

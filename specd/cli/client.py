@@ -83,7 +83,7 @@ def generate_request(args):
         ("pipeline", "pipeline_drafting"),
         ("pipeline_alternatives", "pipeline_alternatives"),
     ):
-        if getattr(args, flag, None) is not None:
+        if getattr(args, flag, None) not in (None, "auto"):  # auto: the service's setting
             setattr(req, name, getattr(args, flag))
     if getattr(args, "confidence_threshold", None) not in (None, "auto"):  # auto: the service's setting
         req.confidence_threshold = args.confidence_threshold
