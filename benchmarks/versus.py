@@ -68,14 +68,18 @@ BASE_COMMIT = "e571d85"
 
 # Run inside a checkout (cwd and first on sys.path): start that commit's
 # local stack, print its orchestrator's address, serve until stdin closes.
+# specd is installed in editable mode, and its finder resolves a module the
+# checkout lacks (an older layout's) to this checkout's file: the stack module
+# is chosen by the files in the checkout, and a module loaded from elsewhere
+# is refused, so that each commit runs its own code.
 HOST = """
-import importlib, json, sys
-for name in ("specd.local_stack", "specd.ops.local_stack"):
-    try:
-        mod = importlib.import_module(name)
-        break
-    except ImportError:
-        continue
+import importlib, json, os, sys
+tree = os.path.realpath(os.getcwd())
+name = next(n for n in ("specd.local_stack", "specd.ops.local_stack")
+            if os.path.exists(os.path.join(tree, *n.split(".")) + ".py"))
+mod = importlib.import_module(name)
+if not os.path.realpath(mod.__file__).startswith(tree + os.sep):
+    sys.exit(f"{name} was loaded from {mod.__file__}, not from {tree}")
 a = json.loads(sys.argv[1])
 stack = mod.Stack(a["target"], a["drafter"], tuple(a["service_args"]))
 print("ADDRESS " + stack.orchestrator.address, flush=True)
