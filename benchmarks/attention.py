@@ -49,6 +49,7 @@ from specd_core.runtime import lean_step
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool
 from specd_core.runtime.lean import LeanModel
 from specd_core.runtime.models import Runner, load_model
+from specd_core.runtime.paged_kv import NULL_BLOCK
 
 from .common import DEMO_TARGET, RESULTS, machine, paired_ratio, run_main, utc_now
 
@@ -83,6 +84,18 @@ class Case:
         self.data = [self.step.data[i].view(n, -1) for i in range(self.layers)]
         q = torch.randn(sessions * rows, lean.n_heads, lean.head_dim, generator=g)
         self.q = q.to(lean.device, lean.kv_dtype)
+        # Every storage row the prefill did not write gets finite values: the step's own rows
+        # (each query sees its own key; a forward writes them before attending) and the
+        # rest of the sessions' blocks, which the candidates read masked (flex whole blocks).
+        # Left as allocated they hold whatever memory was reused, NaN or infinity included,
+        # and a masked NaN still makes a NaN output. The null blocks stay as they are.
+        kept = torch.zeros(n, dtype=torch.bool)
+        kept[: NULL_BLOCK * DEFAULT_BLOCK_ROWS] = True
+        kept[[s.slot(j) for s in self.sessions for j in range(context)]] = True
+        fill = (~kept).nonzero().squeeze(1).to(lean.device)
+        with torch.inference_mode():  # the pool is an inference tensor
+            for d in self.data:
+                d[fill] = torch.randn(len(fill), d.shape[1], generator=g).to(d)
         self.runs = [range(s.slot(0), s.slot(0) + e.end) for s, e in zip(self.sessions, self.step.entries)]
         for s, e, run in zip(self.sessions, self.step.entries, self.runs):  # consecutive blocks: one range
             assert s.slot(e.end - 1) == run.stop - 1
