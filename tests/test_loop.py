@@ -102,17 +102,23 @@ class Drafter:
         pass
 
 
-def test_pipelined_loop_is_exact_and_reports_each_ahead_draft():
-    n = 120
-    spec = GenerationSpec(
+def pipelined_spec(n, alternatives, **more):
+    """A pipelined request for chains of 4, n tokens."""
+    return GenerationSpec(
         prompt_ids=PROMPT,
         max_new_tokens=n,
         sampling=SamplingParams(seed=1),
         method="draft_model",
         shape=DraftShape.chain(4),
         pipeline=True,
-        pipeline_alternatives=2,
+        pipeline_alternatives=alternatives,
+        **more,
     )
+
+
+def test_pipelined_loop_is_exact_and_reports_each_ahead_draft():
+    n = 120
+    spec = pipelined_spec(n, alternatives=2)
     verifier = Verifier()
     drafter = Drafter(verifier)
     tracker = OutputTracker(Tok(), set(), n, 1000)
@@ -142,16 +148,7 @@ def test_pipelining_while_alone_switches_either_way_and_stays_exact():
     order keeps the drafter's state and the output exact (the Drafter fake
     checks every call against the committed tokens)."""
     n = 150
-    spec = GenerationSpec(
-        prompt_ids=PROMPT,
-        max_new_tokens=n,
-        sampling=SamplingParams(seed=1),
-        method="draft_model",
-        shape=DraftShape.chain(4),
-        pipeline=True,
-        pipeline_alone=True,
-        pipeline_alternatives=1,
-    )
+    spec = pipelined_spec(n, alternatives=1, pipeline_alone=True)
     verifier = Verifier()
     events = []  # ("alone", answer) and ("propose", ahead), in order
 
