@@ -99,7 +99,7 @@ class Deployment:
     cores: float = 2  # the head machine's cores: the orchestrators always run there
     services_on_head: bool = True  # True: the services share those cores (one CPU box); False: a device each
     client_on_head: bool = True  # the load generator's CPU is spent there too
-    max_batch: int = 32  # sessions per service step (the services' max_batch_sessions)
+    max_batch: int = 32  # sessions per service step (what the services were given as max_batch_sessions)
     wait_fraction: float = 0.5  # the services' gather window, a fraction of the last step's run time
     split: tuple[int, ...] = ()  # streams per orchestrator (empty: as even as possible)
     # "batched": one message per replica per step carries every session ready;

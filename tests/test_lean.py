@@ -3,6 +3,7 @@ decode steps, rollback, growth of the cache and compaction."""
 import pytest
 import torch
 
+from specd_core.runtime import lean_step
 from specd_core.runtime.kv_budget import KVPool
 from specd_core.runtime.lean import LeanModel, supports
 from specd_core.runtime.models import Runner, SessionCache, load_model
@@ -51,6 +52,17 @@ def test_runner_picks_an_engine(pairs):
         Runner(model, "fast")
 
 
+def mixed_work(past: int) -> list:
+    """One step's items for four sessions (token ids, positions, mask): a
+    prefill, a decode row, a chain after a past, and a tree (a root and its
+    two children) with its own mask over a session of `past` rows."""
+    mask = torch.zeros(3, past + 3)
+    mask[0, past + 1:] = torch.finfo(torch.float32).min
+    mask[1, past + 2] = mask[2, past + 1] = torch.finfo(torch.float32).min
+    pos = torch.tensor([past, past + 1, past + 1])
+    return [([5, 6, 7, 8], None, None), ([9], None, None), ([10, 11, 12], None, None), ([13, 14, 15], pos, mask)]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_batched_forward_equals_one_session_at_a_time(family, pairs):
     """forward_batch over sessions of different lengths - a prefill, a decode
@@ -63,12 +75,7 @@ def test_batched_forward_equals_one_session_at_a_time(family, pairs):
         group[1].forward(list(range(30, 45)))
         group[2].forward(list(range(50, 58)))
         group[3].forward(list(range(60, 66)))
-    past = 6
-    mask = torch.zeros(3, past + 3)
-    mask[0, past + 1:] = torch.finfo(torch.float32).min
-    mask[1, past + 2] = mask[2, past + 1] = torch.finfo(torch.float32).min
-    pos = torch.tensor([past, past + 1, past + 1])
-    work = [([5, 6, 7, 8], None, None), ([9], None, None), ([10, 11, 12], None, None), ([13, 14, 15], pos, mask)]
+    work = mixed_work(past=6)
     want = [s.forward(ids, positions=p, mask=m) for s, (ids, p, m) in zip(solo, work)]
     got = model.forward_batch([(s, ids, p, m) for s, (ids, p, m) in zip(batched, work)])
     for w, g in zip(want, got):
@@ -80,3 +87,42 @@ def test_batched_forward_equals_one_session_at_a_time(family, pairs):
     last = model.forward_batch([(s, [4, 5], None, None) for s in batched], last_only=True)
     assert [t.shape[0] for t in last] == [1] * 4
     assert torch.allclose(last[0][0], solo[0].forward([4, 5])[-1], atol=1e-4)
+
+
+def test_query_heads_ride_as_rows_on_a_cpu(pairs, monkeypatch):
+    """On a CPU a grouped-query model's steps fold each KV head's query heads
+    into one block of query rows (lean_step.fold_heads), with the masks
+    repeated per head; a mixed step (a prefill, a decode row, a chain after
+    a past, a tree with its own mask) gives the unfolded call's logits, and
+    so does the next step of every session."""
+    model = LeanModel(load_model(pairs["llama"][0], "cpu"))
+    heads = model.n_heads // model.n_kv
+    assert heads > 1 and lean_step.fold_heads(model) == heads
+    past = 6
+    work = mixed_work(past)
+
+    def run(fold: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(lean_step, "fold_heads", lean_step.fold_heads if fold else (lambda m: 1))
+        sessions = [model.new_session() for _ in range(4)]
+        pasts = [list(range(30, 45)), list(range(50, 58)), list(range(60, 60 + past))]
+        model.forward_batch([(s, ids, None, None) for s, ids in zip(sessions[1:], pasts)])
+        step = lean_step.plan(model, [(s, ids, p, m) for s, (ids, p, m) in zip(sessions, work)], False)
+        assert {g.fold for g in step.groups} == ({heads} if fold else {1})
+        for g in step.groups:
+            for m in g.masks:
+                assert m is None or m.shape[2] in (1, g.fold * g.rows)
+        out = model.forward_batch([(s, ids, p, m) for s, (ids, p, m) in zip(sessions, work)])
+        return out + model.forward_batch([(s, [3], None, None) for s in sessions])
+
+    folded, plain = run(True), run(False)
+    for a, b in zip(folded, plain):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_no_fold_where_it_was_not_measured(pairs):
+    """Soft-capped attention (its own path) and other devices keep one block per query head."""
+    model = LeanModel(load_model(pairs["llama"][0], "cpu"))
+    model.softcap = 50.0
+    assert lean_step.fold_heads(model) == 1
+    model.softcap, model.device = None, torch.device("meta")
+    assert lean_step.fold_heads(model) == 1

@@ -297,7 +297,9 @@ class LeanModel:
         layer's output before the final norm, side by side in that order,
         (n, len(ids) * C) (EAGLE-3's auxiliary layers)."""
         graphs = self.graphs if self.graphs is not None and self.graphs.takes(items) else None
-        step = plan(self, items, last_only, step_graphs.key_columns if graphs is not None else None)
+        step = plan(
+            self, items, last_only, step_graphs.key_columns if graphs is not None else None, fold=graphs is None
+        )
         top = max(e.end for e in step.entries)
         spans = [(e.start, e.end, e.positions is None and e.tree is None) for e in step.entries]
         rope = []
@@ -378,6 +380,10 @@ class LeanModel:
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (size, nkv, K, hd)
         q = (q if g.q_index is None else q[g.q_index]).view(g.size, g.rows, nh, hd).transpose(1, 2)
         mask = g.masks[kind]
+        if g.fold > 1:  # each KV head's query heads as one block of rows (lean_step.fold_heads)
+            q = q.reshape(g.size, self.n_kv, g.fold * g.rows, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            return y.view(g.size, nh, g.rows, hd).transpose(1, 2).reshape(g.size * g.rows, nh * hd)
         if self.softcap is not None:
             y = capped_attention(q, k, v, mask, self.softcap, self.scale)
         else:
