@@ -12,7 +12,11 @@ model:
 
 - `gather`: the engine's call (LeanModel._attend): each session's keys and
   values gathered from its blocks by one index, then one SDPA call for all
-  sessions;
+  sessions (on a CPU with each KV head's query heads as one block of rows,
+  lean_step.fold_heads);
+- `grouped`: the same with SDPA's grouped-query call, a block per query head
+  (the engine's call on CUDA; the same as `gather` where a model has as many
+  KV heads as query heads);
 - `in_place`: one SDPA call per session over its blocks where they lie (a
   session's blocks are consecutive here, as they usually are);
 - `flex`: torch's flex_attention, compiled, over the whole pool with a block
@@ -69,8 +73,9 @@ class Case:
     def __init__(self, lean: LeanModel, sessions: int, rows: int, context: int, seed: int = 0):
         self.lean, self.rows = lean, rows
         g = torch.Generator().manual_seed(seed)
-        # A pool of its own: its sessions take their blocks in runs, one after another.
-        blocks = sessions * -(-(context + rows) // DEFAULT_BLOCK_ROWS) + 1
+        # A pool of its own: its sessions take their blocks in runs, one after
+        # another, with the free room the pool's placement looks for around a run.
+        blocks = 2 * sessions * -(-(context + rows) // DEFAULT_BLOCK_ROWS) + 8
         pool = KVPool(blocks, DEFAULT_BLOCK_ROWS, lean.kv_row_bytes, "attention")
         self.sessions = [lean.new_session(pool=pool) for _ in range(sessions)]
         prompts = [torch.randint(5, lean.vocab_size - 1, (context,), generator=g).tolist() for _ in self.sessions]
@@ -79,6 +84,7 @@ class Case:
         self.step = lean_step.plan(lean, items, False)
         assert len(self.step.groups) == 1, "sessions of one size make one group"
         self.group = self.step.groups[0]
+        self.unfolded = lean_step.plan(lean, items, False, fold=False).groups[0]
         self.layers = self.step.data.shape[0]
         n = self.step.data.shape[1]
         self.data = [self.step.data[i].view(n, -1) for i in range(self.layers)]
@@ -107,22 +113,26 @@ class Case:
     def gather(self, layer: int) -> torch.Tensor:
         return self.lean._attend(self.data[layer], self.q, self.group, 0)
 
+    def grouped(self, layer: int) -> torch.Tensor:
+        return self.lean._attend(self.data[layer], self.q, self.unfolded, 0)
+
     def in_place(self, layer: int) -> torch.Tensor:
         lean, g, data = self.lean, self.group, self.data[layer]
         hd, nh = lean.head_dim, lean.n_heads
         q = self.q.view(g.size, g.rows, nh, hd).transpose(1, 2)
+        if g.fold > 1:  # query heads as rows, as the engine's call
+            q = q.reshape(g.size, lean.n_kv, g.fold * g.rows, hd)
         mask = g.masks[0]
         ys = []
         for j, run in enumerate(self.runs):
             kv = data[run.start : run.stop].view(1, len(run), 2, lean.n_kv, hd)
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
             m = None if mask is None else mask[j : j + 1, :, :, : len(run)]
+            grouped = g.fold == 1 and nh != lean.n_kv
             ys.append(
-                F.scaled_dot_product_attention(
-                    q[j : j + 1], k, v, attn_mask=m, scale=lean.scale, enable_gqa=nh != lean.n_kv
-                )
+                F.scaled_dot_product_attention(q[j : j + 1], k, v, attn_mask=m, scale=lean.scale, enable_gqa=grouped)
             )
-        return torch.cat(ys).transpose(1, 2).reshape(g.size * g.rows, nh * hd)
+        return torch.cat(ys).view(g.size, nh, g.rows, hd).transpose(1, 2).reshape(g.size * g.rows, nh * hd)
 
 
 class Flex:
@@ -170,22 +180,24 @@ class Flex:
         return y.transpose(1, 2).reshape(-1, lean.n_heads * lean.head_dim)
 
 
-def measure(lean: LeanModel, shape: tuple[int, int, int], reps: int) -> dict:
+def measure(lean: LeanModel, shape: tuple[int, int, int], reps: int, with_flex: bool = True) -> dict:
     sessions, rows, context = shape
     case = Case(lean, sessions, rows, context)
     device = case.q.device
     flex = Flex(case)
-    start = time.perf_counter()
-    flex.mask = flex.build_mask()
-    want = case.gather(0)
-    got = {"gather": want, "in_place": case.in_place(0), "flex": flex(0)}
-    sync(device)
-    compile_s = time.perf_counter() - start
     candidates: dict[str, Callable[[int], torch.Tensor]] = {
         "gather": case.gather,
+        "grouped": case.grouped,
         "in_place": case.in_place,
-        "flex": flex,
+        **({"flex": flex} if with_flex else {}),
     }
+    start = time.perf_counter()
+    if with_flex:
+        flex.mask = flex.build_mask()
+    got = {name: attend(0) for name, attend in candidates.items()}
+    want = got["gather"]
+    sync(device)
+    compile_s = time.perf_counter() - start
     times: dict[str, list[float]] = {name: [] for name in candidates}
     mask_ms: list[float] = []
     for _ in range(reps):
@@ -197,7 +209,8 @@ def measure(lean: LeanModel, shape: tuple[int, int, int], reps: int) -> dict:
             sync(device)
             times[name].append((time.perf_counter() - t) * 1e3)
         t = time.perf_counter()
-        flex.build_mask()
+        if with_flex:
+            flex.build_mask()
         sync(device)
         mask_ms.append((time.perf_counter() - t) * 1e3)
     case.release()
@@ -212,7 +225,7 @@ def measure(lean: LeanModel, shape: tuple[int, int, int], reps: int) -> dict:
     for name in candidates:
         out[f"{name}_ms"] = round(statistics.median(times[name]), 3)
         out[f"{name}_max_diff"] = float((got[name].float() - want.float()).abs().max())
-    for name in ("in_place", "flex"):  # over the gather, rep by rep (they ran side by side)
+    for name in list(candidates)[1:]:  # over the gather, rep by rep (they ran side by side)
         out[f"{name}_over_gather"] = paired_ratio(times[name], times["gather"])
     return out
 
@@ -232,6 +245,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="a step to measure (repeatable; default: the table's seven)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: a service's setting under Ray)")
+    p.add_argument(
+        "--no-flex",
+        action="store_true",
+        help="leave flex_attention out (its compiling is most of a run; torch's code for some shapes fails to build)",
+    )
     p.add_argument("--quick", action="store_true", help="two steps, 3 reps (results/attention_quick.json)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -249,7 +267,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"{args.model}: the lean engine does not cover this model")
     rows = []
     for shape in args.shape or SHAPES:
-        rows.append(measure(lean, shape, args.reps))
+        rows.append(measure(lean, shape, args.reps, not args.no_flex))
         print(rows[-1], flush=True)
     return {
         "meta": {
@@ -270,14 +288,19 @@ def report(result: dict, args: argparse.Namespace) -> None:
     print(
         f"\nattention of a whole step, all layers, ms (median of {result['meta']['reps']}); {result['meta']['machine']}"
     )
-    print("| sessions x rows | context | gather | in place (over gather) | flex (over gather; its mask) | max diff |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| sessions x rows | context | gather | grouped (over gather) | in place (over gather) "
+        "| flex (over gather; its mask) | max diff |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in result["steps"]:
-        diff = max(r["in_place_max_diff"], r["flex_max_diff"])
+        diff = max(r[k] for k in r if k.endswith("_max_diff"))
+        flex = f"{r['flex_ms']:.2f} ({ratio(r['flex_over_gather'])}; {r['mask_ms']:.2f})" if "flex_ms" in r else "-"
         print(
             f"| {r['sessions']} x {r['rows']} | {r['context']} | {r['gather_ms']:.2f} "
+            f"| {r['grouped_ms']:.2f} ({ratio(r['grouped_over_gather'])}) "
             f"| {r['in_place_ms']:.2f} ({ratio(r['in_place_over_gather'])}) "
-            f"| {r['flex_ms']:.2f} ({ratio(r['flex_over_gather'])}; {r['mask_ms']:.2f}) | {diff:.1e} |"
+            f"| {flex} | {diff:.1e} |"
         )
 
 

@@ -7,6 +7,7 @@ where both commits draw alike; the first round's are compared).
     python -m benchmarks.versus                          # 64 streams, 32-layer tiny-width pair, vs e571d85
     python -m benchmarks.versus --pair demo --streams 1 8
     python -m benchmarks.versus --against <commit> --quick
+    python -m benchmarks.versus --against HEAD --against-flags="--max-batch-sessions 32"   # one setting
 
 The earlier commit is checked out once as a git worktree under
 benchmarks/.cache/versus/ and runs from there with this virtualenv's Python
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import subprocess
 import sys
 import threading
@@ -204,6 +206,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="sampled streams, new seeds each round (default 0: greedy)"
     )
+    ap.add_argument(
+        "--against-flags",
+        default="",
+        help="more flags for the earlier commit's model services only (e.g. --against HEAD with another setting)",
+    )
     ap.add_argument("--goal", type=float, default=None, help="the ratio this checkout should reach (lower bound)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
@@ -220,7 +227,7 @@ def run(args: argparse.Namespace) -> dict:
     flags = ["--dtype", args.dtype, *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else [])]
     hosts = [Host("this checkout", ROOT, target, drafter, flags)]
     try:
-        hosts.append(Host(args.against, there, target, drafter, flags))
+        hosts.append(Host(args.against, there, target, drafter, flags + shlex.split(args.against_flags)))
         levels = []
         for n in args.streams:
             prompts = prompts_for(args, n, target)
@@ -260,6 +267,7 @@ def run(args: argparse.Namespace) -> dict:
         "when": utc_now(),
         "machine": machine(),
         "against": args.against,
+        "against_flags": args.against_flags,
         "pair": args.pair,
         "dtype": args.dtype,
         "torch_threads": args.torch_threads or "default",
@@ -272,7 +280,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def report(result: dict, args: argparse.Namespace) -> None:
-    against = result["against"]
+    against = " ".join(filter(None, (result["against"], result.get("against_flags"))))
     print(f"\n| streams | this checkout tok/s | {against} tok/s | ratio (interval) | streams with different output |")
     print("|---|---|---|---|---|")
     for lv in result["levels"]:

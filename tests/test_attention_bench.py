@@ -1,7 +1,8 @@
-"""benchmarks/attention.py: its three attention calls - the engine's gather,
-one call per session in place, flex_attention over the paged pool - compute
-the same step, decode rows and chains alike, so that its timings compare
-like with like."""
+"""benchmarks/attention.py: its attention calls - the engine's gather (query
+heads folded on a CPU), the same with the grouped-query call, one call per
+session in place, flex_attention over the paged pool - compute the same
+step, decode rows and chains alike, so that its timings compare like with
+like."""
 
 import json
 import shutil
@@ -40,6 +41,6 @@ def test_the_candidates_compute_the_same_attention(tmp_path, monkeypatch):
         (r,) = json.loads(out.read_text())["steps"]
         assert (r["sessions"], r["rows"], r["context"]) == tuple(int(x) for x in shape)
         assert r["layers"] == layers
-        for name in ("gather", "in_place", "flex"):
+        for name in ("gather", "grouped", "in_place", "flex"):
             assert r[f"{name}_ms"] > 0
             assert r[f"{name}_max_diff"] < 1e-4, (model, name, r)

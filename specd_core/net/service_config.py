@@ -82,11 +82,11 @@ class ModelServiceConfig:
     torch_threads: int = field(default=0, metadata=flag())  # 0 = torch default
     # Calls of concurrent sessions share forwards (lean engine; the verifier's
     # HF engine runs a batch's calls one after another), up to this many sessions.
-    # A lean step of n sessions costs less than two of n / 2 (32-layer
-    # tiny-width target, one CPU thread, a decode row each: 16 / 32 / 64 / 128
-    # sessions 33 / 50 / 82 / 151 ms), so a cap only splits the open sessions
-    # into groups that take turns, each waiting for the others' steps: the
-    # default lets every session a verifier admits by default share one.
+    # A lean step of n sessions costs less than two of n / 2 (python -m
+    # benchmarks.engine, a verify of 5 rows each: 8 / 32 / 64 sessions 31 / 79
+    # / 128 ms), so a cap only splits the open sessions into groups that take
+    # turns, each waiting through the others' steps: the default lets every
+    # session a verifier admits by default share one.
     max_batch_sessions: int = field(
         default=256, metadata=flag("sessions whose calls may share one forward (1 = no batching)")
     )

@@ -497,11 +497,12 @@ def fold_heads(model) -> int:
     query rows; folded, a KV head's query heads form one block of
     heads * rows rows over the same keys: the same products in one kernel
     block per KV head instead of one per query head (the layout Hugging
-    Face's repeat_kv implies, and FlashAttention's "pack GQA" on GPUs). On a 2-core x86 VM, float32, two
-    threads, 32 query / 8 KV heads of 8, per call: 64 decode rows over 130
-    keys 1,520 -> 330 us; 64 x 5 verify rows over 134 keys 1,326 -> 1,015
-    us; 8 x 5 over 300 keys 323 -> 236 us; one decode row over 200 keys 29
-    -> 17 us. The outputs agree to float32 rounding (a one-row call of the
+    Face's repeat_kv implies, and FlashAttention's "pack GQA" on GPUs). A
+    whole step's attention, every layer, one CPU thread, float32, 32 query /
+    8 KV heads of 8 (python -m benchmarks.attention on benchmarks/engine.py's
+    target, grouped / folded): 64 decode rows over 130 keys 79.0 / 43.1 ms,
+    64 x 5 verify rows 92.3 / 78.9, 8 x 5 over 300 keys 23.7 / 20.4, one
+    decode row 1.81 / 1.11. The outputs agree to float32 rounding (a one-row call of the
     grouped form takes another kernel path than the folded one). Not on
     CUDA: its kernels there have not been measured folded, and CUDA graphs
     capture the unfolded call.
