@@ -31,7 +31,7 @@ from specd.deploy_config import NOT_FOR_REPLICAS, DeploymentConfig, shared_field
 from specd_core.net.auth import TOKENS_ENV
 from specd_core.net.grpc_util import prefer_latency
 from specd_core.runtime.attention_backends import ENV as ATTENTION_ENV
-from specd_core.runtime.attention_backends import KEY_BUCKET_ENV
+from specd_core.runtime.attention_backends import FOLD_ENV, KEY_BUCKET_ENV
 from specd_core.runtime.head_formats import PUBLISHED, head_format
 from specd_core.runtime.hub import resolve_model
 from specd_core.runtime.step_graphs import ENV as GRAPHS_ENV
@@ -343,7 +343,7 @@ def _replica(cfg: DeploymentConfig, kind: str, name: str):
         max_restarts=cfg.replica_max_restarts,
         resources={resource: 1},
         num_gpus=cfg.replica_gpus,
-        **_actor_env((ATTENTION_ENV, KEY_BUCKET_ENV, GRAPHS_ENV)),
+        **_actor_env((ATTENTION_ENV, KEY_BUCKET_ENV, FOLD_ENV, GRAPHS_ENV)),
     ).remote(kind, replica_fields(cfg, kind), cfg.metrics_port)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from specd_core.runtime import attention_backends
-from specd_core.runtime.attention_backends import ENV, KEY_BUCKET_ENV, parse_backends
+from specd_core.runtime.attention_backends import ENV, FOLD_ENV, KEY_BUCKET_ENV, parse_backends
 from specd_core.runtime.models import Runner, load_model
 from specd_core.runtime.step_graphs import ENV as GRAPHS_ENV
 
@@ -83,6 +83,7 @@ def test_a_setting_that_cannot_run_on_the_device_stops_the_load(monkeypatch):
         (ENV, "flash,fast", "SPECD_ATTENTION_BACKENDS='flash,fast': unknown attention backend(s) ['fast']"),
         (KEY_BUCKET_ENV, "64k", "SPECD_KEY_BUCKET='64k': want a whole number of key rows"),
         (GRAPHS_ENV, "yes", "SPECD_CUDA_GRAPHS='yes': want one of auto, on, off"),
+        (FOLD_ENV, "maybe", "SPECD_FOLD_HEADS='maybe': want one of auto, on, off"),
     ],
 )
 def test_a_service_refuses_a_bad_setting_at_start(name, value, message):

@@ -119,10 +119,20 @@ def test_query_heads_ride_as_rows_on_a_cpu(pairs, monkeypatch):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 
-def test_no_fold_where_it_was_not_measured(pairs):
-    """Soft-capped attention (its own path) and other devices keep one block per query head."""
+def test_no_fold_where_it_was_not_measured(pairs, monkeypatch):
+    """By default soft-capped attention (its own path) and other devices keep
+    one block per query head; SPECD_FOLD_HEADS=on folds on any device (to
+    measure it there), off nowhere."""
     model = LeanModel(load_model(pairs["llama"][0], "cpu"))
+    heads = model.n_heads // model.n_kv
+    assert model.fold_mode == "auto"
     model.softcap = 50.0
     assert lean_step.fold_heads(model) == 1
     model.softcap, model.device = None, torch.device("meta")
     assert lean_step.fold_heads(model) == 1
+    monkeypatch.setenv("SPECD_FOLD_HEADS", "on")
+    model = LeanModel(load_model(pairs["llama"][0], "cpu"))
+    model.device = torch.device("meta")
+    assert lean_step.fold_heads(model) == heads
+    monkeypatch.setenv("SPECD_FOLD_HEADS", "off")
+    assert lean_step.fold_heads(LeanModel(load_model(pairs["llama"][0], "cpu"))) == 1

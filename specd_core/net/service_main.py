@@ -47,6 +47,7 @@ def model_service_main(name: str, config_cls, start, argv=None) -> None:
     try:  # read by the engine at load: checked before the (slow) model load
         attention_backends.from_env()
         attention_backends.key_bucket_from_env()
+        attention_backends.fold_from_env()
         step_graphs.mode_from_env()
     except ValueError as exc:
         parser.exit(2, f"{name}: {exc}\n")

@@ -17,7 +17,14 @@ naming the value.
 `SPECD_KEY_BUCKET` (rows; 0, the default: off) serves the same question from
 the other side: it keeps the shapes fewer instead of the implementation
 different (specd_core/runtime/lean_step.py rounds each step's key columns up
-to a multiple of it)."""
+to a multiple of it).
+
+`SPECD_FOLD_HEADS` (auto, the default | on | off): whether a grouped-query
+model's query heads ride as query rows, one block per KV head
+(lean_step.fold_heads). auto: on a CPU, where it was measured to pay; on
+lets a GPU run measure it (`python -m benchmarks.attention --device cuda`
+then times it as `gather` against `grouped`); CUDA graphs capture the
+unfolded call either way."""
 
 from __future__ import annotations
 
@@ -66,6 +73,18 @@ def key_bucket_from_env() -> int:
         value = -1
     if value < 0:
         raise ValueError(f"{KEY_BUCKET_ENV}={text!r}: want a whole number of key rows (0: off)")
+    return value
+
+
+FOLD_ENV = "SPECD_FOLD_HEADS"
+FOLD_MODES = ("auto", "on", "off")
+
+
+def fold_from_env() -> str:
+    """`SPECD_FOLD_HEADS`: auto | on | off (unset: auto); another value fails at start, named."""
+    value = os.environ.get(FOLD_ENV, "").strip().lower() or "auto"
+    if value not in FOLD_MODES:
+        raise ValueError(f"{FOLD_ENV}={os.environ.get(FOLD_ENV)!r}: want one of {', '.join(FOLD_MODES)}")
     return value
 
 

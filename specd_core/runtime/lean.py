@@ -198,6 +198,7 @@ class LeanModel:
         # choice) and its key bucket (0: exact shapes): attention_backends.py.
         self.attention_backends = attention_backends.from_env()
         self.key_bucket = attention_backends.key_bucket_from_env()
+        self.fold_mode = attention_backends.fold_from_env()  # lean_step.fold_heads
         attention_backends.check_runs(
             self.attention_backends, self.device, self.kv_dtype, self.n_heads, self.n_kv, self.head_dim
         )

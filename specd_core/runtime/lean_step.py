@@ -491,7 +491,8 @@ def _group(model, pack: _Pack, s: _Spec, trees: torch.Tensor | None, ar: torch.T
 def fold_heads(model) -> int:
     """How many query heads per KV head a step's groups fold into query rows
     on this model: all of them (n_heads / n_kv) on a CPU, 1 elsewhere and
-    for the soft-capped path.
+    for the soft-capped path (model.fold_mode, SPECD_FOLD_HEADS: auto; on:
+    on every device; off: nowhere).
 
     SDPA's grouped-query call gives each query head its own block of `rows`
     query rows; folded, a KV head's query heads form one block of
@@ -507,7 +508,8 @@ def fold_heads(model) -> int:
     CUDA: its kernels there have not been measured folded, and CUDA graphs
     capture the unfolded call.
     """
-    if model.device.type != "cpu" or model.softcap is not None:
+    mode = model.fold_mode
+    if model.softcap is not None or mode == "off" or (mode == "auto" and model.device.type != "cpu"):
         return 1
     return model.n_heads // model.n_kv
 
