@@ -18,7 +18,8 @@ Llama-3.1-8B target and a Llama-3.2-1B drafter (shapes only: random weights).
    attention operator and kernels that ran, eagerly and through CUDA graphs;
    then the same steps at the sessions' new lengths (as served), and a verify
    step of chains of depths 1 to 5 across the sessions, under each setting of
-   STEP_SETTINGS (attention implementations, key buckets, CUDA graphs) in
+   STEP_SETTINGS (attention implementations, key buckets, query heads as
+   rows, CUDA graphs) in
    alternating rounds.
 4. Through the real services (specd.local_stack), two stacks side by side,
    one with CUDA graphs (the default on CUDA) and one without
@@ -334,27 +335,31 @@ def core_steps(target: Path, drafter: Path, device: str, dtype: str, sessions: l
 
 
 # The settings the steps compare: (SPECD_ATTENTION_BACKENDS, SPECD_KEY_BUCKET,
-# CUDA graphs) - torch's own attention at exact shapes, eagerly; the same
-# without cuDNN's implementation; torch's choice with the key columns
-# rounded up to blocks of 64 (a new shape once per 64 tokens); and the step
-# graphs (specd_core/runtime/step_graphs.py; the default on CUDA).
-STEP_SETTINGS: dict[str, tuple[str | None, int, bool]] = {
-    "eager": (None, 0, False),
-    "no_cudnn": ("flash,efficient,math", 0, False),
-    "key_bucket_64": (None, 64, False),
-    "graphs": (None, 0, True),
+# CUDA graphs, SPECD_FOLD_HEADS) - torch's own attention at exact shapes,
+# eagerly; the same without cuDNN's implementation; torch's choice with the
+# key columns rounded up to blocks of 64 (a new shape once per 64 tokens);
+# query heads as rows on any device (on CUDA eager is the grouped call; on a
+# CPU the two are the same); and the step graphs
+# (specd_core/runtime/step_graphs.py; the default on CUDA).
+STEP_SETTINGS: dict[str, tuple[str | None, int, bool, str]] = {
+    "eager": (None, 0, False, "auto"),
+    "no_cudnn": ("flash,efficient,math", 0, False, "auto"),
+    "key_bucket_64": (None, 64, False, "auto"),
+    "fold_heads": (None, 0, False, "on"),
+    "graphs": (None, 0, True, "auto"),
 }
 
 
-def _set(cores_lean: list, setting: tuple[str | None, int, bool], graphs: dict) -> None:
+def _set(cores_lean: list, setting: tuple[str | None, int, bool, str], graphs: dict) -> None:
     """Put each lean model under a setting (graphs: each model's StepGraphs, kept across rounds)."""
     from specd_core.runtime.attention_backends import parse_backends
 
-    backends, bucket, graphed = setting
+    backends, bucket, graphed, fold = setting
     for lean in cores_lean:
         lean.attention_backends = parse_backends(backends)
         lean.key_bucket = bucket
         lean.graphs = graphs[id(lean)] if graphed else None
+        lean.fold_mode = fold
 
 
 def backend_ab(verifier, draft, ids: list[str], rounds: int, device: str, graphs: dict) -> dict[str, Any]:

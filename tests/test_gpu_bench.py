@@ -50,8 +50,8 @@ def test_gpu_benchmark_tiny_mode(tmp_path):
         assert "aten::scaled_dot_product_attention" in r["verify_chain"]["profile_graphs"]["attention"]
         for kind in ("verify", "verify_mixed", "draft"):
             times = r["attention_settings"][kind]
-            for name in ("eager", "no_cudnn", "key_bucket_64", "graphs"):
+            for name in ("eager", "no_cudnn", "key_bucket_64", "fold_heads", "graphs"):
                 assert times[name] > 0
-            for name in ("no_cudnn", "key_bucket_64", "graphs"):
+            for name in ("no_cudnn", "key_bucket_64", "fold_heads", "graphs"):
                 assert len(times[f"{name}_over_eager"]["rounds"]) == 3
     assert "forced" in report["meta"]["acceptance"]
