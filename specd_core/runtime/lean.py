@@ -383,8 +383,6 @@ class LeanModel:
         mask = g.masks[kind]
         if g.fold > 1:  # each KV head's query heads as one block of rows (lean_step.fold_heads)
             q = q.reshape(g.size, self.n_kv, g.fold * g.rows, hd)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            return y.view(g.size, nh, g.rows, hd).transpose(1, 2).reshape(g.size * g.rows, nh * hd)
         if self.softcap is not None:
             y = capped_attention(q, k, v, mask, self.softcap, self.scale)
         else:
@@ -398,9 +396,9 @@ class LeanModel:
                 attn_mask=mask,
                 is_causal=mask is None and g.causal,
                 scale=self.scale,
-                enable_gqa=nh != self.n_kv,
+                enable_gqa=q.shape[1] != self.n_kv,  # folded: one query block per KV head already
             )
-        return y.transpose(1, 2).reshape(g.size * g.rows, nh * hd)
+        return y.reshape(g.size, nh, g.rows, hd).transpose(1, 2).reshape(g.size * g.rows, nh * hd)
 
     def _mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         """The layer's MLP block (SwiGLU / GeGLU), (R, C)."""
