@@ -30,7 +30,8 @@ Each candidate's output is checked against `gather`'s (`max_diff`). A step's
 time is the median over --reps of every layer's attention in turn, each
 layer's cache in its own memory, so that keys come from memory as in a
 forward rather than from a warm cache. The candidates run one after another
-within each rep, so each one's ratio over `gather` is paired rep by rep,
+within each rep, in an order rotated from rep to rep, so each one's ratio
+over `gather` is paired rep by rep,
 with its interval (`*_over_gather`). flex_attention's first call per shape
 compiles (`compile_s`).
 
@@ -47,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from specd_core.runtime import lean_step
 from specd_core.runtime.kv_budget import DEFAULT_BLOCK_ROWS, KVPool
@@ -81,10 +81,17 @@ class Case:
         prompts = [torch.randint(5, lean.vocab_size - 1, (context,), generator=g).tolist() for _ in self.sessions]
         lean.forward_batch([(s, p, None, None) for s, p in zip(self.sessions, prompts)], last_only=True)
         items = [(s, [7] * rows, None, None) for s in self.sessions]
-        self.step = lean_step.plan(lean, items, False)
+        # The gathered batch for every shape: the engine would read sessions
+        # whose blocks lie in one run in place by itself (lean_step.in_place),
+        # which is the `in_place` candidate here.
+        engine_choice, lean_step.in_place = lean_step.in_place, lambda model, entries: []
+        try:
+            self.step = lean_step.plan(lean, items, False)
+            self.unfolded = lean_step.plan(lean, items, False, fold=False).groups[0]
+        finally:
+            lean_step.in_place = engine_choice
         assert len(self.step.groups) == 1, "sessions of one size make one group"
         self.group = self.step.groups[0]
-        self.unfolded = lean_step.plan(lean, items, False, fold=False).groups[0]
         self.layers = self.step.data.shape[0]
         n = self.step.data.shape[1]
         self.data = [self.step.data[i].view(n, -1) for i in range(self.layers)]
@@ -117,22 +124,16 @@ class Case:
         return self.lean._attend(self.data[layer], self.q, self.unfolded, 0)
 
     def in_place(self, layer: int) -> torch.Tensor:
-        lean, g, data = self.lean, self.group, self.data[layer]
-        hd, nh = lean.head_dim, lean.n_heads
-        q = self.q.view(g.size, g.rows, nh, hd).transpose(1, 2)
-        if g.fold > 1:  # query heads as rows, as the engine's call
-            q = q.reshape(g.size, lean.n_kv, g.fold * g.rows, hd)
-        mask = g.masks[0]
+        """The engine's own call for each session alone, over its rows where they lie."""
+        g, rows = self.group, self.rows
         ys = []
         for j, run in enumerate(self.runs):
-            kv = data[run.start : run.stop].view(1, len(run), 2, lean.n_kv, hd)
-            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-            m = None if mask is None else mask[j : j + 1, :, :, : len(run)]
-            grouped = g.fold == 1 and nh != lean.n_kv
-            ys.append(
-                F.scaled_dot_product_attention(q[j : j + 1], k, v, attn_mask=m, scale=lean.scale, enable_gqa=grouped)
+            mask = g.masks[0]
+            lone = g._replace(
+                size=1, q_index=None, keys=[run], masks=[None if mask is None else mask[j : j + 1, :, :, : len(run)]]
             )
-        return torch.cat(ys).view(g.size, nh, g.rows, hd).transpose(1, 2).reshape(g.size * g.rows, nh * hd)
+            ys.append(self.lean._attend(self.data[layer], self.q[j * rows : (j + 1) * rows], lone, 0))
+        return torch.cat(ys)
 
 
 class Flex:
@@ -200,8 +201,12 @@ def measure(lean: LeanModel, shape: tuple[int, int, int], reps: int, with_flex: 
     compile_s = time.perf_counter() - start
     times: dict[str, list[float]] = {name: [] for name in candidates}
     mask_ms: list[float] = []
-    for _ in range(reps):
-        for name, attend in candidates.items():
+    for rep in range(reps):
+        # The order rotated each rep, so that each candidate takes each place
+        # as often: one that runs right after another finds keys warm in cache.
+        names = list(candidates)
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            attend = candidates[name]
             sync(device)
             t = time.perf_counter()
             for layer in range(case.layers):

@@ -501,9 +501,9 @@ def fold_heads(model) -> int:
     Face's repeat_kv implies, and FlashAttention's "pack GQA" on GPUs). A
     whole step's attention, every layer, one CPU thread, float32, 32 query /
     8 KV heads of 8 (python -m benchmarks.attention on benchmarks/engine.py's
-    target, grouped / folded): 64 decode rows over 130 keys 79.0 / 43.1 ms,
-    64 x 5 verify rows 92.3 / 78.9, 8 x 5 over 300 keys 23.7 / 20.4, one
-    decode row 1.81 / 1.11. The outputs agree to float32 rounding (a one-row call of the
+    target, grouped / folded): 64 decode rows over 130 keys 85.5 / 49.2 ms,
+    64 x 5 verify rows 105.2 / 89.5, 8 x 5 over 300 keys 30.4 / 26.6, one
+    decode row 2.24 / 1.35. The outputs agree to float32 rounding (a one-row call of the
     grouped form takes another kernel path than the folded one). Not on
     CUDA: its kernels there have not been measured folded, and CUDA graphs
     capture the unfolded call.
