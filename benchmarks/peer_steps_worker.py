@@ -3,12 +3,12 @@ virtualenv: none of specd's packages are importable there, so this file
 imports only vLLM, the standard library and benchmarks/vllm_version.py,
 which lies beside it).
 
-    python peer_steps_worker.py MODEL
+    python peer_steps_worker.py MODEL MAX_SESSIONS
 
-Loads MODEL in vLLM's engine (bf16, prefix caching, blocks of 32 tokens: the
-least its CPU attention takes), the engine core in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the caller), then answers one JSON
-line per JSON line read:
+Loads MODEL in vLLM's engine for up to MAX_SESSIONS requests a step (bf16,
+prefix caching, blocks of 32 tokens: the least its CPU attention takes), the
+engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the
+caller), then answers one JSON line per JSON line read:
 
     {"sessions": n, "rows": r, "reps": k}  ->  {"ms": [k step times]}
 
