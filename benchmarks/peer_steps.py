@@ -3,9 +3,10 @@ CPU: how a step's time grows with the number of sessions in it.
 
     python -m benchmarks.peer_steps                          # 1/8/32/64 sessions, 3 rounds, ~6 min
     python -m benchmarks.peer_steps --sessions 1 64 --rounds 5
+    python -m benchmarks.peer_steps --dtype float32 --out benchmarks/results/peer_steps_fp32.json
 
 The target: benchmarks/engine.py's 32-layer shape (Llama-3.1-8B's structure
-at a tiny width, untied head, bf16) with 8 query / 2 KV heads of 32 dims,
+at a tiny width, untied head) with 8 query / 2 KV heads of 32 dims,
 the pair `benchmarks.peer_vllm --pair engine` serves. First the benchmark
 asks vLLM for a step of engine.py's own target (32 / 8 heads of 8 dims) and
 records its answer (vLLM 0.32's CPU attention takes no head dim of 8).
@@ -21,7 +22,8 @@ Two steps for each number of sessions, every session past a 64-token prompt:
           before it: schedule, forward, sampling, outputs;
           benchmarks/peer_steps_worker.py, in vLLM's own virtualenv and process).
 vLLM's decode step is one LLMEngine.step() of requests past their prompts.
-Both run one thread on this machine's CPU (vLLM binds its own core), bf16;
+Both run one thread on this machine's CPU (vLLM binds its own core), weights
+in --dtype (bfloat16 as benchmarks.engine; float32 is what specd serves on a CPU);
 vLLM set up as benchmarks.peer_vllm sets it up (the same virtualenv), or one
 line saying why not and exit 0.
 
@@ -64,7 +66,7 @@ KINDS = {"decode": 1, "5 rows": 5}
 class VllmSteps:
     """The worker process: one JSON line asked, one answered."""
 
-    def __init__(self, python: Path, model: Path, max_sessions: int, timeout: float):
+    def __init__(self, python: Path, model: Path, max_sessions: int, dtype: str, timeout: float):
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         env["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # stdout carries the answers only
@@ -73,7 +75,7 @@ class VllmSteps:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._err = open(self.log, "w")  # noqa: SIM115 - the worker writes it until close()
         self.proc = subprocess.Popen(
-            [str(python), str(WORKER), str(model), str(max_sessions)],
+            [str(python), str(WORKER), str(model), str(max_sessions), dtype],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._err,
@@ -116,8 +118,8 @@ class VllmSteps:
 class SpecdSteps:
     """The verifier's core in this process, as benchmarks.engine runs it."""
 
-    def __init__(self, model: Path):
-        cfg = VerifierConfig(model_dir=str(model), device="cpu", dtype="bfloat16", warmup=False, torch_threads=1)
+    def __init__(self, model: Path, dtype: str):
+        cfg = VerifierConfig(model_dir=str(model), device="cpu", dtype=dtype, warmup=False, torch_threads=1)
         self.verifier = Verifier(cfg)
         self.rng = random.Random(0)
         self.names = iter(range(10**9))
@@ -141,12 +143,12 @@ class SpecdSteps:
         return times
 
 
-def vllm_refusal(python: Path, model: Path, timeout: float) -> str | None:
+def vllm_refusal(python: Path, model: Path, dtype: str, timeout: float) -> str | None:
     """What vLLM answers when asked to load `model` and run one decode step
     (None: it did; it loads a model its attention cannot run and fails at
     the first step)."""
     try:
-        steps = VllmSteps(python, model, 1, timeout)
+        steps = VllmSteps(python, model, 1, dtype, timeout)
     except RuntimeError as e:
         return str(e)[-300:]
     try:
@@ -166,14 +168,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     own_target, _ = engine_pair()
     target, _ = engine_pair("engine_pair_hd32", num_attention_heads=8, num_key_value_heads=2)
     print(f"vLLM {version}; asking it to load {own_target} (head dim 8) ...", flush=True)
-    refused = vllm_refusal(python, own_target, args.start_timeout)
+    refused = vllm_refusal(python, own_target, args.dtype, args.start_timeout)
     print(f"  {refused or 'loaded'}", flush=True)
     print(f"loading {target} in vLLM (its compile: a minute or two) and in specd ...", flush=True)
-    vllm = VllmSteps(python, target, max(args.sessions), args.start_timeout)
+    vllm = VllmSteps(python, target, max(args.sessions), args.dtype, args.start_timeout)
     points = [(n, kind) for kind in KINDS for n in args.sessions]
     ms: dict[str, dict] = {s: {f"{n} {k}": [] for n, k in points} for s in ("vLLM", "specd")}
     try:
-        systems: dict[str, VllmSteps | SpecdSteps] = {"vLLM": vllm, "specd": SpecdSteps(target)}
+        systems: dict[str, VllmSteps | SpecdSteps] = {"vLLM": vllm, "specd": SpecdSteps(target, args.dtype)}
         for r in range(-1, args.rounds):
             for name in alternating(list(systems), max(r, 0)):
                 for n, kind in points:
@@ -189,6 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "vllm": version,
         "target": str(target.relative_to(ROOT)),
         "vllm_on_engine_target": refused or "loaded",
+        "dtype": args.dtype,
         "context": CONTEXT,
         "rounds": args.rounds,
         "reps": args.reps,
@@ -208,7 +211,7 @@ def summaries(ms: dict[str, dict[str, list[float]]], sessions: list[int]) -> dic
 
 def report(result: dict, args: argparse.Namespace) -> None:
     print(f"\nvLLM on engine.py's target (head dim 8): {result['vllm_on_engine_target']}")
-    print(f"target: {result['target']}; ms per step (median of rounds); {result['machine']}")
+    print(f"target: {result['target']}, {result['dtype']}; ms per step (median of rounds); {result['machine']}")
     print("| sessions | step | vLLM ms | specd ms | specd / vLLM |")
     print("|---|---|---|---|---|")
     for p, v in result["step_ms"]["specd"].items():
@@ -225,6 +228,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.peer_steps", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="both systems' weights")
     ap.add_argument("--reps", type=int, default=5, help="steps per point and round (their median)")
     ap.add_argument("--vllm-venv", type=Path, default=VLLM_VENV, help="vLLM's own virtualenv (made if missing)")
     ap.add_argument("--no-install", action="store_true", help="skip rather than install vLLM")

@@ -3,10 +3,10 @@ virtualenv: none of specd's packages are importable there, so this file
 imports only vLLM, the standard library and benchmarks/vllm_version.py,
 which lies beside it).
 
-    python peer_steps_worker.py MODEL MAX_SESSIONS
+    python peer_steps_worker.py MODEL MAX_SESSIONS DTYPE
 
-Loads MODEL in vLLM's engine for up to MAX_SESSIONS requests a step (bf16,
-prefix caching, blocks of 32 tokens: the least its CPU attention takes), the
+Loads MODEL in vLLM's engine for up to MAX_SESSIONS requests a step (weights
+in DTYPE, prefix caching, blocks of 32 tokens: the least its CPU attention takes), the
 engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the
 caller), then answers one JSON line per JSON line read:
 
@@ -36,12 +36,12 @@ CONTEXT = 64
 
 
 class Steps:
-    def __init__(self, model: str, max_sessions: int):
+    def __init__(self, model: str, max_sessions: int, dtype: str):
         from vllm import LLM
 
         self.llm = LLM(
             model=model,
-            dtype="bfloat16",
+            dtype=dtype,
             max_model_len=512,
             max_num_seqs=max_sessions,
             max_num_batched_tokens=max(8192, max_sessions * CONTEXT),
@@ -101,9 +101,9 @@ class Steps:
 
 
 def main() -> int:
-    model, max_sessions = sys.argv[1], int(sys.argv[2])
+    model, max_sessions, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     try:
-        steps = Steps(model, max_sessions)
+        steps = Steps(model, max_sessions, dtype)
     except Exception as e:  # noqa: BLE001 - reported to the caller as one line
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return 1
