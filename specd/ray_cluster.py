@@ -60,10 +60,14 @@ def clear_state() -> None:
     state_path().unlink(missing_ok=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports of this machine: every socket stays bound until
+    all are drawn, so no port comes twice."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def ensure_token(path: Path) -> Path:
@@ -120,7 +124,11 @@ def start_local_ray(
     for a head that other nodes join."""
     home = Path(log_dir or state_path().parent)
     env = ray_env(ensure_token(token_file(home)), loopback)
-    port = free_port()
+    # Ray's client server otherwise takes port 10001, which a second cluster on
+    # the machine would find taken; its dashboard agent takes 52365, inside the
+    # range free ports come from, and Ray refuses to start a head whose GCS
+    # port drew the same number. All three drawn together, so none repeats.
+    port, client_port, agent_port = free_ports(3)
     cmd = [
         ray_executable(),
         "start",
@@ -130,11 +138,10 @@ def start_local_ray(
         f"--resources={json.dumps(LOCAL_RESOURCES if resources is None else resources)}",
         "--include-dashboard=false",
         "--disable-usage-stats",
+        f"--ray-client-server-port={client_port}",
+        f"--dashboard-agent-listen-port={agent_port}",
     ]
     cmd += [f"--num-cpus={num_cpus}"] if num_cpus is not None else []
-    # Ray's client server otherwise takes port 10001, which a second cluster
-    # on the machine would find taken.
-    cmd += [f"--ray-client-server-port={free_port()}"]
     cmd += ["--node-ip-address=127.0.0.1"] if loopback else []
     address = f"127.0.0.1:{port}"  # without loopback, Ray's drivers rewrite it to the node's address
     pid = _spawn(cmd, home / "ray-head.log", env)
@@ -178,15 +185,13 @@ def start_worker_node(
     metrics ports, which Ray otherwise fixes and two nodes would both claim.
     The caller waits for the node to register (e.g. by polling ray.nodes()).
     token_path: the cluster's token (default: the one in log_path's directory)."""
-    ports = {
-        flag: free_port()
-        for flag in (
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "metrics-export-port",
-            "runtime-env-agent-port",
-        )
-    }
+    flags = (
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "metrics-export-port",
+        "runtime-env-agent-port",
+    )
+    ports = dict(zip(flags, free_ports(len(flags))))
     cmd = [
         ray_executable(),
         "start",
