@@ -66,7 +66,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,6 +74,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from specd.ray_cluster import free_ports
 
 from .common import (
     CACHE,
@@ -219,12 +220,6 @@ if __name__ == "__main__":
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children(pid: int) -> list[int]:
     kids: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
@@ -271,7 +266,7 @@ class VllmServer:
 
     def __init__(self, python: Path, name: str, target: Path, extra: list[str], timeout: float):
         self.name = f"vLLM {name}"
-        self.port = free_port()
+        self.port = free_ports(1)[0]
         self.log = WORK / f"vllm-{name.replace(' ', '_').replace('=', '')}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         args = [

@@ -60,13 +60,13 @@ def clear_state() -> None:
     state_path().unlink(missing_ok=True)
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports of this machine: every socket stays bound until
-    all are drawn, so no port comes twice."""
+def free_ports(n: int, host: str = "127.0.0.1", family: int = socket.AF_INET) -> list[int]:
+    """n distinct free ports on `host` (of address `family`): every socket
+    stays bound until all are drawn, so no port comes twice."""
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        socks = [stack.enter_context(socket.socket(family, socket.SOCK_STREAM)) for _ in range(n)]
         for s in socks:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
         return [s.getsockname()[1] for s in socks]
 
 

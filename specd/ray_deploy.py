@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import os
 import re
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from drafter_svc.config import DrafterConfig
 from orchestrator.config import OrchestratorConfig, ReplicaSpec
 from orchestrator.fleet.peers import OrchestratorReport, PoolView
 from orchestrator.fleet.scaling import ReplicaGone
+from specd import ray_cluster
 from specd.deploy_config import NOT_FOR_REPLICAS, DeploymentConfig, shared_fields
 from specd_core.net.auth import TOKENS_ENV
 from specd_core.net.grpc_util import prefer_latency
@@ -317,13 +317,7 @@ def fixed_ports(config: OrchestratorConfig) -> OrchestratorConfig:
     from orchestrator.edge.server import address_family
 
     wanted = (config.port == 0) + (config.http_port < 0)
-    with contextlib.ExitStack() as held:  # held together: two different ports
-        socks = [
-            held.enter_context(socket.socket(address_family(config.host), socket.SOCK_STREAM)) for _ in range(wanted)
-        ]
-        for sock in socks:
-            sock.bind((config.host, 0))
-        free = [sock.getsockname()[1] for sock in socks]
+    free = ray_cluster.free_ports(wanted, config.host, address_family(config.host))  # two different ports
     port = free.pop(0) if config.port == 0 else config.port
     http_port = free.pop(0) if config.http_port < 0 else config.http_port
     return dataclasses.replace(config, port=port, http_port=http_port)
